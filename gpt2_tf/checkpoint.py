@@ -1,0 +1,187 @@
+"""Reading and writing the name-based TF1 checkpoints that OpenAI published.
+
+A model folder holds `checkpoint`, `hparams.json`, `model.ckpt.index`,
+`model.ckpt.data-00000-of-00001` (and `model.ckpt.meta`, `encoder.json`,
+`vocab.bpe`, which loading does not need).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from .hparams import HParams
+from .model import Model
+
+CHECKPOINT_PREFIX = 'model.ckpt'
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model as it is."""
+
+
+def find_checkpoint(path: str | os.PathLike) -> str:
+    """The checkpoint prefix for a model folder (through its `checkpoint` file) or a prefix itself."""
+    path = os.fspath(path)
+    if os.path.isfile(path + '.index'):
+        return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f'no model folder or checkpoint at {path}')
+    state_file = os.path.join(path, 'checkpoint')
+    if os.path.isfile(state_file):
+        with open(state_file, encoding='utf-8', errors='replace') as f:
+            match = re.search(r'^model_checkpoint_path:\s*"(.*)"', f.read(), re.MULTILINE)
+        if not match:
+            raise CheckpointError(f'{state_file}: no model_checkpoint_path line')
+        named = match.group(1)
+        # Fine-tuned checkpoints often name an absolute path on another machine;
+        # the files themselves sit beside the `checkpoint` file.
+        for candidate in (os.path.join(path, named), os.path.join(path, os.path.basename(named))):
+            if os.path.isfile(candidate + '.index'):
+                return candidate
+        raise FileNotFoundError(
+            f'{state_file} names checkpoint {named!r}, but {os.path.basename(named)}.index is not in {path}')
+    prefix = os.path.join(path, CHECKPOINT_PREFIX)
+    if os.path.isfile(prefix + '.index'):
+        return prefix
+    raise FileNotFoundError(
+        f'no checkpoint in {path}: expected a `checkpoint` file or {CHECKPOINT_PREFIX}.index '
+        f'(download one with: python download_model.py 124M)')
+
+
+def _open_reader(prefix: str):
+    try:
+        return tf.train.load_checkpoint(prefix)
+    except (tf.errors.OpError, ValueError) as e:
+        message = getattr(e, 'message', str(e)).splitlines()[0]
+        raise CheckpointError(f'cannot read checkpoint {prefix}: {message}') from None
+
+
+def checkpoint_shapes(path: str | os.PathLike) -> dict:
+    """{variable name: shape} as stored in a checkpoint (a folder or a prefix)."""
+    reader = _open_reader(find_checkpoint(path))
+    return {name: tuple(shape) for name, shape in reader.get_variable_to_shape_map().items()}
+
+
+def _describe(shapes: dict) -> str:
+    """What a checkpoint's own shapes say about its size, for error messages."""
+    facts = []
+    if len(shapes.get('model/wte', ())) == 2:
+        facts += [f'n_vocab={shapes["model/wte"][0]}', f'n_embd={shapes["model/wte"][1]}']
+    if len(shapes.get('model/wpe', ())) == 2:
+        facts.append(f'n_ctx={shapes["model/wpe"][0]}')
+    layers = {int(m.group(1)) for name in shapes if (m := re.match(r'model/h(\d+)/', name))}
+    if layers:
+        facts.append(f'n_layer={max(layers) + 1}')
+    return ', '.join(facts) or 'no GPT-2 variables'
+
+
+def verify(model: Model, shapes: dict, *, source: str, strict: bool = True) -> None:
+    """Raises CheckpointError unless the checkpoint's names and shapes are exactly the model's."""
+    expected = {name: tuple(v.shape.as_list()) for name, v in model.variables_by_name().items()}
+    problems = []
+    for name, shape in expected.items():
+        if name not in shapes:
+            problems.append(f'{name}: missing from the checkpoint (expected shape {list(shape)})')
+        elif tuple(shapes[name]) != shape:
+            problems.append(f'{name}: expected shape {list(shape)}, found {list(shapes[name])}')
+    extra = sorted(set(shapes) - set(expected))
+    if extra and strict:
+        shown = ', '.join(extra[:5]) + (f' and {len(extra) - 5} more' if len(extra) > 5 else '')
+        problems.append(f'{len(extra)} variable(s) the model does not have: {shown} '
+                        f'(pass strict=False to ignore them, e.g. optimizer slots)')
+    if problems:
+        hp = model.hparams
+        raise CheckpointError(
+            f'checkpoint {source} does not match the model '
+            f'(hparams: n_vocab={hp.n_vocab}, n_ctx={hp.n_ctx}, n_embd={hp.n_embd}, n_layer={hp.n_layer}; '
+            f'checkpoint looks like {_describe(shapes)}). '
+            f'Likely cause: hparams.json describes another model size than the checkpoint.\n  '
+            + '\n  '.join(problems[:10])
+            + (f'\n  ... and {len(problems) - 10} more' if len(problems) > 10 else ''))
+
+
+def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """Assigns a checkpoint (folder or prefix) to the model, after checking every name and shape."""
+    prefix = find_checkpoint(path)
+    reader = _open_reader(prefix)
+    shapes = reader.get_variable_to_shape_map()
+    verify(model, shapes, source=prefix, strict=strict)
+    variables = model.variables_by_name()
+    dtypes = reader.get_variable_to_dtype_map()
+    for name in variables:
+        if dtypes[name] != tf.float32:
+            raise CheckpointError(f'{prefix}: {name} is {dtypes[name].name}, expected float32')
+    # A truncated .data file is found here, before anything is assigned.
+    needed = sum(4 * int(np.prod(shapes[name])) for name in variables)
+    data_files = glob.glob(glob.escape(prefix) + '.data-*')
+    if not data_files:
+        raise FileNotFoundError(f'checkpoint {prefix}: no {os.path.basename(prefix)}.data-* file')
+    have = sum(os.path.getsize(f) for f in data_files)
+    if have < needed:
+        raise CheckpointError(
+            f'checkpoint {prefix}: the .data file holds {have:,} bytes but the variables need '
+            f'{needed:,}; it is truncated (an interrupted download?)')
+    values = {}
+    for name in variables:
+        try:
+            values[name] = reader.get_tensor(name)
+        except tf.errors.OpError as e:
+            raise CheckpointError(
+                f'checkpoint {prefix}: cannot read {name} ({e.message.splitlines()[0]}); '
+                f'the .data file is corrupt or truncated') from None
+    for name, variable in variables.items():
+        variable.assign(values[name])
+
+
+def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True) -> Model:
+    """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint).
+
+    device pins the variables and the computation ('/GPU:0', '/CPU:0'); by default
+    TensorFlow places them, on a GPU when it sees one.
+    """
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f'no model folder at {model_dir}')
+    hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
+    prefix = find_checkpoint(model_dir)
+    model = Model(hparams, device=device)
+    restore(model, prefix, strict=strict)
+    return model
+
+
+def save_checkpoint(model: Model, model_dir: str | os.PathLike) -> str:
+    """Writes the model in the original layout; returns the checkpoint prefix.
+
+    The files appear under their final names only once complete, so an
+    interrupted save leaves any earlier checkpoint in model_dir intact.
+    """
+    model_dir = os.fspath(model_dir)
+    os.makedirs(model_dir, exist_ok=True)
+    variables = model.variables_by_name()
+    names = sorted(variables)
+    staging = tempfile.mkdtemp(prefix='.saving-', dir=model_dir)
+    try:
+        tf.raw_ops.SaveV2(
+            prefix=os.path.join(staging, CHECKPOINT_PREFIX), tensor_names=names,
+            shape_and_slices=[''] * len(names), tensors=[variables[n].read_value() for n in names])
+        model.hparams.to_json(os.path.join(staging, 'hparams.json'))
+        with open(os.path.join(staging, 'checkpoint'), 'w', encoding='utf-8') as f:
+            f.write(f'model_checkpoint_path: "{CHECKPOINT_PREFIX}"\n'
+                    f'all_model_checkpoint_paths: "{CHECKPOINT_PREFIX}"\n')
+        # The data before the index, and the `checkpoint` file last, so that
+        # whatever a reader finds named is complete.
+        order = sorted(os.listdir(staging), key=lambda f: ('.data-' not in f, f == 'checkpoint', f))
+        for filename in order:
+            os.replace(os.path.join(staging, filename), os.path.join(model_dir, filename))
+    finally:
+        for leftover in os.listdir(staging):
+            os.remove(os.path.join(staging, leftover))
+        os.rmdir(staging)
+    return os.path.join(model_dir, CHECKPOINT_PREFIX)

@@ -1,0 +1,87 @@
+"""Model hyperparameters: the five numbers in every published hparams.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class HParams:
+    n_vocab: int  # tokens in the vocabulary (50257 for every published model)
+    n_ctx: int  # the longest sequence the model sees: rows in wpe
+    n_embd: int  # width of the residual stream
+    n_head: int  # attention heads; each sees n_embd // n_head features
+    n_layer: int  # transformer blocks, h0 .. h{n_layer-1}
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f'hparams: {field.name} must be an integer, got {value!r}')
+            if value <= 0:
+                raise ValueError(f'hparams: {field.name} must be positive, got {value}')
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f'hparams: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})')
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = 'hparams') -> 'HParams':
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        missing = [n for n in names if n not in values]
+        if unknown:
+            raise ValueError(f'{source}: unknown key(s) {unknown}; expected exactly {names}')
+        if missing:
+            raise ValueError(f'{source}: missing key(s) {missing}; expected exactly {names}')
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f'{source}: {e}'.replace('hparams: ', '')) from None
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> 'HParams':
+        path = os.fspath(path)
+        try:
+            with open(path, encoding='utf-8') as f:
+                values = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f'no hparams.json at {path}') from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f'{path}: not valid JSON ({e})') from None
+        if not isinstance(values, dict):
+            raise ValueError(f'{path}: expected a JSON object, got {type(values).__name__}')
+        return cls.from_dict(values, source=path)
+
+    @classmethod
+    def named(cls, name: str) -> 'HParams':
+        """The published sizes by name: '124M', '355M', '774M', '1558M' (or '117M', '345M')."""
+        key = OLD_NAMES.get(name, name)
+        if key not in PUBLISHED:
+            raise ValueError(f'unknown model size {name!r}; known: {sorted(PUBLISHED, key=len)}')
+        return PUBLISHED[key]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, 'w', encoding='utf-8') as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write('\n')
+
+
+PUBLISHED = {
+    '124M': HParams(n_vocab=50257, n_ctx=1024, n_embd=768, n_head=12, n_layer=12),
+    '355M': HParams(n_vocab=50257, n_ctx=1024, n_embd=1024, n_head=16, n_layer=24),
+    '774M': HParams(n_vocab=50257, n_ctx=1024, n_embd=1280, n_head=20, n_layer=36),
+    '1558M': HParams(n_vocab=50257, n_ctx=1024, n_embd=1600, n_head=25, n_layer=48),
+}
+
+# The first two models were renamed after release; the old names still appear in scripts.
+OLD_NAMES = {'117M': '124M', '345M': '355M'}

@@ -1,0 +1,241 @@
+"""The original GPT-2 graph restated in TF1 graph mode, as the yardstick for the port.
+
+This module builds the graph the way openai/gpt-2 src/model.py and src/sample.py
+do: variable_scope and get_variable, placeholders, a Session, and a while_loop
+that concatenates `past` every step. It shares no code with gpt2_tf.model on
+purpose, so that the two can be compared. The tests hold it to the outputs of
+the original code (tests/fixtures/*/reference.npz); the benchmarks, the compare
+tool and the tests then measure the port against it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from .hparams import HParams
+
+v1 = tf.compat.v1
+
+
+def _dims(x):
+    static = x.shape.as_list()
+    return [tf.shape(x)[i] if d is None else d for i, d in enumerate(static)]
+
+
+def _layer_norm(x, scope, epsilon=1e-5):
+    with v1.variable_scope(scope):
+        width = x.shape[-1]
+        g = v1.get_variable('g', [width], initializer=v1.constant_initializer(1))
+        b = v1.get_variable('b', [width], initializer=v1.constant_initializer(0))
+        mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+        centered = x - mean
+        variance = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
+        return centered * tf.math.rsqrt(variance + epsilon) * g + b
+
+
+def _dense(x, scope, nf):
+    with v1.variable_scope(scope):
+        *lead, nx = _dims(x)
+        w = v1.get_variable('w', [1, nx, nf], initializer=v1.random_normal_initializer(stddev=0.02))
+        b = v1.get_variable('b', [nf], initializer=v1.constant_initializer(0))
+        y = tf.matmul(tf.reshape(x, [-1, nx]), tf.reshape(w, [-1, nf])) + b
+        return tf.reshape(y, lead + [nf])
+
+
+def _heads(x, n_head):  # [batch, seq, feat] -> [batch, head, seq, feat / head]
+    *lead, feat = _dims(x)
+    return tf.transpose(tf.reshape(x, lead + [n_head, feat // n_head]), [0, 2, 1, 3])
+
+
+def _unheads(x):  # [batch, head, seq, f] -> [batch, seq, head * f]
+    x = tf.transpose(x, [0, 2, 1, 3])
+    *lead, a, b = _dims(x)
+    return tf.reshape(x, lead + [a * b])
+
+
+def _attention(x, scope, *, past, hparams, record):
+    width = x.shape[-1]
+    with v1.variable_scope(scope):
+        qkv = _dense(x, 'c_attn', width * 3)
+        q, k, v = [_heads(t, hparams.n_head) for t in tf.split(qkv, 3, axis=2)]
+        present = tf.stack([k, v], axis=1)
+        if past is not None:
+            past_k, past_v = tf.unstack(past, axis=1)
+            k = tf.concat([past_k, k], axis=-2)
+            v = tf.concat([past_v, v], axis=-2)
+        scores = tf.matmul(q, k, transpose_b=True) * tf.math.rsqrt(tf.cast(v.shape[-1], tf.float32))
+        _, _, nd, ns = _dims(scores)
+        visible = tf.cast(tf.range(nd)[:, None] >= tf.range(ns) - ns + nd, scores.dtype)
+        visible = tf.reshape(visible, [1, 1, nd, ns])
+        scores = scores * visible - 1e10 * (1 - visible)
+        scores = scores - tf.reduce_max(scores, axis=-1, keepdims=True)
+        weights = tf.exp(scores) / tf.reduce_sum(tf.exp(scores), axis=-1, keepdims=True)
+        record['attn_weights'] = weights
+        out = _dense(_unheads(tf.matmul(weights, v)), 'c_proj', width)
+        return out, present
+
+
+def _feed_forward(x, scope):
+    width = x.shape[-1]
+    with v1.variable_scope(scope):
+        h = _dense(x, 'c_fc', width * 4)
+        h = 0.5 * h * (1 + tf.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * tf.pow(h, 3))))
+        return _dense(h, 'c_proj', width)
+
+
+def _block(x, scope, *, past, hparams, record):
+    with v1.variable_scope(scope):
+        record['x'] = x
+        record['z1'] = _layer_norm(x, 'ln_1')
+        record['attn'], present = _attention(record['z1'], 'attn', past=past, hparams=hparams, record=record)
+        record['x_attn'] = x + record['attn']
+        record['z2'] = _layer_norm(record['x_attn'], 'ln_2')
+        record['mlp'] = _feed_forward(record['z2'], 'mlp')
+        record['out'] = record['x_attn'] + record['mlp']
+        return record['out'], present
+
+
+def gpt2_graph(hparams: HParams, X, past=None, *, scope='model', reuse=False, states=None):
+    """The original model(hparams, X, past): returns {'logits', 'present'}; fills states per block."""
+    with v1.variable_scope(scope, reuse=reuse):
+        batch, sequence = _dims(X)
+        wpe = v1.get_variable('wpe', [hparams.n_ctx, hparams.n_embd],
+                              initializer=v1.random_normal_initializer(stddev=0.01))
+        wte = v1.get_variable('wte', [hparams.n_vocab, hparams.n_embd],
+                              initializer=v1.random_normal_initializer(stddev=0.02))
+        start = 0 if past is None else tf.shape(past)[-2]
+        positions = tf.tile((start + tf.range(sequence))[None], [batch, 1])
+        h = tf.gather(wte, X) + tf.gather(wpe, positions)
+        layer_pasts = tf.unstack(past, axis=1) if past is not None else [None] * hparams.n_layer
+        presents = []
+        for layer, layer_past in enumerate(layer_pasts):
+            record = {}
+            if states is not None:
+                states.append(record)
+            h, present = _block(h, 'h%d' % layer, past=layer_past, hparams=hparams, record=record)
+            presents.append(present)
+        h = _layer_norm(h, 'ln_f')
+        logits = tf.matmul(tf.reshape(h, [batch * sequence, hparams.n_embd]), wte, transpose_b=True)
+        return {'logits': tf.reshape(logits, [batch, sequence, hparams.n_vocab]),
+                'present': tf.stack(presents, axis=1)}
+
+
+def top_k_filter(logits, k):
+    """The original top_k_logits: logits [batch, vocab]; ties with the k-th value survive."""
+    def cut():
+        values, _ = tf.nn.top_k(logits, k=k)
+        return tf.where(logits < values[:, -1, None], tf.ones_like(logits) * -1e10, logits)
+    return tf.cond(tf.equal(k, 0), lambda: logits, cut)
+
+
+def top_p_filter(logits, p):
+    """The original top_p_logits, with min_values given the trailing axis it lacked for batch > 1."""
+    batch = tf.shape(logits)[0]
+    ordered = tf.sort(logits, direction='DESCENDING', axis=-1)
+    mass = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1)
+    keep = tf.maximum(tf.reduce_sum(tf.cast(mass <= p, tf.int32), axis=-1) - 1, 0)
+    floor = tf.gather_nd(ordered, tf.stack([tf.range(batch), keep], axis=-1))
+    return tf.where(logits < floor[:, None], tf.ones_like(logits) * -1e10, logits)
+
+
+def sample_graph(hparams: HParams, *, length, context, batch_size, temperature=1, top_k=0, top_p=1):
+    """The original sample_sequence: context [batch, T] -> tokens [batch, T + length]."""
+    def step(tokens, past=None):
+        out = gpt2_graph(hparams, tokens, past=past, reuse=v1.AUTO_REUSE)
+        out['present'].set_shape([batch_size, hparams.n_layer, 2, hparams.n_head, None, hparams.head_size])
+        return out
+
+    def body(past, prev, output, first=False):
+        out = step(prev if first else prev[:, None], past=past)
+        logits = out['logits'][:, -1, :] / tf.cast(temperature, tf.float32)
+        logits = top_p_filter(top_k_filter(logits, top_k), top_p)
+        picked = v1.multinomial(logits, num_samples=1, output_dtype=tf.int32)
+        past = out['present'] if first else tf.concat([past, out['present']], axis=-2)
+        return [past, tf.squeeze(picked, axis=[1]), tf.concat([output, picked], axis=1)]
+
+    past, prev, output = body(None, context, context, first=True)
+    _, _, tokens = tf.while_loop(
+        cond=lambda *_: True, body=body, maximum_iterations=length - 1,
+        loop_vars=[past, prev, output],
+        shape_invariants=[
+            tf.TensorShape([batch_size, hparams.n_layer, 2, hparams.n_head, None, hparams.head_size]),
+            tf.TensorShape([batch_size]),
+            tf.TensorShape([batch_size, None]),
+        ],
+        back_prop=False)
+    return tokens
+
+
+class Reference:
+    """The TF1 graph in a Session of its own, restored from a checkpoint prefix."""
+
+    def __init__(self, hparams: HParams, checkpoint: str):
+        self.hparams = hparams
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.tokens = v1.placeholder(tf.int32, [None, None], name='tokens')
+            self.past = v1.placeholder(tf.float32, [None, hparams.n_layer, 2, hparams.n_head, None,
+                                                    hparams.head_size], name='past')
+            self.states = []
+            self.outputs = gpt2_graph(hparams, self.tokens, states=self.states)
+            self.outputs_past = gpt2_graph(hparams, self.tokens, past=self.past, reuse=True)
+            self._samplers = {}
+            self.session = v1.Session(graph=self.graph)
+            v1.train.Saver(var_list=v1.global_variables()).restore(self.session, checkpoint)
+
+    def __call__(self, tokens, past=None) -> dict:
+        if past is None:
+            return self.session.run(self.outputs, {self.tokens: tokens})
+        return self.session.run(self.outputs_past, {self.tokens: tokens, self.past: past})
+
+    def trace(self, tokens) -> list:
+        """Per block, the named states of gpt2_tf.model.STATE_NAMES plus 'attn_weights', as numpy."""
+        return self.session.run(self.states, {self.tokens: tokens})
+
+    def sampler(self, *, length: int, batch_size: int, temperature=1.0, top_k=0, top_p=1.0, seed=None):
+        """A callable context [batch_size, T] -> tokens [batch_size, T + length], built once per setting."""
+        key = (length, batch_size, temperature, top_k, top_p, seed)
+        if key not in self._samplers:
+            with self.graph.as_default():
+                if seed is not None:
+                    v1.set_random_seed(seed)
+                context = v1.placeholder(tf.int32, [batch_size, None])
+                tokens = sample_graph(self.hparams, length=length, context=context, batch_size=batch_size,
+                                      temperature=temperature, top_k=top_k, top_p=top_p)
+            self._samplers[key] = lambda c: self.session.run(tokens, {context: c})
+        return self._samplers[key]
+
+    def close(self):
+        self.session.close()
+
+
+def write_random_checkpoint(model_dir: str | os.PathLike, hparams: HParams, *, seed: int = 0,
+                            scale: float = 0.05, meta_graph: bool = True) -> str:
+    """Writes an original-format checkpoint with random values through tf.compat.v1.train.Saver.
+
+    Every value is non-trivial: gains are 1 + noise, biases are noise, so a port
+    that drops a gain or a bias fails. Returns the checkpoint prefix.
+    """
+    model_dir = os.fspath(model_dir)
+    os.makedirs(model_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = v1.placeholder(tf.int32, [None, None])
+        gpt2_graph(hparams, tokens)
+        variables = v1.global_variables()
+        saver = v1.train.Saver(var_list=variables, save_relative_paths=True)
+        with v1.Session(graph=graph) as session:
+            for variable in variables:
+                shape = variable.shape.as_list()
+                value = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+                if variable.op.name.endswith('/g'):
+                    value += 1
+                variable.load(value, session)
+            prefix = saver.save(session, os.path.join(model_dir, 'model.ckpt'), write_meta_graph=meta_graph)
+    hparams.to_json(os.path.join(model_dir, 'hparams.json'))
+    return prefix

@@ -1,0 +1,49 @@
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from gpt2_tf import HParams  # noqa: E402
+from gpt2_tf.tf1_reference import write_random_checkpoint  # noqa: E402
+
+FIXTURES = pathlib.Path(__file__).parent / 'fixtures'
+FIXTURE_NAMES = ['tf1-tiny', 'tf1-tiny-hot']
+
+
+def tolerance(reference) -> float:
+    # float32 reassociation (matmul blocking, fused ops, graph rewrites) moves results by
+    # ~1e-6 relative; 1e-4 of the largest magnitude leaves a wide margin, while a real
+    # defect (a dropped bias or gain, a shifted position, the wrong GELU) moves them by >1e-2.
+    return 1e-4 * max(1.0, float(np.abs(reference).max()))
+
+
+def assert_close(actual, reference, what=''):
+    actual, reference = np.asarray(actual), np.asarray(reference)
+    assert actual.shape == reference.shape, f'{what}: shape {actual.shape} != {reference.shape}'
+    diff = float(np.abs(actual - reference).max()) if actual.size else 0.0
+    assert diff <= tolerance(reference), f'{what}: max |diff| {diff:.3g} > {tolerance(reference):.3g}'
+    return diff
+
+
+@pytest.fixture(scope='session')
+def random_checkpoint(tmp_path_factory):
+    """make(hparams, seed=0, scale=0.1) -> folder with an original-format checkpoint of random values."""
+    made = {}
+
+    def make(hparams: HParams, seed: int = 0, scale: float = 0.1) -> pathlib.Path:
+        key = (hparams, seed, scale)
+        if key not in made:
+            folder = tmp_path_factory.mktemp('ckpt')
+            write_random_checkpoint(folder, hparams, seed=seed, scale=scale)
+            made[key] = folder
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(params=FIXTURE_NAMES)
+def fixture_dir(request) -> pathlib.Path:
+    return FIXTURES / request.param

@@ -1,0 +1,145 @@
+"""Checkpoint I/O: verification before assignment, clear errors, and saving in the original format."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf import CheckpointError, HParams
+from gpt2_tf.checkpoint import checkpoint_shapes, find_checkpoint
+from gpt2_tf.tf1_reference import Reference, write_random_checkpoint
+
+from conftest import FIXTURES, assert_close
+
+TINY = FIXTURES / 'tf1-tiny'
+
+
+@pytest.fixture
+def tiny_copy(tmp_path):
+    folder = tmp_path / 'tiny'
+    shutil.copytree(TINY, folder)
+    for f in folder.iterdir():
+        f.chmod(0o644)
+    return folder
+
+
+def test_checkpoint_found_by_folder_or_prefix(tiny_copy):
+    assert find_checkpoint(tiny_copy) == str(tiny_copy / 'model.ckpt')
+    assert find_checkpoint(tiny_copy / 'model.ckpt') == str(tiny_copy / 'model.ckpt')
+
+
+def test_checkpoint_file_with_a_foreign_absolute_path(tiny_copy):
+    (tiny_copy / 'checkpoint').write_text('model_checkpoint_path: "/home/someone/run1/model.ckpt"\n')
+    assert find_checkpoint(tiny_copy) == str(tiny_copy / 'model.ckpt')
+
+
+def test_missing_folder():
+    with pytest.raises(FileNotFoundError, match='no model folder at /nonexistent/124M'):
+        gpt2_tf.load_model('/nonexistent/124M')
+
+
+def test_folder_without_checkpoint(tmp_path):
+    shutil.copy(TINY / 'hparams.json', tmp_path)
+    with pytest.raises(FileNotFoundError, match='no checkpoint in .*model.ckpt.index'):
+        gpt2_tf.load_model(tmp_path)
+
+
+def test_missing_hparams(tiny_copy):
+    (tiny_copy / 'hparams.json').unlink()
+    with pytest.raises(FileNotFoundError, match='no hparams.json'):
+        gpt2_tf.load_model(tiny_copy)
+
+
+def test_checkpoint_file_names_missing_files(tiny_copy):
+    (tiny_copy / 'model.ckpt.index').unlink()
+    with pytest.raises(FileNotFoundError, match="names checkpoint 'model.ckpt', but model.ckpt.index is not in"):
+        gpt2_tf.load_model(tiny_copy)
+
+
+def test_missing_data_file(tiny_copy):
+    (tiny_copy / 'model.ckpt.data-00000-of-00001').unlink()
+    with pytest.raises((FileNotFoundError, CheckpointError), match='model.ckpt'):
+        gpt2_tf.load_model(tiny_copy)
+
+
+def test_truncated_data_file(tiny_copy):
+    data = tiny_copy / 'model.ckpt.data-00000-of-00001'
+    data.write_bytes(data.read_bytes()[:50_000])
+    with pytest.raises(CheckpointError, match='holds 50,000 bytes but the variables need 171,520; it is truncated'):
+        gpt2_tf.load_model(tiny_copy)
+
+
+def test_corrupt_data_file(tiny_copy):
+    data = tiny_copy / 'model.ckpt.data-00000-of-00001'
+    data.write_bytes(b'\0' * data.stat().st_size)  # right size, wrong bytes: the stored checksums catch it
+    with pytest.raises(CheckpointError, match='corrupt or truncated'):
+        gpt2_tf.load_model(tiny_copy)
+
+
+def test_corrupt_index(tiny_copy):
+    (tiny_copy / 'model.ckpt.index').write_bytes(b'not an index')
+    with pytest.raises(CheckpointError, match='cannot read checkpoint'):
+        gpt2_tf.load_model(tiny_copy)
+
+
+def test_hparams_of_another_size(tiny_copy):
+    hp = HParams.from_json(tiny_copy / 'hparams.json')
+    HParams(n_vocab=hp.n_vocab, n_ctx=hp.n_ctx, n_embd=64, n_head=4, n_layer=2).to_json(tiny_copy / 'hparams.json')
+    with pytest.raises(CheckpointError) as error:
+        gpt2_tf.load_model(tiny_copy)
+    message = str(error.value)
+    assert 'model/wte: expected shape [512, 64], found [512, 32]' in message
+    assert 'checkpoint looks like n_vocab=512, n_embd=32, n_ctx=32, n_layer=2' in message
+    assert 'hparams.json describes another model size' in message
+
+
+def test_missing_and_extra_variables(tiny_copy, tmp_path):
+    # A checkpoint with one block fewer than hparams.json says: h1 is missing.
+    hp = HParams.from_json(tiny_copy / 'hparams.json')
+    one_layer = HParams(n_vocab=hp.n_vocab, n_ctx=hp.n_ctx, n_embd=hp.n_embd, n_head=hp.n_head, n_layer=1)
+    write_random_checkpoint(tmp_path / 'short', one_layer)
+    hp.to_json(tmp_path / 'short' / 'hparams.json')
+    with pytest.raises(CheckpointError, match=r'model/h1/attn/c_attn/w: missing from the checkpoint \(expected shape \[1, 32, 96\]\)'):
+        gpt2_tf.load_model(tmp_path / 'short')
+    # hparams.json with one block fewer than the checkpoint: h1 is extra.
+    one_layer.to_json(tiny_copy / 'hparams.json')
+    with pytest.raises(CheckpointError, match=r'12 variable\(s\) the model does not have: model/h1/'):
+        gpt2_tf.load_model(tiny_copy)
+    model = gpt2_tf.load_model(tiny_copy, strict=False)
+    assert model.hparams.n_layer == 1
+
+
+def test_nothing_assigned_when_verification_fails(tiny_copy):
+    model = gpt2_tf.load_model(TINY)
+    before = {n: v.numpy().copy() for n, v in model.variables_by_name().items()}
+    data = tiny_copy / 'model.ckpt.data-00000-of-00001'
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(CheckpointError):
+        gpt2_tf.checkpoint.restore(model, tiny_copy)
+    for name, variable in model.variables_by_name().items():
+        np.testing.assert_array_equal(variable.numpy(), before[name])
+
+
+def test_save_then_restore_with_tf1_saver(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot')
+    prefix = gpt2_tf.save_checkpoint(model, tmp_path / 'saved')
+    assert sorted(os.listdir(tmp_path / 'saved')) == [
+        'checkpoint', 'hparams.json', 'model.ckpt.data-00000-of-00001', 'model.ckpt.index']
+    assert checkpoint_shapes(tmp_path / 'saved') == checkpoint_shapes(FIXTURES / 'tf1-tiny-hot')
+    # The original graph restores it with tf.compat.v1.train.Saver in graph mode.
+    ref = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')
+    graph = Reference(model.hparams, prefix)
+    assert_close(graph(ref['tokens'])['logits'], ref['logits'], 'TF1 restore of a saved model')
+    # And it loads back into the port unchanged.
+    again = gpt2_tf.load_model(tmp_path / 'saved')
+    for name, variable in again.variables_by_name().items():
+        np.testing.assert_array_equal(variable.numpy(), model.variables_by_name()[name].numpy())
+
+
+def test_save_over_existing_leaves_no_temporary_files(tmp_path):
+    model = gpt2_tf.load_model(TINY)
+    gpt2_tf.save_checkpoint(model, tmp_path)
+    gpt2_tf.save_checkpoint(model, tmp_path)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith('.')]

@@ -1,0 +1,156 @@
+"""The model against the original TF1 graph: fixtures written by it, and the TF1 reference on random checkpoints."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gpt2_tf
+from gpt2_tf import HParams, Model
+from gpt2_tf.tf1_reference import Reference
+
+from conftest import FIXTURES, assert_close
+
+
+def load_reference(folder):
+    return np.load(folder / 'reference.npz')
+
+
+# --- fixtures written by the original graph --------------------------------------------------
+
+def test_fixture_logits_and_present(fixture_dir):
+    ref = load_reference(fixture_dir)
+    out = gpt2_tf.load_model(fixture_dir)(ref['tokens'])
+    assert_close(out['logits'], ref['logits'], 'logits')
+    assert_close(out['present'], ref['present'], 'present')
+
+
+def test_fixture_split_continues_from_past(fixture_dir):
+    ref = load_reference(fixture_dir)
+    model = gpt2_tf.load_model(fixture_dir)
+    k = int(ref['split'])
+    first = model(ref['tokens'][:, :k])
+    out = model(ref['tokens'][:, k:], past=first['present'])
+    assert_close(out['logits'], ref['split_logits'], 'split_logits')
+    assert_close(out['present'], ref['split_present'], 'split_present')
+
+
+def test_tf1_reference_reproduces_fixtures(fixture_dir):
+    """The restated TF1 graph stays equal to the original code's outputs."""
+    ref = load_reference(fixture_dir)
+    graph = Reference(HParams.from_json(fixture_dir / 'hparams.json'), str(fixture_dir / 'model.ckpt'))
+    out = graph(ref['tokens'])
+    assert_close(out['logits'], ref['logits'], 'logits')
+    assert_close(out['present'], ref['present'], 'present')
+    k = int(ref['split'])
+    split = graph(ref['tokens'][:, k:], past=graph(ref['tokens'][:, :k])['present'])
+    assert_close(split['logits'], ref['split_logits'], 'split_logits')
+    assert_close(split['present'], ref['split_present'], 'split_present')
+
+
+# --- the TF1 reference on random checkpoints of other shapes ----------------------------------
+
+SHAPES = [
+    HParams(n_vocab=97, n_ctx=16, n_embd=8, n_head=1, n_layer=1),
+    HParams(n_vocab=97, n_ctx=16, n_embd=24, n_head=3, n_layer=4),
+    HParams(n_vocab=61, n_ctx=16, n_embd=48, n_head=12, n_layer=1),
+    HParams(n_vocab=61, n_ctx=16, n_embd=36, n_head=12, n_layer=4),
+]
+
+
+@pytest.mark.parametrize('hparams', SHAPES, ids=lambda h: f'head{h.n_head}-layer{h.n_layer}')
+def test_matches_tf1_on_random_checkpoints(random_checkpoint, hparams):
+    folder = random_checkpoint(hparams, scale=0.3)
+    model = gpt2_tf.load_model(folder)
+    graph = Reference(hparams, str(folder / 'model.ckpt'))
+    rng = np.random.default_rng(1)
+    for batch in (1, 5):
+        tokens = rng.integers(0, hparams.n_vocab, size=(batch, hparams.n_ctx), dtype=np.int32)
+        for t in range(1, hparams.n_ctx + 1):
+            ours, theirs = model(tokens[:, :t]), graph(tokens[:, :t])
+            assert_close(ours['logits'], theirs['logits'], f'logits B={batch} T={t}')
+            assert_close(ours['present'], theirs['present'], f'present B={batch} T={t}')
+    assert model.tracing_count == 1  # 32 shapes, one trace
+
+
+@pytest.mark.parametrize('hparams', SHAPES[1:3], ids=lambda h: f'head{h.n_head}-layer{h.n_layer}')
+def test_past_chained_over_three_calls(random_checkpoint, hparams):
+    folder = random_checkpoint(hparams, scale=0.3)
+    model = gpt2_tf.load_model(folder)
+    graph = Reference(hparams, str(folder / 'model.ckpt'))
+    tokens = np.random.default_rng(2).integers(0, hparams.n_vocab, size=(5, 13), dtype=np.int32)
+    ours_past = theirs_past = None
+    for chunk in (tokens[:, :4], tokens[:, 4:5], tokens[:, 5:]):
+        ours = model(chunk) if ours_past is None else model(chunk, past=ours_past)
+        theirs = graph(chunk) if theirs_past is None else graph(chunk, past=theirs_past)
+        assert_close(ours['logits'], theirs['logits'], 'chained logits')
+        ours_past = ours['present'] if ours_past is None else tf.concat([ours_past, ours['present']], axis=-2)
+        theirs_past = theirs['present'] if theirs_past is None else np.concatenate(
+            [theirs_past, theirs['present']], axis=-2)
+    assert_close(ours_past, theirs_past, 'chained present')
+    # Chained presents equal one call over the whole sequence.
+    assert_close(ours_past, graph(tokens)['present'], 'whole-sequence present')
+    assert_close(ours['logits'], graph(tokens)['logits'][:, 5:], 'whole-sequence logits')
+
+
+# --- the module itself ------------------------------------------------------------------------
+
+def test_variable_names_are_checkpoint_names():
+    hparams = HParams(n_vocab=11, n_ctx=7, n_embd=12, n_head=3, n_layer=2)
+    shapes = {name: v.shape.as_list() for name, v in Model(hparams).variables_by_name().items()}
+    expected = {'model/wte': [11, 12], 'model/wpe': [7, 12], 'model/ln_f/g': [12], 'model/ln_f/b': [12]}
+    for i in range(2):
+        expected.update({
+            f'model/h{i}/ln_1/g': [12], f'model/h{i}/ln_1/b': [12],
+            f'model/h{i}/attn/c_attn/w': [1, 12, 36], f'model/h{i}/attn/c_attn/b': [36],
+            f'model/h{i}/attn/c_proj/w': [1, 12, 12], f'model/h{i}/attn/c_proj/b': [12],
+            f'model/h{i}/ln_2/g': [12], f'model/h{i}/ln_2/b': [12],
+            f'model/h{i}/mlp/c_fc/w': [1, 12, 48], f'model/h{i}/mlp/c_fc/b': [48],
+            f'model/h{i}/mlp/c_proj/w': [1, 48, 12], f'model/h{i}/mlp/c_proj/b': [12],
+        })
+    assert shapes == expected
+
+
+def test_eager_equals_tf_function():
+    folder = FIXTURES / 'tf1-tiny-hot'
+    ref = load_reference(folder)
+    model = gpt2_tf.load_model(folder)
+    assert tf.executing_eagerly()
+    eager = model.forward(tf.constant(ref['tokens']))
+    compiled = model(ref['tokens'])
+    # Same ops; only graph rewrites may reassociate float32 sums.
+    np.testing.assert_allclose(eager['logits'], compiled['logits'], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(eager['present'], compiled['present'], rtol=0, atol=1e-5)
+
+
+def test_new_batch_sequence_and_past_do_not_retrace():
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    for batch, t in [(1, 3), (4, 9), (2, 17)]:
+        out = model(np.zeros([batch, t], np.int32))
+    assert model.tracing_count == 1
+    for t in (1, 5, 2):
+        model(np.zeros([2, t], np.int32), past=out['present'])
+    assert model.tracing_count == 2  # one trace for calls with past, one without
+
+
+def test_device_can_be_pinned():
+    ref = load_reference(FIXTURES / 'tf1-tiny')
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny', device='/CPU:0')
+    assert all(v.device.endswith('CPU:0') for v in model.variables)
+    out = model(ref['tokens'])
+    assert out['logits'].device.endswith('CPU:0')
+    assert_close(out['logits'], ref['logits'], 'logits on /CPU:0')
+
+
+@pytest.mark.parametrize('tokens, past, message', [
+    ([[0, 512]], None, r'token id 512 is outside the vocabulary \[0, 512\)'),
+    ([[-1, 3]], None, r'token id -1 is outside'),
+    ([[1] * 33], None, r'sequence too long: 0 past \+ 33 new tokens > n_ctx = 32'),
+    ([1, 2, 3], None, r'tokens must be \[batch, sequence\]'),
+    ([[0.5]], None, 'tokens must be integers'),
+    ([[1]], np.zeros([1, 2, 2, 4, 3, 7], np.float32), r'past must have shape \[1, 2, 2, 4, past_length, 8\]'),
+    ([[1] * 2], np.zeros([1, 2, 2, 4, 31, 8], np.float32), r'31 past \+ 2 new tokens > n_ctx = 32'),
+])
+def test_bad_call_inputs(tokens, past, message):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    with pytest.raises(ValueError, match=message):
+        model(tokens, past=past)
