@@ -140,18 +140,21 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> No
         variable.assign(values[name])
 
 
-def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True) -> Model:
+def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True,
+               jit_compile: bool = False) -> Model:
     """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint).
 
     device pins the variables and the computation ('/GPU:0', '/CPU:0'); by default
-    TensorFlow places them, on a GPU when it sees one.
+    TensorFlow places them, on a GPU when it sees one. strict=False ignores
+    checkpoint variables the model does not use (optimizer slots). jit_compile=True
+    XLA-compiles model calls (see Model).
     """
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f'no model folder at {model_dir}')
     hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
     prefix = find_checkpoint(model_dir)
-    model = Model(hparams, device=device)
+    model = Model(hparams, device=device, jit_compile=jit_compile)
     restore(model, prefix, strict=strict)
     return model
 

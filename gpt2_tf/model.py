@@ -229,11 +229,13 @@ class Model(tf.Module):
     model(tokens, past=present) continues after past: positions start at its length.
 
     Calls run as tf.functions with an input_signature, so a new batch size,
-    sequence or past length does not retrace. model.forward is the same
-    computation, run eagerly when called eagerly.
+    sequence or past length does not retrace. With jit_compile=True they are
+    XLA-compiled: faster, but compiled anew for each new input shape.
+    model.forward is the same computation, run eagerly when called eagerly.
     """
 
-    def __init__(self, hparams: HParams, scope: str = 'model', *, device: Optional[str] = None):
+    def __init__(self, hparams: HParams, scope: str = 'model', *, device: Optional[str] = None,
+                 jit_compile: bool = False):
         super().__init__(name=scope)
         self.hparams = hparams
         self.device = device
@@ -244,8 +246,10 @@ class Model(tf.Module):
             self.ln_f = Norm(hparams.n_embd, 'ln_f')
         tokens = tf.TensorSpec([None, None], tf.int32, name='tokens')
         past = tf.TensorSpec(past_shape(hparams=hparams), tf.float32, name='past')
-        self._forward = tf.function(lambda X: self.forward(X), input_signature=[tokens])
-        self._forward_past = tf.function(lambda X, past: self.forward(X, past), input_signature=[tokens, past])
+        self._forward = tf.function(
+            lambda X: self.forward(X), input_signature=[tokens], jit_compile=jit_compile)
+        self._forward_past = tf.function(
+            lambda X, past: self.forward(X, past), input_signature=[tokens, past], jit_compile=jit_compile)
 
     def _on_device(self):
         return tf.device(self.device) if self.device else contextlib.nullcontext()

@@ -1,0 +1,151 @@
+"""Sampling: the original filters, greedy decoding against the original graph, the compiled loop."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gpt2_tf
+from gpt2_tf import HParams
+from gpt2_tf.sample import MODES, _compiled, bucket, decoder, sample_sequence, top_k_logits, top_p_logits
+
+from conftest import FIXTURES
+
+GREEDY = {'tf1-tiny': (5, 20), 'tf1-tiny-hot': (8, 40)}  # prompt length P, new tokens N
+
+
+@pytest.fixture(scope='module')
+def models():
+    return {name: gpt2_tf.load_model(FIXTURES / name) for name in GREEDY}
+
+
+def test_filters_equal_the_original_exactly():
+    ref = np.load(FIXTURES / 'tf1-filters.npz')
+    # The references were computed one row at a time; here all four rows go at once.
+    for i, k in enumerate(ref['ks']):
+        np.testing.assert_array_equal(top_k_logits(ref['logits'], int(k)).numpy(), ref['top_k'][i], f'k={k}')
+    for i, p in enumerate(ref['ps']):
+        np.testing.assert_array_equal(top_p_logits(ref['logits'], float(p)).numpy(), ref['top_p'][i], f'p={p}')
+
+
+def test_top_k_keeps_ties_and_top_p_keeps_one():
+    logits = tf.constant([[1.0, 3.0, 3.0, 2.0], [0.0, 5.0, -1.0, 4.0]])
+    kept = top_k_logits(logits, 1).numpy() > -1e9
+    np.testing.assert_array_equal(kept, [[False, True, True, False], [False, True, False, False]])
+    kept = top_p_logits(logits, 0.0).numpy() > -1e9
+    np.testing.assert_array_equal(kept, [[False, True, True, False], [False, True, False, False]])
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('name', GREEDY)
+def test_greedy_equals_original_graph(models, name, mode):
+    ref = np.load(FIXTURES / name / 'reference.npz')
+    prompt, new = GREEDY[name]
+    out = sample_sequence(models[name], new, context=ref['tokens'][:, :prompt], top_k=1, mode=mode)
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(out, ref['greedy'])
+
+
+def test_temperature_zero_is_greedy(models):
+    ref = np.load(FIXTURES / 'tf1-tiny' / 'reference.npz')
+    out = sample_sequence(models['tf1-tiny'], 20, context=ref['tokens'][:, :5], temperature=0)
+    np.testing.assert_array_equal(out, ref['greedy'])
+
+
+def test_mixed_length_batch_equals_row_by_row(models):
+    model = models['tf1-tiny-hot']
+    tokens = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens']
+    rows = [tokens[0, :1].tolist(), tokens[1, :9].tolist(), tokens[2, :20].tolist(), tokens[0, :4].tolist()]
+    together = sample_sequence(model, 30, context=rows, top_k=1)
+    assert [len(r) for r in together] == [31, 39, 50, 34]
+    for row, out in zip(rows, together):
+        np.testing.assert_array_equal(out, sample_sequence(model, 30, context=row, top_k=1)[0])
+
+
+def test_new_prompt_length_in_a_bucket_does_not_retrace():
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    xla = decoder(model, 'xla')
+    for prompt, length in [(3, 20), (5, 17), (8, 24), (6, 26)]:  # prompts bucket to 8, lengths to 32
+        sample_sequence(model, length, context=list(range(1, prompt + 1)), seed=1, top_k=40, top_p=0.9)
+    assert bucket(3) == bucket(8) == 8 and bucket(17) == bucket(32) == 32
+    assert xla.experimental_get_tracing_count() == 1
+
+
+SEEDED = ('import gpt2_tf, sys; from gpt2_tf.sample import sample_sequence; '
+          'm = gpt2_tf.load_model(sys.argv[1]); '
+          'print(sample_sequence(m, 20, context=[1, 2, 3], batch_size=2, seed=1234, top_p=0.95).tolist())')
+
+
+def test_seed_reproducible_across_processes(models):
+    folder = str(FIXTURES / 'tf1-tiny')
+    runs = [subprocess.run([sys.executable, '-c', SEEDED, folder], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert runs[0].stdout == runs[1].stdout
+    here = sample_sequence(models['tf1-tiny'], 20, context=[1, 2, 3], batch_size=2, seed=1234, top_p=0.95)
+    assert runs[0].stdout.strip() == str(here.tolist())
+
+
+def test_seeds_and_rows_differ(models):
+    model = models['tf1-tiny']
+    a = sample_sequence(model, 20, context=[1, 2, 3], batch_size=2, seed=1)
+    b = sample_sequence(model, 20, context=[1, 2, 3], batch_size=2, seed=2)
+    assert (a != b).any()
+    assert (a[0] != a[1]).any()  # rows of one batch draw independently
+    np.testing.assert_array_equal(a, sample_sequence(model, 20, context=[1, 2, 3], batch_size=2, seed=1))
+
+
+@pytest.mark.parametrize('mode', ['function', 'eager'])
+def test_seeded_sampling_is_the_same_in_every_mode(models, mode):
+    model = models['tf1-tiny-hot']
+    kwargs = dict(context=[[5, 6, 7], [8, 9, 10]], seed=7, top_k=20, top_p=0.9, temperature=0.8)
+    np.testing.assert_array_equal(sample_sequence(model, 25, mode=mode, **kwargs),
+                                  sample_sequence(model, 25, mode='xla', **kwargs))
+
+
+def test_start_token_is_unconditional_sampling(models):
+    out = sample_sequence(models['tf1-tiny'], 10, start_token=0, batch_size=3, seed=3)
+    assert out.shape == (3, 11) and (out[:, 0] == 0).all()
+
+
+class CountingModel:
+    """A fake model: the next token is (position + 1) % vocab, so the loop's bookkeeping shows."""
+
+    hparams = HParams(n_vocab=50, n_ctx=40, n_embd=4, n_head=1, n_layer=1)
+
+    def _on_device(self):
+        return tf.device('/CPU:0')
+
+    def decode(self, X, *, positions, caches, cache_index, mask):
+        return tf.one_hot((positions[:, -1] + 1) % 50, 50) * 10, caches
+
+
+def test_loop_positions_with_a_fake_model():
+    out = sample_sequence(CountingModel(), 6, context=[[7, 7, 7], [9]], top_k=1, mode='eager')
+    np.testing.assert_array_equal(out[0], [7, 7, 7, 3, 4, 5, 6, 7, 8])
+    np.testing.assert_array_equal(out[1], [9, 1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(length=30, context=[1] * 3), r'3 prompt tokens \+ length 30 > n_ctx = 32'),
+    (dict(length=5, context=[]), 'prompt 0 is empty'),
+    (dict(length=5, context=[[1, 2], []]), 'prompt 1 is empty'),
+    (dict(length=5, context=[1, 512]), r'token id 512 is outside the vocabulary \[0, 512\)'),
+    (dict(length=5, context=[-3]), 'token id -3 is outside'),
+    (dict(length=5, context=[1], top_k=-1), 'top_k must be an integer >= 0'),
+    (dict(length=5, context=[1], top_p=1.5), r'top_p must be in \[0, 1\]'),
+    (dict(length=5, context=[1], top_p=-0.1), r'top_p must be in \[0, 1\]'),
+    (dict(length=5, context=[1], temperature=-1), 'temperature must be >= 0'),
+    (dict(length=0, context=[1]), 'length must be a positive integer'),
+    (dict(length=5), 'give exactly one of context and start_token'),
+    (dict(length=5, context=[1], start_token=0), 'give exactly one of context and start_token'),
+    (dict(length=5, context=[[1], [2]], batch_size=3), 'batch_size 3 differs from the 2 prompts'),
+    (dict(length=5, context=[1.5]), 'token ids must be integers'),
+    (dict(length=5, context=[1], mode='fast'), "mode must be one of"),
+])
+def test_bad_requests_fail_before_compute(kwargs, message):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    with pytest.raises(ValueError, match=message):
+        sample_sequence(model, **kwargs)
+    assert model not in _compiled  # nothing was traced or run
