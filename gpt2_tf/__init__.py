@@ -1,8 +1,47 @@
-"""gpt2_tf: OpenAI's GPT-2 on TensorFlow 2, numerically faithful to the original graph."""
+"""gpt2_tf: OpenAI's GPT-2 on TensorFlow 2, numerically faithful to the original graph.
 
-from .hparams import HParams
-from .model import Model
-from .checkpoint import CheckpointError, load_model, save_checkpoint
+    model = gpt2_tf.load_model('checkpoints/124M')
+    out = model(tokens)                       # {'logits', 'present'}
+    ids = gpt2_tf.sample_sequence(model, 40, context=gpt2_tf.encode('Hello'))
+    texts = gpt2_tf.generate(model, 'Hello', length=40)
 
-__all__ = ['HParams', 'Model', 'CheckpointError', 'load_model', 'save_checkpoint']
+Names are imported on first use, so `import gpt2_tf` stays quick and the
+tokenizer works without loading TensorFlow.
+"""
+
+import importlib
+
 __version__ = '0.1.0'
+
+_EXPORTS = {
+    'HParams': 'hparams',
+    'Model': 'model',
+    'CheckpointError': 'checkpoint',
+    'load_model': 'checkpoint',
+    'save_checkpoint': 'checkpoint',
+    'sample_sequence': 'sample',
+    'top_k_logits': 'sample',
+    'top_p_logits': 'sample',
+    'Encoder': 'encoder',
+    'get_encoder': 'encoder',
+    'encode': 'encoder',
+    'decode': 'encoder',
+    'generate': 'text',
+    'trace': 'inspect',
+    'parameter_table': 'inspect',
+    'compare': 'inspect',
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f'.{_EXPORTS[name]}', __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,224 @@
+"""GPT-2's byte-level BPE, after openai/gpt-2 src/encoder.py.
+
+Text becomes UTF-8 bytes, each byte a printable stand-in character, then the
+pre-tokenising regex splits it into words and BPE merges each word by rank.
+When tiktoken is installed, an Encoding built locally from the same two files
+does the same work in Rust; the pure-Python path stays as the reference and
+the fallback, and the tests hold the two to the same ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from importlib import resources
+from typing import Iterable, Optional, Sequence
+
+import regex
+
+END_OF_TEXT = '<|endoftext|>'
+
+# The original pattern, kept without IGNORECASE: "I'M" splits as "I", "'", "M", as GPT-2 was trained.
+PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@functools.lru_cache()
+def bytes_to_unicode() -> dict:
+    """A printable character for each byte, so BPE never sees whitespace or control characters.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes take the
+    characters from U+0100 on, in byte order.
+    """
+    printable = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
+    table = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return dict(sorted(table.items()))
+
+
+def get_pairs(word: tuple) -> set:
+    """The adjacent symbol pairs of a word given as a tuple of symbols."""
+    return set(zip(word, word[1:]))
+
+
+def _tiktoken_encoding(encoder: dict, bpe_merges: Sequence[tuple]):
+    """A tiktoken Encoding with the same ids, or None when tiktoken is missing or the files do not fit it.
+
+    tiktoken merges by the rank of the merged token; that equals merging by pair
+    rank only when every merge's token id is 256 + its line in vocab.bpe, as in
+    GPT-2's files.
+    """
+    try:
+        import tiktoken
+    except ImportError:
+        return None
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    ranks = {}
+    for symbol, rank in encoder.items():
+        if symbol == END_OF_TEXT:
+            continue
+        ranks[bytes(byte_decoder[c] for c in symbol)] = rank
+    byte_ids = sorted(ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks)
+    if byte_ids != list(range(256)) or any(
+            encoder.get(first + second) != 256 + i for i, (first, second) in enumerate(bpe_merges)):
+        return None
+    special = {END_OF_TEXT: encoder[END_OF_TEXT]} if END_OF_TEXT in encoder else {}
+    return tiktoken.Encoding('gpt2_tf', pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=special,
+                             explicit_n_vocab=len(encoder))
+
+
+class Encoder:
+    """encode(text) -> ids and decode(ids) -> text, identical to the original encoder.
+
+    fast: None uses tiktoken when it is installed, True requires it, False uses
+    the pure-Python path. `backend` says which one runs.
+    """
+
+    def __init__(self, encoder: dict, bpe_merges: Sequence[tuple], errors: str = 'replace', *,
+                 fast: Optional[bool] = None):
+        self.encoder = encoder
+        self.decoder = {v: k for k, v in encoder.items()}
+        self.errors = errors  # how to handle invalid UTF-8 when decoding
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {v: k for k, v in self.byte_encoder.items()}
+        self.bpe_ranks = {tuple(pair): rank for rank, pair in enumerate(bpe_merges)}
+        self.cache = {}
+        self.pat = regex.compile(PATTERN)
+        self._tiktoken = None if fast is False else _tiktoken_encoding(encoder, bpe_merges)
+        if fast and self._tiktoken is None:
+            raise ValueError('fast=True needs tiktoken installed and GPT-2-style vocabulary files')
+        self.backend = 'python' if self._tiktoken is None else 'tiktoken'
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.encoder)
+
+    def bpe(self, token: str) -> str:
+        """Merges a word's symbols by rank; returns them joined by spaces."""
+        if token in self.cache:
+            return self.cache[token]
+        word = tuple(token)
+        pairs = get_pairs(word)
+        while pairs:
+            bigram = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float('inf')))
+            if bigram not in self.bpe_ranks:
+                break
+            first, second = bigram
+            merged = []
+            i = 0
+            while i < len(word):
+                if i < len(word) - 1 and word[i] == first and word[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = tuple(merged)
+            pairs = get_pairs(word)
+        result = ' '.join(word)
+        self.cache[token] = result
+        return result
+
+    def _encode_ordinary(self, text: str) -> list:
+        if self._tiktoken is not None:
+            return self._tiktoken.encode(text, disallowed_special=())
+        ids = []
+        for piece in self.pat.findall(text):
+            piece = ''.join(self.byte_encoder[b] for b in piece.encode('utf-8'))
+            ids.extend(self.encoder[symbol] for symbol in self.bpe(piece).split(' '))
+        return ids
+
+    def encode(self, text: str, *, special: bool = False) -> list:
+        """Token ids for text. As in the original, '<|endoftext|>' in text is ordinary text;
+        with special=True it is read as the end-of-text token, id 50256."""
+        if not isinstance(text, str):
+            raise TypeError(f'encode takes a str, got {type(text).__name__}')
+        if not special:
+            return self._encode_ordinary(text)
+        ids = []
+        for i, part in enumerate(text.split(END_OF_TEXT)):
+            if i:
+                ids.append(self.encoder[END_OF_TEXT])
+            ids.extend(self._encode_ordinary(part))
+        return ids
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if t not in self.decoder]
+        if bad:
+            raise ValueError(f'token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})')
+        if self._tiktoken is not None:
+            return self._tiktoken.decode(tokens, errors=self.errors)
+        symbols = ''.join(self.decoder[t] for t in tokens)
+        return bytes(self.byte_decoder[c] for c in symbols).decode('utf-8', errors=self.errors)
+
+
+def _read_files(encoder_path: str, bpe_path: str):
+    try:
+        with open(encoder_path, encoding='utf-8') as f:
+            encoder = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f'no encoder.json at {encoder_path}') from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f'{encoder_path}: not valid JSON ({e})') from None
+    if not isinstance(encoder, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()):
+        raise ValueError(f'{encoder_path}: expected a JSON object mapping token strings to integer ids')
+    if sorted(encoder.values()) != list(range(len(encoder))):
+        raise ValueError(f'{encoder_path}: ids must be 0 .. {len(encoder) - 1}, each once')
+    try:
+        with open(bpe_path, encoding='utf-8') as f:
+            lines = f.read().split('\n')
+    except FileNotFoundError:
+        raise FileNotFoundError(f'no vocab.bpe at {bpe_path}') from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f'{bpe_path}: not UTF-8 text ({e})') from None
+    if not lines[0].startswith('#version'):
+        raise ValueError(f'{bpe_path}: expected a "#version" header line, got {lines[0][:40]!r}')
+    merges = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        pair = tuple(line.split())
+        if len(pair) != 2:
+            raise ValueError(f'{bpe_path}, line {number}: expected two symbols, got {line[:40]!r}')
+        if pair[0] + pair[1] not in encoder:
+            raise ValueError(f'{bpe_path}, line {number}: merge {line!r} makes a token missing from encoder.json')
+        merges.append(pair)
+    return encoder, merges
+
+
+def bundled_files() -> tuple:
+    """Paths of the encoder.json and vocab.bpe that ship with the package (OpenAI's, unchanged)."""
+    assets = resources.files('gpt2_tf') / 'assets'
+    return str(assets / 'encoder.json'), str(assets / 'vocab.bpe')
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_encoder(encoder_path: str, bpe_path: str, fast: Optional[bool]) -> Encoder:
+    encoder, merges = _read_files(encoder_path, bpe_path)
+    return Encoder(encoder, merges, fast=fast)
+
+
+def get_encoder(model_dir: Optional[str | os.PathLike] = None, *, fast: Optional[bool] = None) -> Encoder:
+    """The encoder of a model folder (its encoder.json and vocab.bpe), or the bundled GPT-2 one."""
+    if model_dir is None:
+        encoder_path, bpe_path = bundled_files()
+    else:
+        encoder_path = os.path.join(os.fspath(model_dir), 'encoder.json')
+        bpe_path = os.path.join(os.fspath(model_dir), 'vocab.bpe')
+    return _cached_encoder(os.path.abspath(encoder_path), os.path.abspath(bpe_path), fast)
+
+
+def encode(text: str, *, special: bool = False) -> list:
+    """Token ids for text with the bundled GPT-2 vocabulary."""
+    return get_encoder().encode(text, special=special)
+
+
+def decode(tokens: Iterable[int]) -> str:
+    """Text for token ids with the bundled GPT-2 vocabulary."""
+    return get_encoder().decode(tokens)
