@@ -144,7 +144,7 @@ def _prompts(context, start_token, batch_size) -> list:
     return [[int(t) for t in row] for row in rows]
 
 
-def _check(model: Model, rows: list, length, temperature, top_k, top_p) -> None:
+def _check(model: Model, rows: list, length, temperature, top_k, top_p, seed) -> None:
     hp = model.hparams
     if not rows:
         raise ValueError('batch_size must be at least 1')
@@ -164,22 +164,26 @@ def _check(model: Model, rows: list, length, temperature, top_k, top_p) -> None:
         raise ValueError(f'top_p must be in [0, 1], got {top_p!r}')
     if not temperature >= 0:
         raise ValueError(f'temperature must be >= 0, got {temperature!r}')
+    if seed is not None and not (np.ndim(seed) == 0 and isinstance(seed, (int, np.integer)) or (
+            np.shape(seed) == (2,) and all(isinstance(s, (int, np.integer)) for s in seed))):
+        raise ValueError(f'seed must be an integer or a pair of integers, got {seed!r}')
 
 
 def sample_sequence(model: Model, length: int, context=None, start_token: Optional[int] = None,
                     batch_size: Optional[int] = None, temperature: float = 1, top_k: int = 0,
-                    top_p: float = 1, seed: Optional[int] = None, *, mode: str = 'xla'):
+                    top_p: float = 1, seed=None, *, mode: str = 'xla'):
     """Generates `length` tokens after each prompt, as the original sample_sequence does.
 
     Give exactly one of context (token ids: one prompt, a [batch, T] array, or a list of
     prompts of different lengths) and start_token (with batch_size). Returns int32
     [batch, T + length], prompts included; for prompts of different lengths, a list of
-    one such row each. temperature = 0 or top_k = 1 is greedy. The same seed gives the
-    same tokens; seed None draws one. mode: 'xla' (default; about 3x faster than
-    'function' on CPU, see BENCHMARKS.md), 'function' (a plain tf.function) or 'eager'.
+    one such row each. temperature = 0 or top_k = 1 is greedy. The same seed (an int,
+    or a pair of ints) gives the same tokens; seed None draws one. mode: 'xla' (the
+    default; about 3x faster than 'function' on CPU, see BENCHMARKS.md), 'function'
+    (a plain tf.function) or 'eager'.
     """
     rows = _prompts(context, start_token, batch_size)
-    _check(model, rows, length, temperature, top_k, top_p)
+    _check(model, rows, length, temperature, top_k, top_p, seed)
     run = decoder(model, mode)  # checks mode before any compute
     greedy = temperature == 0 or top_k == 1
     prompt = bucket(max(len(row) for row in rows))
@@ -190,10 +194,11 @@ def sample_sequence(model: Model, length: int, context=None, start_token: Option
         padded[i, pads[i]:] = row
     if seed is None:
         seed = secrets.randbits(31)
+    seed = (seed, 0) if np.ndim(seed) == 0 else tuple(seed)
     with model._on_device():
         new = run(tf.constant(padded), tf.constant(pads), tf.constant(length, tf.int32),
                   tf.constant(max(temperature, 1e-30), tf.float32), tf.constant(top_k, tf.int32),
-                  tf.constant(top_p, tf.float32), tf.constant([seed, 0], tf.int64),
+                  tf.constant(top_p, tf.float32), tf.constant(seed, tf.int64),
                   steps=bucket(length), greedy=greedy).numpy()
     out = [np.concatenate([np.asarray(row, np.int32), new[i]]) for i, row in enumerate(rows)]
     if len({len(row) for row in rows}) == 1:

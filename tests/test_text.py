@@ -1,0 +1,37 @@
+"""Text in, text out, in one call."""
+
+import pytest
+
+import gpt2_tf
+from gpt2_tf.text import bundled_checkpoint, encoder_for
+
+
+@pytest.fixture(scope='module')
+def model():
+    return gpt2_tf.load_model(bundled_checkpoint())
+
+
+def test_generate_is_encode_sample_decode(model):
+    texts = gpt2_tf.generate(model, 'The meaning of life is', 10, nsamples=2, batch_size=2, seed=4, mode='function')
+    prompt = gpt2_tf.encode('The meaning of life is')
+    tokens = gpt2_tf.sample_sequence(model, 10, context=prompt, batch_size=2, seed=(4, 0), mode='function')
+    assert texts == [gpt2_tf.decode(row[len(prompt):]) for row in tokens]
+
+
+def test_greedy_text_is_deterministic(model):
+    first = gpt2_tf.generate(model, 'Hello', 12, temperature=0, mode='function')
+    assert first == gpt2_tf.generate(model, 'Hello', 12, temperature=0, mode='eager')
+
+
+def test_unconditional_starts_after_end_of_text(model):
+    texts = gpt2_tf.generate(model, None, 5, nsamples=3, seed=1, mode='function')
+    assert len(texts) == 3 and len(set(texts)) == 3
+
+
+def test_empty_prompt_is_an_error(model):
+    with pytest.raises(ValueError, match='the prompt is empty'):
+        gpt2_tf.generate(model, '', 5)
+
+
+def test_bundled_checkpoint_uses_the_bundled_vocabulary():
+    assert encoder_for(bundled_checkpoint()).n_vocab == 50257
