@@ -1,0 +1,156 @@
+"""Seeing inside the model: parameter accounting, named block states, and a block-by-block diff against TF1.
+
+The named states of each block (model.STATE_NAMES):
+    x       x_n, the block input (for h0, the token plus position embeddings)
+    z1      ln_1(x_n)
+    attn    the attention delta, attn(z1)
+    x_attn  x'_n = x_n + attention delta
+    z2      ln_2(x'_n)
+    mlp     the mlp delta, mlp(z2)
+    out     x_{n+1} = x'_n + mlp delta
+and, on request, attn_weights: the softmaxed attention [batch, heads, dst, src].
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from .checkpoint import checkpoint_shapes, find_checkpoint, load_model
+from .hparams import HParams
+from .model import STATE_NAMES, Model
+
+# Forward order, in which the first divergence is looked for.
+COMPARED_STATES = ['x', 'z1', 'attn_weights', 'attn', 'x_attn', 'z2', 'mlp', 'out']
+
+
+def components(hp: HParams) -> list:
+    """(component, checkpoint scope under model/ with {i} for the block, {variable: shape}, instances)."""
+    e = hp.n_embd
+    per_block = [
+        ('ln_1', 'h{i}/ln_1', {'g': [e], 'b': [e]}),
+        ('attn.c_attn', 'h{i}/attn/c_attn', {'w': [1, e, 3 * e], 'b': [3 * e]}),
+        ('attn.c_proj', 'h{i}/attn/c_proj', {'w': [1, e, e], 'b': [e]}),
+        ('ln_2', 'h{i}/ln_2', {'g': [e], 'b': [e]}),
+        ('mlp.c_fc', 'h{i}/mlp/c_fc', {'w': [1, e, 4 * e], 'b': [4 * e]}),
+        ('mlp.c_proj', 'h{i}/mlp/c_proj', {'w': [1, 4 * e, e], 'b': [e]}),
+    ]
+    return ([('wte', '', {'wte': [hp.n_vocab, e]}, 1), ('wpe', '', {'wpe': [hp.n_ctx, e]}, 1)]
+            + [(name, scope, shapes, hp.n_layer) for name, scope, shapes in per_block]
+            + [('ln_f', 'ln_f', {'g': [e], 'b': [e]}, 1)])
+
+
+def parameter_table(model_dir: str | os.PathLike) -> dict:
+    """Per component: shapes and counts from hparams.json, and the count in the checkpoint's own tensors."""
+    model_dir = os.fspath(model_dir)
+    hp = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
+    stored = checkpoint_shapes(find_checkpoint(model_dir))
+    rows, claimed = [], set()
+    for name, scope, shapes, instances in components(hp):
+        per_instance = sum(int(np.prod(s)) for s in shapes.values())
+        found = 0
+        for i in range(instances):
+            for variable in shapes:
+                key = '/'.join(p for p in ('model', scope.format(i=i), variable) if p)
+                claimed.add(key)
+                found += int(np.prod(stored[key])) if key in stored else 0
+        rows.append({'component': name, 'shape': {k: v for k, v in shapes.items()},
+                     'per_instance': per_instance, 'instances': instances,
+                     'expected': per_instance * instances, 'checkpoint': found,
+                     'match': found == per_instance * instances})
+    groups = {'attn': ('attn.c_attn', 'attn.c_proj'), 'mlp': ('mlp.c_fc', 'mlp.c_proj'),
+              'block': ('ln_1', 'attn.c_attn', 'attn.c_proj', 'ln_2', 'mlp.c_fc', 'mlp.c_proj')}
+    by_name = {row['component']: row for row in rows}
+    subtotals = [{'group': group, 'per_instance': sum(by_name[m]['per_instance'] for m in members),
+                  'instances': hp.n_layer, 'expected': sum(by_name[m]['expected'] for m in members),
+                  'checkpoint': sum(by_name[m]['checkpoint'] for m in members)} for group, members in groups.items()]
+    unclaimed = sorted(set(stored) - claimed)
+    mismatches = [row['component'] for row in rows if not row['match']]
+    if unclaimed:
+        mismatches.append(f'{len(unclaimed)} checkpoint variable(s) outside the model: {", ".join(unclaimed[:5])}')
+    return {'model_dir': model_dir, 'hparams': hp.to_dict(), 'rows': rows, 'groups': subtotals,
+            'total_expected': sum(r['expected'] for r in rows),
+            'total_checkpoint': sum(int(np.prod(s)) for s in stored.values()),
+            'mismatches': mismatches}
+
+
+def format_table(table: dict) -> str:
+    lines = [f'{table["model_dir"]}: ' + ', '.join(f'{k}={v}' for k, v in table['hparams'].items()), '']
+    header = f'{"component":<13}{"shape":<32}{"per instance":>14}{"x":>4}{"from hparams":>15}{"in checkpoint":>15}'
+    lines += [header, '-' * len(header)]
+    for row in table['rows']:
+        shape = ', '.join(f'{k}{v}'.replace(' ', '') for k, v in row['shape'].items())
+        flag = '' if row['match'] else '  MISMATCH'
+        lines.append(f'{row["component"]:<13}{shape:<32}{row["per_instance"]:>14,}{row["instances"]:>4}'
+                     f'{row["expected"]:>15,}{row["checkpoint"]:>15,}{flag}')
+    lines.append('-' * len(header))
+    for group in table['groups']:
+        lines.append(f'{group["group"] + " (sum)":<45}{group["per_instance"]:>14,}{group["instances"]:>4}'
+                     f'{group["expected"]:>15,}{group["checkpoint"]:>15,}')
+    lines.append(f'{"total":<63}{table["total_expected"]:>15,}{table["total_checkpoint"]:>15,}')
+    for problem in table['mismatches']:
+        lines.append(f'MISMATCH: {problem}')
+    return '\n'.join(lines)
+
+
+def trace(model: Model, tokens, *, attention_weights: bool = False) -> list:
+    """Runs tokens [batch, sequence] eagerly; returns per block a dict of its named states as numpy.
+
+    The names are those in this module's docstring; attention_weights adds 'attn_weights'.
+    """
+    tokens = tf.cast(tf.convert_to_tensor(tokens), tf.int32)
+    model.check_inputs(tokens)
+    states = []
+    model.forward(tokens, states=states)
+    keep = list(STATE_NAMES) + (['attn_weights'] if attention_weights else [])
+    return [{name: block[name].numpy() for name in keep} for block in states]
+
+
+def compare(model_dir: str | os.PathLike, tokens: Sequence, *, model: Optional[Model] = None,
+            scale: float = 1e-4) -> dict:
+    """Runs the TF1 reference graph and this port on the same tokens; max |diff| per block and state.
+
+    The tolerance for each state is scale x max(1, max |reference|). model, when given,
+    stands in for the port (say, one changed in memory); the reference always reads
+    the checkpoint in model_dir. first_divergence names the first state, in forward
+    order, past its tolerance.
+    """
+    from .tf1_reference import Reference
+
+    model_dir = os.fspath(model_dir)
+    model = model or load_model(model_dir)
+    tokens = np.asarray(tokens, np.int32)
+    reference = Reference(model.hparams, find_checkpoint(model_dir))
+    try:
+        theirs = reference.trace(tokens)
+        their_logits = reference(tokens)['logits']
+    finally:
+        reference.close()
+    ours = trace(model, tokens, attention_weights=True)
+    rows = []
+    for block, (mine, ref) in enumerate(zip(ours, theirs)):
+        for state in COMPARED_STATES:
+            rows.append(_diff(f'h{block}', state, mine[state], ref[state], scale))
+    rows.append(_diff('ln_f', 'logits', model(tokens)['logits'].numpy(), their_logits, scale))
+    first = next((row for row in rows if not row['ok']), None)
+    return {'rows': rows, 'first_divergence': first and {'block': first['block'], 'state': first['state']}}
+
+
+def _diff(block, state, mine, ref, scale) -> dict:
+    diff = float(np.abs(mine - ref).max())
+    tolerance = scale * max(1.0, float(np.abs(ref).max()))
+    return {'block': block, 'state': state, 'max_abs_diff': diff, 'tolerance': tolerance, 'ok': diff <= tolerance}
+
+
+def format_comparison(report: dict) -> str:
+    lines = [f'{"block":<7}{"state":<14}{"max |diff|":>12}{"tolerance":>12}']
+    for row in report['rows']:
+        mark = '' if row['ok'] else '  <-- past tolerance'
+        lines.append(f'{row["block"]:<7}{row["state"]:<14}{row["max_abs_diff"]:>12.3g}{row["tolerance"]:>12.3g}{mark}')
+    first = report['first_divergence']
+    lines.append('all states within tolerance' if first is None else
+                 f'first divergence: block {first["block"]}, state {first["state"]}')
+    return '\n'.join(lines)

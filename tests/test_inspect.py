@@ -1,0 +1,95 @@
+"""Parameter accounting, named block states, and the block-by-block diff against the TF1 graph."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf import HParams
+from gpt2_tf.cli import main
+from gpt2_tf.inspect import compare, format_table, parameter_table, trace
+from gpt2_tf.model import STATE_NAMES
+from gpt2_tf.tf1_reference import Reference
+
+from conftest import FIXTURES, assert_close
+
+
+def test_accounting_equals_tensor_counts_on_fixtures(fixture_dir):
+    table = parameter_table(fixture_dir)
+    assert table['mismatches'] == []
+    assert all(row['match'] for row in table['rows'])
+    model = gpt2_tf.load_model(fixture_dir)
+    assert table['total_expected'] == table['total_checkpoint'] == sum(v.shape.num_elements() for v in model.variables)
+
+
+@pytest.mark.slow
+def test_accounting_on_124m_shapes(random_checkpoint):
+    table = parameter_table(random_checkpoint(HParams.named('124M'), scale=0.02))
+    rows = {row['component']: row for row in table['rows']}
+    groups = {g['group']: g for g in table['groups']}
+    assert rows['ln_1']['per_instance'] == 1_536 and rows['ln_1']['expected'] == 18_432
+    assert groups['mlp']['per_instance'] == 4_722_432
+    assert table['total_expected'] == table['total_checkpoint'] == 124_439_808
+    assert table['mismatches'] == []
+
+
+def test_disagreement_is_flagged(tmp_path):
+    folder = tmp_path / 'tiny'
+    shutil.copytree(FIXTURES / 'tf1-tiny', folder)
+    (folder / 'hparams.json').chmod(0o644)
+    HParams(n_vocab=512, n_ctx=64, n_embd=32, n_head=4, n_layer=2).to_json(folder / 'hparams.json')
+    table = parameter_table(folder)
+    assert table['mismatches'] == ['wpe']
+    assert 'wpe[64,32]' in format_table(table) and 'MISMATCH' in format_table(table)
+
+
+def test_inspect_cli_json(capsys):
+    assert main(['inspect', str(FIXTURES / 'tf1-tiny-hot'), '--json']) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table['total_expected'] == table['total_checkpoint'] == parameter_table(FIXTURES / 'tf1-tiny-hot')['total_checkpoint']
+
+
+def test_traced_states_satisfy_residual_identities_and_match_tf1(fixture_dir):
+    model = gpt2_tf.load_model(fixture_dir)
+    tokens = np.load(fixture_dir / 'reference.npz')['tokens']
+    ours = trace(model, tokens, attention_weights=True)
+    theirs = Reference(model.hparams, str(fixture_dir / 'model.ckpt')).trace(tokens)
+    assert len(ours) == model.hparams.n_layer
+    for n, (mine, ref) in enumerate(zip(ours, theirs)):
+        assert set(mine) == set(STATE_NAMES) | {'attn_weights'}
+        np.testing.assert_array_equal(mine['x_attn'], mine['x'] + mine['attn'])  # x'_n = x_n + attention delta
+        np.testing.assert_array_equal(mine['out'], mine['x_attn'] + mine['mlp'])  # x_{n+1} = x'_n + mlp delta
+        if n + 1 < len(ours):
+            np.testing.assert_array_equal(ours[n + 1]['x'], mine['out'])
+        np.testing.assert_allclose(mine['attn_weights'].sum(-1), 1, atol=1e-5)  # softmax rows
+        for name in mine:
+            assert_close(mine[name], ref[name], f'h{n} {name}')
+
+
+def test_compare_is_clean_on_an_honest_model():
+    report = compare(FIXTURES / 'tf1-tiny-hot', np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens'][:2])
+    assert report['first_divergence'] is None
+    assert len(report['rows']) == 3 * 8 + 1
+
+
+@pytest.mark.parametrize('variable, block, state', [
+    ('model/h1/ln_2/g', 'h1', 'z2'),
+    ('model/h0/attn/c_attn/w', 'h0', 'attn_weights'),
+    ('model/h2/mlp/c_proj/b', 'h2', 'mlp'),
+    ('model/ln_f/b', 'ln_f', 'logits'),
+])
+def test_compare_points_at_a_corrupted_variable(variable, block, state):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot')
+    target = model.variables_by_name()[variable]
+    target.assign(target * 1.01)
+    tokens = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens'][:2]
+    report = compare(FIXTURES / 'tf1-tiny-hot', tokens, model=model)
+    assert report['first_divergence'] == {'block': block, 'state': state}
+
+
+def test_compare_cli(capsys):
+    assert main(['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '1 2 3 4 5 6']) == 0
+    out = capsys.readouterr().out
+    assert 'all states within tolerance' in out and 'h1     z2' in out
