@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from .hparams import HParams
-from .model import Model
+from .model import Model, variable_shapes
 
 CHECKPOINT_PREFIX = 'model.ckpt'
 
@@ -82,14 +82,13 @@ def _describe(shapes: dict) -> str:
     return ', '.join(facts) or 'no GPT-2 variables'
 
 
-def verify(model: Model, shapes: dict, *, source: str, strict: bool = True) -> None:
-    """Raises CheckpointError unless the checkpoint's names and shapes are exactly the model's."""
-    expected = {name: tuple(v.shape.as_list()) for name, v in model.variables_by_name().items()}
+def verify(expected: dict, shapes: dict, *, hparams: HParams, source: str, strict: bool = True) -> None:
+    """Raises CheckpointError unless the checkpoint's names and shapes are exactly the expected ones."""
     problems = []
     for name, shape in expected.items():
         if name not in shapes:
             problems.append(f'{name}: missing from the checkpoint (expected shape {list(shape)})')
-        elif tuple(shapes[name]) != shape:
+        elif tuple(shapes[name]) != tuple(shape):
             problems.append(f'{name}: expected shape {list(shape)}, found {list(shapes[name])}')
     extra = sorted(set(shapes) - set(expected))
     if extra and strict:
@@ -97,7 +96,7 @@ def verify(model: Model, shapes: dict, *, source: str, strict: bool = True) -> N
         problems.append(f'{len(extra)} variable(s) the model does not have: {shown} '
                         f'(pass strict=False to ignore them, e.g. optimizer slots)')
     if problems:
-        hp = model.hparams
+        hp = hparams
         raise CheckpointError(
             f'checkpoint {source} does not match the model '
             f'(hparams: n_vocab={hp.n_vocab}, n_ctx={hp.n_ctx}, n_embd={hp.n_embd}, n_layer={hp.n_layer}; '
@@ -107,19 +106,17 @@ def verify(model: Model, shapes: dict, *, source: str, strict: bool = True) -> N
             + (f'\n  ... and {len(problems) - 10} more' if len(problems) > 10 else ''))
 
 
-def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> None:
-    """Assigns a checkpoint (folder or prefix) to the model, after checking every name and shape."""
-    prefix = find_checkpoint(path)
+def _checked_reader(prefix: str, expected: dict, hparams: HParams, *, strict: bool):
+    """A reader for a checkpoint whose names, shapes, dtypes and data size are all as expected."""
     reader = _open_reader(prefix)
     shapes = reader.get_variable_to_shape_map()
-    verify(model, shapes, source=prefix, strict=strict)
-    variables = model.variables_by_name()
+    verify(expected, shapes, hparams=hparams, source=prefix, strict=strict)
     dtypes = reader.get_variable_to_dtype_map()
-    for name in variables:
+    for name in expected:
         if dtypes[name] != tf.float32:
             raise CheckpointError(f'{prefix}: {name} is {dtypes[name].name}, expected float32')
-    # A truncated .data file is found here, before anything is assigned.
-    needed = sum(4 * int(np.prod(shapes[name])) for name in variables)
+    # A truncated .data file is found here, before anything is read or assigned.
+    needed = sum(4 * int(np.prod(shapes[name])) for name in expected)
     data_files = glob.glob(glob.escape(prefix) + '.data-*')
     if not data_files:
         raise FileNotFoundError(f'checkpoint {prefix}: no {os.path.basename(prefix)}.data-* file')
@@ -128,6 +125,23 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> No
         raise CheckpointError(
             f'checkpoint {prefix}: the .data file holds {have:,} bytes but the variables need '
             f'{needed:,}; it is truncated (an interrupted download?)')
+    return reader
+
+
+def check_folder(model_dir: str | os.PathLike, *, strict: bool = True) -> HParams:
+    """Checks a model folder without loading it: hparams.json, and the checkpoint's names, shapes and size."""
+    model_dir = os.fspath(model_dir)
+    hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
+    _checked_reader(find_checkpoint(model_dir), variable_shapes(hparams), hparams, strict=strict)
+    return hparams
+
+
+def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """Assigns a checkpoint (folder or prefix) to the model, after checking every name and shape."""
+    prefix = find_checkpoint(path)
+    variables = model.variables_by_name()
+    expected = {name: tuple(v.shape.as_list()) for name, v in variables.items()}
+    reader = _checked_reader(prefix, expected, model.hparams, strict=strict)
     values = {}
     for name in variables:
         try:

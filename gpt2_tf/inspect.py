@@ -21,26 +21,10 @@ import tensorflow as tf
 
 from .checkpoint import checkpoint_shapes, find_checkpoint, load_model
 from .hparams import HParams
-from .model import STATE_NAMES, Model
+from .model import STATE_NAMES, Model, components, variable_name
 
 # Forward order, in which the first divergence is looked for.
 COMPARED_STATES = ['x', 'z1', 'attn_weights', 'attn', 'x_attn', 'z2', 'mlp', 'out']
-
-
-def components(hp: HParams) -> list:
-    """(component, checkpoint scope under model/ with {i} for the block, {variable: shape}, instances)."""
-    e = hp.n_embd
-    per_block = [
-        ('ln_1', 'h{i}/ln_1', {'g': [e], 'b': [e]}),
-        ('attn.c_attn', 'h{i}/attn/c_attn', {'w': [1, e, 3 * e], 'b': [3 * e]}),
-        ('attn.c_proj', 'h{i}/attn/c_proj', {'w': [1, e, e], 'b': [e]}),
-        ('ln_2', 'h{i}/ln_2', {'g': [e], 'b': [e]}),
-        ('mlp.c_fc', 'h{i}/mlp/c_fc', {'w': [1, e, 4 * e], 'b': [4 * e]}),
-        ('mlp.c_proj', 'h{i}/mlp/c_proj', {'w': [1, 4 * e, e], 'b': [e]}),
-    ]
-    return ([('wte', '', {'wte': [hp.n_vocab, e]}, 1), ('wpe', '', {'wpe': [hp.n_ctx, e]}, 1)]
-            + [(name, scope, shapes, hp.n_layer) for name, scope, shapes in per_block]
-            + [('ln_f', 'ln_f', {'g': [e], 'b': [e]}, 1)])
 
 
 def parameter_table(model_dir: str | os.PathLike) -> dict:
@@ -54,7 +38,7 @@ def parameter_table(model_dir: str | os.PathLike) -> dict:
         found = 0
         for i in range(instances):
             for variable in shapes:
-                key = '/'.join(p for p in ('model', scope.format(i=i), variable) if p)
+                key = variable_name(scope, variable, i)
                 claimed.add(key)
                 found += int(np.prod(stored[key])) if key in stored else 0
         rows.append({'component': name, 'shape': {k: v for k, v in shapes.items()},

@@ -211,6 +211,33 @@ STATE_NAMES = {
 }
 
 
+def components(hp: HParams) -> list:
+    """The model's parts: (component, scope under model/ with {i} for the block, {variable: shape}, instances)."""
+    e = hp.n_embd
+    per_block = [
+        ('ln_1', 'h{i}/ln_1', {'g': [e], 'b': [e]}),
+        ('attn.c_attn', 'h{i}/attn/c_attn', {'w': [1, e, 3 * e], 'b': [3 * e]}),
+        ('attn.c_proj', 'h{i}/attn/c_proj', {'w': [1, e, e], 'b': [e]}),
+        ('ln_2', 'h{i}/ln_2', {'g': [e], 'b': [e]}),
+        ('mlp.c_fc', 'h{i}/mlp/c_fc', {'w': [1, e, 4 * e], 'b': [4 * e]}),
+        ('mlp.c_proj', 'h{i}/mlp/c_proj', {'w': [1, 4 * e, e], 'b': [e]}),
+    ]
+    return ([('wte', '', {'wte': [hp.n_vocab, e]}, 1), ('wpe', '', {'wpe': [hp.n_ctx, e]}, 1)]
+            + [(name, scope, shapes, hp.n_layer) for name, scope, shapes in per_block]
+            + [('ln_f', 'ln_f', {'g': [e], 'b': [e]}, 1)])
+
+
+def variable_name(scope: str, variable: str, layer: int = 0) -> str:
+    return '/'.join(part for part in ('model', scope.format(i=layer), variable) if part)
+
+
+def variable_shapes(hp: HParams) -> dict:
+    """{checkpoint name: shape} of every variable, without building the model."""
+    return {variable_name(scope, variable, i): tuple(shape)
+            for _, scope, shapes, instances in components(hp)
+            for i in range(instances) for variable, shape in shapes.items()}
+
+
 def past_shape(*, hparams: HParams, batch_size=None, sequence=None):
     return [batch_size, hparams.n_layer, 2, hparams.n_head, sequence, hparams.head_size]
 

@@ -1,0 +1,238 @@
+"""Downloading the published models: resumable, verified, safe to interrupt.
+
+Each file is written to <file>.part, resumed with an HTTP Range request after
+an interruption, checked against its size (and sha256 where it is known), and
+only then renamed to its final name. So a final name always holds a complete
+file, and a complete file is never fetched twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import os
+import re
+import sys
+import time
+from typing import Optional
+
+import requests
+
+from .hparams import OLD_NAMES, PUBLISHED
+
+BASE_URL = 'https://openaipublic.blob.core.windows.net/gpt-2/'  # the original script's location
+BASE_URL_ENV = 'GPT2_TF_BASE_URL'  # a mirror, when set
+FILES = ['checkpoint', 'encoder.json', 'hparams.json', 'model.ckpt.data-00000-of-00001',
+         'model.ckpt.index', 'model.ckpt.meta', 'vocab.bpe']
+KNOWN_SHA256 = {
+    'encoder.json': '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783',
+    'vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
+}
+CHUNK = 1 << 16  # a dropped connection loses at most the chunk being read
+
+
+class DownloadError(Exception):
+    """A download that cannot complete; the message says why."""
+
+
+class _Retry(Exception):
+    """A failure worth another attempt (network error, 5xx, a short read)."""
+
+
+def model_name(name: str) -> str:
+    """The published name for a model, accepting the old names 117M and 345M."""
+    name = OLD_NAMES.get(name, name)
+    if name not in PUBLISHED:
+        raise DownloadError(f'unknown model {name!r}; the published models are {", ".join(PUBLISHED)}')
+    return name
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(CHUNK), b''):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _total_size(response) -> Optional[int]:
+    if response.status_code == 206:
+        match = re.match(r'bytes \d+-\d+/(\d+)', response.headers.get('Content-Range', ''))
+        return int(match.group(1)) if match else None
+    length = response.headers.get('Content-Length')
+    return int(length) if length is not None else None
+
+
+def _check_status(response, url: str) -> None:
+    if response.status_code == 404:
+        raise DownloadError(f'{url}: 404 Not Found (is the model name right, and the base URL?)')
+    if response.status_code >= 500:
+        raise _Retry(f'{url}: server error {response.status_code}')
+    if response.status_code >= 400 and response.status_code != 416:
+        raise DownloadError(f'{url}: HTTP {response.status_code} {response.reason}')
+
+
+def _is_complete(session, url: str, path: str, sha256: Optional[str], timeout: float) -> bool:
+    """Whether a file under its final name matches the server's size (and the known hash)."""
+    if sha256 is not None:
+        return _sha256(path) == sha256
+    try:
+        response = session.head(url, timeout=timeout, allow_redirects=True)
+    except requests.RequestException:
+        return True  # offline: a final name is only ever given to a verified file
+    size = response.headers.get('Content-Length')
+    return response.status_code == 200 and size is not None and int(size) == os.path.getsize(path)
+
+
+def _attempt(session, url: str, part: str, *, timeout: float, progress, announced: dict) -> Optional[int]:
+    """One request: appends to part from where it ends. Returns the total size, when the server says.
+
+    announced['total'] keeps the size the first response gave; a later one that differs is an error.
+    """
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    headers = {'Range': f'bytes={have}-'} if have else {}
+    try:
+        with session.get(url, headers=headers, stream=True, timeout=timeout) as response:
+            _check_status(response, url)
+            if response.status_code == 416:  # nothing left to send: part is whole, or wrong
+                match = re.match(r'bytes \*/(\d+)', response.headers.get('Content-Range', ''))
+                if match and int(match.group(1)) == have:
+                    return have
+                os.remove(part)
+                raise _Retry(f'{url}: the partial file does not fit the server\'s; starting over')
+            total = _total_size(response)
+            first = announced.setdefault('total', total)
+            if None not in (first, total) and first != total:
+                os.remove(part)
+                raise DownloadError(f'{url}: size mismatch: the server announced {first:,} bytes, '
+                                    f'then {total:,} (the file changed?); run again to start over')
+            mode = 'ab' if response.status_code == 206 else 'wb'  # 200: Range ignored, so start over
+            if mode == 'wb':
+                have = 0
+            progress.reset(total=total)
+            progress.update(have)
+            with open(part, mode) as f:
+                for chunk in response.iter_content(CHUNK):
+                    f.write(chunk)
+                    progress.update(len(chunk))
+            return total
+    except requests.RequestException as e:
+        raise _Retry(f'{url}: {type(e).__name__}: {e}') from None
+
+
+def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries: int = 5,
+                  backoff: float = 1.0, timeout: float = 60.0, quiet: bool = False,
+                  session: Optional[requests.Session] = None) -> bool:
+    """Fetches url to path through path + '.part'. Returns False when path was already complete."""
+    from tqdm import tqdm
+
+    session = session or requests.Session()
+    if os.path.exists(path) and _is_complete(session, url, path, sha256, timeout):
+        return False
+    part = path + '.part'
+    name = os.path.basename(path)
+    announced = {}
+    with tqdm(desc=f'Fetching {name}', unit='B', unit_scale=True, unit_divisor=1024, disable=quiet,
+              file=sys.stderr, leave=True) as progress:
+        for attempt in range(retries + 1):
+            try:
+                total = _attempt(session, url, part, timeout=timeout, progress=progress, announced=announced)
+            except _Retry as e:
+                if attempt == retries:
+                    raise DownloadError(f'{e}; gave up after {retries + 1} attempts '
+                                        f'(run again to resume from {part})') from None
+                time.sleep(backoff * 2 ** attempt)
+                continue
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise DownloadError(f'disk full while writing {part}; free some space and run again '
+                                        f'to resume') from None
+                raise DownloadError(f'cannot write {part}: {e.strerror}') from None
+            size = os.path.getsize(part)
+            if total is not None and size < total:
+                if attempt == retries:
+                    raise DownloadError(f'{url}: got {size:,} of {total:,} bytes after {retries + 1} attempts '
+                                        f'(run again to resume from {part})')
+                time.sleep(backoff * 2 ** attempt)
+                continue
+            break
+    if total is not None and size != total:
+        os.remove(part)
+        raise DownloadError(f'{url}: size mismatch: got {size:,} bytes, the server announced {total:,}')
+    if sha256 is not None:
+        actual = _sha256(part)
+        if actual != sha256:
+            os.remove(part)
+            raise DownloadError(f'{name}: sha256 mismatch: expected {sha256}, got {actual} '
+                                f'(a corrupt download or a wrong mirror)')
+    os.replace(part, path)
+    return True
+
+
+def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Optional[str] = None,
+                   verify: bool = True, quiet: bool = False, retries: int = 5, backoff: float = 1.0,
+                   timeout: float = 60.0) -> str:
+    """Downloads a published model's seven files into models_dir/<model>; returns that folder.
+
+    base_url defaults to $GPT2_TF_BASE_URL, then the original location. With
+    verify, the checkpoint's names and shapes are checked against hparams.json.
+    """
+    model = model_name(model)
+    base_url = base_url or os.environ.get(BASE_URL_ENV) or BASE_URL
+    base_url = base_url if base_url.endswith('/') else base_url + '/'
+    folder = os.path.join(models_dir, model)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise DownloadError(f'cannot create {folder}: {e.strerror}') from None
+    session = requests.Session()
+    for filename in FILES:
+        fetched = download_file(f'{base_url}models/{model}/{filename}', os.path.join(folder, filename),
+                                sha256=KNOWN_SHA256.get(filename), retries=retries, backoff=backoff,
+                                timeout=timeout, quiet=quiet, session=session)
+        if not fetched and not quiet:
+            print(f'{filename}: already complete, skipped', file=sys.stderr)
+    if verify:
+        from .checkpoint import check_folder
+
+        try:
+            check_folder(folder)
+        except (ValueError, FileNotFoundError) as e:
+            raise DownloadError(f'the downloaded checkpoint does not load: {e}') from None
+    return folder
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog='download_model.py', description='Download a published GPT-2 model, as the original script does.')
+    parser.add_argument('model', help=f'one of {", ".join(PUBLISHED)} (117M and 345M are the old names), '
+                                      f'or "list"')
+    parser.add_argument('--models-dir', '--models_dir', default='checkpoints',
+                        help='where model folders go (default: checkpoints)')
+    parser.add_argument('--base-url', default=None,
+                        help=f'a mirror to download from (default: ${BASE_URL_ENV}, else {BASE_URL})')
+    parser.add_argument('--no-verify', action='store_true', help='skip the check that the checkpoint loads')
+    parser.add_argument('--quiet', action='store_true', help='no progress bars')
+    args = parser.parse_args(argv)
+    if args.model == 'list':
+        print('\n'.join(PUBLISHED))
+        return 0
+    try:
+        folder = download_model(args.model, args.models_dir, base_url=args.base_url, verify=not args.no_verify,
+                                quiet=args.quiet)
+    except DownloadError as e:
+        print(f'download_model.py: error: {e}', file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print('\ninterrupted; run the same command again to resume', file=sys.stderr)
+        return 130
+    name = os.path.basename(folder)
+    where = '' if os.path.normpath(args.models_dir) == 'checkpoints' else f' --models_dir {args.models_dir}'
+    print(f'{folder} is ready{"" if args.no_verify else " (checkpoint verified)"}. Sample from it with:\n'
+          f'  gpt2-tf generate "Hello, I\'m a language model," --model_name {name}{where}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The downloader against a real HTTP server on 127.0.0.1 serving an original-format checkpoint."""
+
+import errno
+import hashlib
+import http.server
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gpt2_tf import download
+from gpt2_tf.download import DownloadError, FILES, download_file, download_model
+from gpt2_tf.encoder import bundled_files
+
+from conftest import FIXTURES
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def published_files() -> dict:
+    """The seven files of a model folder: the tiny fixture checkpoint plus the real vocabulary."""
+    files = {name: (FIXTURES / 'tf1-tiny' / name).read_bytes() for name in FILES if name not in download.KNOWN_SHA256}
+    for path in bundled_files():
+        files[os.path.basename(path)] = pathlib.Path(path).read_bytes()
+    return files
+
+
+class Server:
+    """Serves /models/124M/<file>; behaviour per file set by the test. Records (method, file, Range) per request."""
+
+    def __init__(self):
+        self.files = published_files()
+        self.requests = []
+        self.ranges = True
+        self.drop_after = {}  # file -> bytes to send before dropping the connection, once
+        self.errors = {}  # file -> [status, ...] to answer before serving
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = 'HTTP/1.1'
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self.respond(head=True)
+
+            def do_GET(self):
+                self.respond(head=False)
+
+            def respond(self, head):
+                name = self.path.rsplit('/', 1)[-1]
+                server.requests.append((self.command, name, self.headers.get('Range')))
+                if not self.path.startswith('/models/124M/') or name not in server.files:
+                    return self.plain(404)
+                if server.errors.get(name):
+                    return self.plain(server.errors[name].pop(0))
+                body = server.files[name]
+                start = 0
+                match = re.match(r'bytes=(\d+)-', self.headers.get('Range') or '')
+                if match and server.ranges and not head:
+                    start = int(match.group(1))
+                    if start >= len(body):
+                        self.send_response(416)
+                        self.send_header('Content-Range', f'bytes */{len(body)}')
+                        self.send_header('Content-Length', '0')
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header('Content-Range', f'bytes {start}-{len(body) - 1}/{len(body)}')
+                else:
+                    self.send_response(200)
+                self.send_header('Content-Length', str(len(body) - start))
+                self.end_headers()
+                if head:
+                    return
+                payload = body[start:]
+                if name in server.drop_after:
+                    payload = payload[:server.drop_after.pop(name)]
+                    self.wfile.write(payload)
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(payload)
+
+            def plain(self, status):
+                self.send_response(status)
+                self.send_header('Content-Length', '0')
+                self.end_headers()
+
+        self.httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+        self.url = f'http://127.0.0.1:{self.httpd.server_address[1]}/'
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def gets(self, name):
+        return [r for r in self.requests if r[0] == 'GET' and r[1] == name]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+def fetch(server, tmp_path, **kwargs):
+    return download_model('124M', str(tmp_path), base_url=server.url, quiet=True, backoff=0.01, **kwargs)
+
+
+def assert_complete(server, folder):
+    for name, body in server.files.items():
+        assert (pathlib.Path(folder) / name).read_bytes() == body, name
+    assert not list(pathlib.Path(folder).glob('*.part'))
+
+
+def test_full_download_verifies_the_checkpoint(server, tmp_path):
+    folder = fetch(server, tmp_path)
+    assert folder == str(tmp_path / '124M')
+    assert_complete(server, folder)
+    assert sorted(os.listdir(folder)) == sorted(FILES)
+
+
+def test_old_name_maps_to_new(server, tmp_path):
+    assert download_model('117M', str(tmp_path), base_url=server.url, quiet=True).endswith('124M')
+
+
+def test_dropped_connection_resumes_with_range(server, tmp_path):
+    data = 'model.ckpt.data-00000-of-00001'
+    server.drop_after[data] = 150_000
+    fetch(server, tmp_path)
+    ranges = [r[2] for r in server.gets(data)]
+    assert ranges[0] is None and len(ranges) == 2
+    resumed_at = int(re.match(r'bytes=(\d+)-$', ranges[1]).group(1))
+    assert 0 < resumed_at <= 150_000  # whole chunks received before the drop are kept
+    assert_complete(server, tmp_path / '124M')
+
+
+def test_part_file_from_an_earlier_run_resumes(server, tmp_path):
+    data = 'model.ckpt.data-00000-of-00001'
+    (tmp_path / '124M').mkdir()
+    (tmp_path / '124M' / (data + '.part')).write_bytes(server.files[data][:1234])
+    fetch(server, tmp_path)
+    assert [r[2] for r in server.gets(data)] == ['bytes=1234-']
+    assert_complete(server, tmp_path / '124M')
+
+
+def test_server_without_range_restarts_the_file(server, tmp_path):
+    data = 'model.ckpt.data-00000-of-00001'
+    server.ranges = False
+    server.drop_after[data] = 150_000
+    fetch(server, tmp_path)
+    ranges = [r[2] for r in server.gets(data)]
+    assert ranges[0] is None and ranges[1].startswith('bytes=')  # asked to resume, got 200, rewrote
+    assert_complete(server, tmp_path / '124M')
+
+
+def test_404_is_a_clear_error(server, tmp_path):
+    del server.files['model.ckpt.index']
+    with pytest.raises(DownloadError, match=r'models/124M/model.ckpt.index: 404 Not Found'):
+        fetch(server, tmp_path)
+    assert not (tmp_path / '124M' / 'model.ckpt.index').exists()
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(DownloadError, match="unknown model '7B'; the published models are 124M, 355M, 774M, 1558M"):
+        download_model('7B', str(tmp_path))
+
+
+def test_500_then_success_retries(server, tmp_path):
+    server.errors['hparams.json'] = [500, 503]
+    fetch(server, tmp_path)
+    assert len(server.gets('hparams.json')) == 3
+    assert_complete(server, tmp_path / '124M')
+
+
+def test_persistent_500_gives_up(server, tmp_path):
+    server.errors['hparams.json'] = [500] * 10
+    with pytest.raises(DownloadError, match=r'server error 500; gave up after 3 attempts'):
+        fetch(server, tmp_path, retries=2)
+
+
+def test_corrupt_encoder_json_is_rejected(server, tmp_path):
+    server.files['encoder.json'] = server.files['encoder.json'].replace(b'"the"', b'"teh"')
+    with pytest.raises(DownloadError, match='encoder.json: sha256 mismatch: expected 196139668be6'):
+        fetch(server, tmp_path)
+    folder = tmp_path / '124M'
+    assert not (folder / 'encoder.json').exists() and not (folder / 'encoder.json.part').exists()
+
+
+def test_complete_files_are_skipped(server, tmp_path):
+    fetch(server, tmp_path)
+    server.requests.clear()
+    fetch(server, tmp_path)
+    assert [r for r in server.requests if r[0] == 'GET'] == []
+
+
+def test_a_short_file_under_a_final_name_is_fetched_again(server, tmp_path):
+    fetch(server, tmp_path)
+    index = tmp_path / '124M' / 'model.ckpt.index'
+    index.write_bytes(index.read_bytes()[:100])  # say, left by another tool
+    server.requests.clear()
+    fetch(server, tmp_path)
+    assert [r[1] for r in server.requests if r[0] == 'GET'] == ['model.ckpt.index']
+    assert_complete(server, tmp_path / '124M')
+
+
+def test_short_reads_give_up_and_keep_the_part(server, tmp_path):
+    # A server that announces more bytes than it ever sends.
+    data = 'model.ckpt.data-00000-of-00001'
+
+    class AlwaysShort(dict):
+        def pop(self, name, default=None):
+            return 70_000 if name == data else default
+
+        def __contains__(self, name):
+            return name == data
+
+    server.drop_after = AlwaysShort()
+    server.files[data] = server.files[data] * 2  # 343,040 bytes: more than three short reads bring
+    with pytest.raises(DownloadError, match=r'IncompleteRead.*gave up after 3 attempts \(run again to resume from .*data-00000-of-00001.part\)'):
+        fetch(server, tmp_path, retries=2)
+    assert (tmp_path / '124M' / (data + '.part')).stat().st_size == 196_608  # kept for the next run
+    assert not (tmp_path / '124M' / data).exists()
+
+
+def test_size_mismatch_is_an_error(server, tmp_path):
+    # The file changes size between an interrupted request and its resumption.
+    data = 'model.ckpt.data-00000-of-00001'
+    original = server.files[data]
+
+    class GrowAfterDrop(dict):
+        def pop(self, name, default=None):
+            if name != data:
+                return default
+            server.drop_after = {}
+            server.files[data] = original + b'\0' * 1000
+            return 140_000
+
+        def __contains__(self, name):
+            return name == data
+
+    server.drop_after = GrowAfterDrop()
+    with pytest.raises(DownloadError, match=r'size mismatch: the server announced 171,520 bytes, then 172,520'):
+        fetch(server, tmp_path)
+    assert not (tmp_path / '124M' / data).exists() and not (tmp_path / '124M' / (data + '.part')).exists()
+
+
+def test_disk_full_is_a_clear_error(server, tmp_path, monkeypatch):
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, chunk):
+            raise OSError(errno.ENOSPC, 'No space left on device')
+
+    def fake_open(path, mode='r', *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullDisk(f) if str(path).endswith('.part') else f
+
+    monkeypatch.setattr(download, 'open', fake_open, raising=False)
+    with pytest.raises(DownloadError, match=r'disk full while writing .*checkpoint.part; free some space'):
+        fetch(server, tmp_path)
+
+
+def test_verification_catches_a_mismatched_checkpoint(server, tmp_path):
+    server.files['hparams.json'] = b'{"n_vocab": 512, "n_ctx": 32, "n_embd": 64, "n_head": 4, "n_layer": 2}'
+    with pytest.raises(DownloadError, match='(?s)does not load: .*model/wte: expected shape \\[512, 64\\], found \\[512, 32\\]'):
+        fetch(server, tmp_path)
+    assert fetch(server, tmp_path / 'unverified', verify=False)
+
+
+def test_command_line(server, tmp_path):
+    env = dict(os.environ, GPT2_TF_BASE_URL=server.url, TF_CPP_MIN_LOG_LEVEL='2')
+    done = subprocess.run([sys.executable, str(ROOT / 'download_model.py'), '124M', '--models-dir', str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert 'gpt2-tf generate' in done.stdout and 'Fetching model.ckpt.index' in done.stderr
+    assert_complete(server, tmp_path / '124M')
+    missing = subprocess.run([sys.executable, str(ROOT / 'download_model.py'), '355M', '--models-dir', str(tmp_path),
+                              '--quiet'], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert missing.returncode == 1
+    assert 'error: ' in missing.stderr and '404 Not Found' in missing.stderr
+
+
+def test_known_hashes_match_the_bundled_files():
+    for path in bundled_files():
+        with open(path, 'rb') as f:
+            assert hashlib.sha256(f.read()).hexdigest() == download.KNOWN_SHA256[os.path.basename(path)]
