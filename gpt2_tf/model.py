@@ -282,7 +282,9 @@ class Model(tf.Module):
         return tf.device(self.device) if self.device else contextlib.nullcontext()
 
     def embed(self, X, positions):  # [batch, sequence] x2 -> [batch, sequence, n_embd]
-        return tf.gather(self.wte, X) + tf.gather(self.wpe, positions)
+        # Gather from dense reads: tf.gather on the variable itself puts it in copy-on-read
+        # mode, and every later read of wte (the logits) would then copy all 154 MB of it.
+        return tf.gather(self.wte.value(), X) + tf.gather(self.wpe.value(), positions)
 
     def logits(self, h):  # [batch, sequence, n_embd] -> [batch, sequence, n_vocab]
         batch, sequence, n_embd = shape_list(h)

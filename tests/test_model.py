@@ -161,3 +161,14 @@ def test_variable_shapes_without_building_agree_with_the_model():
     hparams = HParams(n_vocab=11, n_ctx=7, n_embd=12, n_head=3, n_layer=3)
     built = {name: tuple(v.shape.as_list()) for name, v in Model(hparams).variables_by_name().items()}
     assert variable_shapes(hparams) == built
+
+
+def test_xla_compiled_calls_match_fixtures(fixture_dir):
+    ref = load_reference(fixture_dir)
+    model = gpt2_tf.load_model(fixture_dir, jit_compile=True)
+    out = model(ref['tokens'])
+    assert_close(out['logits'], ref['logits'], 'XLA logits')
+    assert_close(out['present'], ref['present'], 'XLA present')
+    k = int(ref['split'])
+    split = model(ref['tokens'][:, k:], past=model(ref['tokens'][:, :k])['present'])
+    assert_close(split['logits'], ref['split_logits'], 'XLA split_logits')
