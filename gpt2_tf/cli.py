@@ -74,17 +74,16 @@ def _load(args):
     return load_model(model_dir, device=args.device), encoder_for(model_dir)
 
 
-def _print_samples(texts, total, quiet, first=1):
+def _print_samples(texts, total, quiet):
     from tqdm import tqdm
 
     with tqdm(total=total or None, desc='samples', unit='sample', file=sys.stderr, leave=False,
               disable=quiet) as bar:
-        for number, text in enumerate(texts, start=first):
+        for number, text in enumerate(texts, start=1):
             tqdm.write(BANNER.format(number), file=sys.stdout)
             tqdm.write(text, file=sys.stdout)
             sys.stdout.flush()
             bar.update(1)
-    return number if total != 0 else None
 
 
 def _options(args, encoder):
@@ -101,14 +100,14 @@ def cmd_sample(args):
 
 
 def cmd_generate(args):
-    from .text import iter_samples
+    from .text import default_length, iter_samples
 
     model, encoder = _load(args)
     length = args.length
     if length is not None and length >= model.hparams.n_ctx:
         raise CommandError(f"can't get samples longer than the window: length must be < {model.hparams.n_ctx}")
     if length is None:
-        length = model.hparams.n_ctx // 2
+        length = default_length(model, conditional=True)
     if args.prompt is not None:
         texts = iter_samples(model, args.prompt, length, nsamples=args.nsamples, **_options(args, encoder))
         _print_samples(texts, args.nsamples, args.quiet)

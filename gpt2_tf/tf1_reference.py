@@ -100,8 +100,12 @@ def _block(x, scope, *, past, hparams, record):
 
 
 def gpt2_graph(hparams: HParams, X, past=None, *, scope='model', reuse=False, states=None):
-    """The original model(hparams, X, past): returns {'logits', 'present'}; fills states per block."""
-    with v1.variable_scope(scope, reuse=reuse):
+    """The original model(hparams, X, past): returns {'logits', 'present'}; fills states per block.
+
+    The variables are reference variables, as TF 1.x made them (TF2 would make
+    resource variables, whose reads copy wte once it has been gathered from).
+    """
+    with v1.variable_scope(scope, reuse=reuse, use_resource=False):
         batch, sequence = _dims(X)
         wpe = v1.get_variable('wpe', [hparams.n_ctx, hparams.n_embd],
                               initializer=v1.random_normal_initializer(stddev=0.01))
