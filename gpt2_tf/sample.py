@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import secrets
 import weakref
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf

@@ -11,7 +11,6 @@ tool and the tests then measure the port against it.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf

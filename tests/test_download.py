@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from gpt2_tf import download
-from gpt2_tf.download import DownloadError, FILES, download_file, download_model
+from gpt2_tf.download import DownloadError, FILES, download_model
 from gpt2_tf.encoder import bundled_files
 
 from conftest import FIXTURES
