@@ -116,6 +116,9 @@ def _attempt(session, url: str, part: str, *, timeout: float, progress, announce
                 for chunk in response.iter_content(CHUNK):
                     f.write(chunk)
                     progress.update(len(chunk))
+            size = os.path.getsize(part)
+            if total is not None and size < total:  # the connection ended early without an error
+                raise _Retry(f'{url}: got {size:,} of {total:,} bytes')
             return total
     except requests.RequestException as e:
         raise _Retry(f'{url}: {type(e).__name__}: {e}') from None
@@ -149,14 +152,8 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
                     raise DownloadError(f'disk full while writing {part}; free some space and run again '
                                         f'to resume') from None
                 raise DownloadError(f'cannot write {part}: {e.strerror}') from None
-            size = os.path.getsize(part)
-            if total is not None and size < total:
-                if attempt == retries:
-                    raise DownloadError(f'{url}: got {size:,} of {total:,} bytes after {retries + 1} attempts '
-                                        f'(run again to resume from {part})')
-                time.sleep(backoff * 2 ** attempt)
-                continue
             break
+    size = os.path.getsize(part)
     if total is not None and size != total:
         os.remove(part)
         raise DownloadError(f'{url}: size mismatch: got {size:,} bytes, the server announced {total:,}')

@@ -122,6 +122,10 @@ def decoder(model: Model, mode: str = 'xla'):
     return functions[mode]
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _prompts(context, start_token, batch_size) -> list:
     """The prompts as a list of lists of ints, one per row."""
     if (context is None) == (start_token is None):
@@ -139,7 +143,7 @@ def _prompts(context, start_token, batch_size) -> list:
             raise ValueError(f'batch_size {batch_size} differs from the {len(rows)} prompts in context')
     for row in rows:
         for t in row:
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            if not _is_int(t):
                 raise ValueError(f'token ids must be integers, got {t!r}')
     return [[int(t) for t in row] for row in rows]
 
@@ -148,7 +152,7 @@ def _check(model: Model, rows: list, length, temperature, top_k, top_p, seed) ->
     hp = model.hparams
     if not rows:
         raise ValueError('batch_size must be at least 1')
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
+    if not _is_int(length) or length < 1:
         raise ValueError(f'length must be a positive integer, got {length!r}')
     for i, row in enumerate(rows):
         if not row:
@@ -158,14 +162,13 @@ def _check(model: Model, rows: list, length, temperature, top_k, top_p, seed) ->
             raise ValueError(f'prompt {i}: token id {bad[0]} is outside the vocabulary [0, {hp.n_vocab})')
         if len(row) + length > hp.n_ctx:
             raise ValueError(f'prompt {i}: {len(row)} prompt tokens + length {length} > n_ctx = {hp.n_ctx}')
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+    if not _is_int(top_k) or top_k < 0:
         raise ValueError(f'top_k must be an integer >= 0, got {top_k!r}')
     if not 0 <= top_p <= 1:
         raise ValueError(f'top_p must be in [0, 1], got {top_p!r}')
     if not temperature >= 0:
         raise ValueError(f'temperature must be >= 0, got {temperature!r}')
-    if seed is not None and not (np.ndim(seed) == 0 and isinstance(seed, (int, np.integer)) or (
-            np.shape(seed) == (2,) and all(isinstance(s, (int, np.integer)) for s in seed))):
+    if seed is not None and not (_is_int(seed) or (np.shape(seed) == (2,) and all(map(_is_int, seed)))):
         raise ValueError(f'seed must be an integer or a pair of integers, got {seed!r}')
 
 
@@ -179,7 +182,7 @@ def sample_sequence(model: Model, length: int, context=None, start_token: Option
     [batch, T + length], prompts included; for prompts of different lengths, a list of
     one such row each. temperature = 0 or top_k = 1 is greedy. The same seed (an int,
     or a pair of ints) gives the same tokens; seed None draws one. mode: 'xla' (the
-    default; about 3x faster than 'function' on CPU, see BENCHMARKS.md), 'function'
+    default; about 1.3x faster than 'function' on CPU, see BENCHMARKS.md), 'function'
     (a plain tf.function) or 'eager'.
     """
     rows = _prompts(context, start_token, batch_size)
@@ -194,7 +197,7 @@ def sample_sequence(model: Model, length: int, context=None, start_token: Option
         padded[i, pads[i]:] = row
     if seed is None:
         seed = secrets.randbits(31)
-    seed = (seed, 0) if np.ndim(seed) == 0 else tuple(seed)
+    seed = (seed, 0) if _is_int(seed) else tuple(seed)
     with model._on_device():
         new = run(tf.constant(padded), tf.constant(pads), tf.constant(length, tf.int32),
                   tf.constant(max(temperature, 1e-30), tf.float32), tf.constant(top_k, tf.int32),
