@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from gpt2_tf.encoder import Encoder, _read_files, bundled_files
+from gpt2_tf.assets import bundled_vocabulary
+from gpt2_tf.encoder import Encoder, _read_files
 
 CASES = pathlib.Path(__file__).parent.parent / 'tests' / 'fixtures' / 'bpe-cases.jsonl'
 
@@ -41,7 +42,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--mb', type=float, default=3.0)
     args = parser.parse_args()
-    encoder, merges = _read_files(*bundled_files())
+    encoder, merges = _read_files(*bundled_vocabulary())
     text = corpus(args.mb, encoder)
     size = len(text.encode('utf-8')) / 1e6
     print(f'{size:.2f} MB of mixed text')

@@ -27,9 +27,10 @@ _EXPORTS = {
     'encode': 'encoder',
     'decode': 'encoder',
     'generate': 'text',
-    'trace': 'inspect',
-    'parameter_table': 'inspect',
-    'compare': 'inspect',
+    'sample_chunks': 'sample',
+    'trace': 'diagnostics',
+    'parameter_table': 'diagnostics',
+    'compare': 'diagnostics',
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,9 +17,29 @@ import numpy as np
 import tensorflow as tf
 
 from .hparams import HParams
-from .model import Model, variable_shapes
+from .model import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
+
+
+def block_shapes(n_embd: int) -> dict:
+    """{name under model/h<i>/: shape} for one block's variables, conv1d weights in their [1, nx, nf] shape."""
+    e = n_embd
+    return {'ln_1/g': (e,), 'ln_1/b': (e,),
+            'attn/c_attn/w': (1, e, 3 * e), 'attn/c_attn/b': (3 * e,),
+            'attn/c_proj/w': (1, e, e), 'attn/c_proj/b': (e,),
+            'ln_2/g': (e,), 'ln_2/b': (e,),
+            'mlp/c_fc/w': (1, e, 4 * e), 'mlp/c_fc/b': (4 * e,),
+            'mlp/c_proj/w': (1, 4 * e, e), 'mlp/c_proj/b': (e,)}
+
+
+def variable_shapes(hp: HParams) -> dict:
+    """{checkpoint name: shape} of every variable of the original graph, without building it."""
+    shapes = {'model/wte': (hp.n_vocab, hp.n_embd), 'model/wpe': (hp.n_ctx, hp.n_embd)}
+    for layer in range(hp.n_layer):
+        shapes.update({f'model/h{layer}/{name}': shape for name, shape in block_shapes(hp.n_embd).items()})
+    shapes.update({'model/ln_f/g': (hp.n_embd,), 'model/ln_f/b': (hp.n_embd,)})
+    return shapes
 
 
 class CheckpointError(ValueError):

@@ -134,7 +134,7 @@ def cmd_generate(args):
 def cmd_inspect(args):
     import json
 
-    from .inspect import format_table, parameter_table
+    from .diagnostics import format_table, parameter_table
 
     table = parameter_table(args.model_dir)
     print(json.dumps(table, indent=2) if args.json else format_table(table))
@@ -143,7 +143,7 @@ def cmd_inspect(args):
 
 
 def cmd_compare(args):
-    from .inspect import compare, format_comparison
+    from .diagnostics import compare, format_comparison
 
     tokens = [int(t) for t in args.tokens.replace(',', ' ').split()]
     report = compare(args.model_dir, [tokens])

@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-from importlib import resources
 from typing import Iterable, Optional, Sequence
 
 import regex
+
+from .assets import bundled_vocabulary
 
 END_OF_TEXT = '<|endoftext|>'
 
@@ -192,12 +193,6 @@ def _read_files(encoder_path: str, bpe_path: str):
     return encoder, merges
 
 
-def bundled_files() -> tuple:
-    """Paths of the encoder.json and vocab.bpe that ship with the package (OpenAI's, unchanged)."""
-    assets = resources.files('gpt2_tf') / 'assets'
-    return str(assets / 'encoder.json'), str(assets / 'vocab.bpe')
-
-
 @functools.lru_cache(maxsize=8)
 def _cached_encoder(encoder_path: str, bpe_path: str, fast: Optional[bool]) -> Encoder:
     encoder, merges = _read_files(encoder_path, bpe_path)
@@ -207,7 +202,7 @@ def _cached_encoder(encoder_path: str, bpe_path: str, fast: Optional[bool]) -> E
 def get_encoder(model_dir: Optional[str | os.PathLike] = None, *, fast: Optional[bool] = None) -> Encoder:
     """The encoder of a model folder (its encoder.json and vocab.bpe), or the bundled GPT-2 one."""
     if model_dir is None:
-        encoder_path, bpe_path = bundled_files()
+        encoder_path, bpe_path = bundled_vocabulary()
     else:
         encoder_path = os.path.join(os.fspath(model_dir), 'encoder.json')
         bpe_path = os.path.join(os.fspath(model_dir), 'vocab.bpe')

@@ -1,44 +1,55 @@
-"""Sampling, after openai/gpt-2 src/sample.py, as one compiled decode loop over a KV cache.
+"""Sampling, after openai/gpt-2 src/sample.py: the original filters, and a compiled decode loop.
 
-The filters keep the original's semantics. The loop differs from the
-original's in how it runs, not in what it computes: keys and values go into a
-cache preallocated for the prompt plus `length` (rounded up to a bucket, so
-that nearby lengths share one trace), and each step attends to the filled
-slots only, through the original's -1e10 mask.
+What is drawn is the original's: softmax(top_p(top_k(logits / temperature)))
+with the original filters' semantics. How it is drawn differs:
+
+- Each step's choice is one pure function, `choose`. The filters' kept set is
+  a threshold on the logits (`floors`): top_k through tf.math.top_k, top_p by
+  bisection over the logit values (exact, no sort). The draw is Gumbel-max over
+  the kept set only, so a removed token has probability exactly 0 at any
+  temperature.
+- Noise comes from stateless Philox integers keyed by each row's own seed and
+  the step, so a row draws the same tokens whatever else is in the batch, and
+  in every mode.
+- The loop runs as compiled chunks of `chunk` tokens over a preallocated KV
+  cache (gpt2_tf.decoding); the compiled code is shared by every model of a
+  shape (gpt2_tf.compiled), and callers get tokens chunk by chunk.
 """
 
 from __future__ import annotations
 
-import functools
 import secrets
-import weakref
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import tensorflow as tf
 
+from . import compiled, validate
+from .decoding import decode, empty_cache
 from .model import Model
 
 MODES = ('xla', 'function', 'eager')
+DEFAULT_CHUNK = 32  # tokens per compiled call; see BENCHMARKS.md for the overhead against one call
+UNIFORM_BITS = 23  # u = (b + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24]
+TOP_P_MARGIN = 8e-6  # a token whose cumulative probability is this close below top_p is dropped
+_TOP_K_SIZES = (64, 256, 1024, 4096, 16384)  # tf.math.top_k compiles per k; these are the sizes it sees
 
 
-def top_k_logits(logits, k):  # [batch, vocab] -> [batch, vocab]
+# --- the original filters --------------------------------------------------------------------
+
+def top_k_logits(logits, k: int):  # [batch, vocab] -> [batch, vocab]
     """Keeps the k largest logits of each row, and any tied with the k-th; k = 0 keeps all.
 
     The rest become -1e10, as in the original.
     """
     logits = tf.convert_to_tensor(logits)
-    k = tf.convert_to_tensor(k, tf.int32)
-
-    def cut():
-        ordered = tf.sort(logits, direction='DESCENDING', axis=-1)
-        kth = tf.gather(ordered, tf.minimum(k, tf.shape(logits)[-1]) - 1, axis=-1)  # [batch]
-        return tf.where(logits < kth[:, None], tf.cast(-1e10, logits.dtype), logits)
-
-    return tf.cond(k > 0, cut, lambda: logits)
+    if k == 0:
+        return logits
+    values, _ = tf.math.top_k(logits, k=min(k, logits.shape[-1]))
+    return tf.where(logits < values[:, -1:], tf.cast(-1e10, logits.dtype), logits)
 
 
-def top_p_logits(logits, p):  # [batch, vocab] -> [batch, vocab]
+def top_p_logits(logits, p: float):  # [batch, vocab] -> [batch, vocab]
     """Nucleus filtering: keeps the tokens whose inclusive cumulative probability is <= p.
 
     As in the original, the token that crosses p is dropped, and at least one
@@ -46,12 +57,173 @@ def top_p_logits(logits, p):  # [batch, vocab] -> [batch, vocab]
     trailing axis and failed for batch > 1; here it has one.
     """
     logits = tf.convert_to_tensor(logits)
-    p = tf.convert_to_tensor(p, logits.dtype)
     ordered = tf.sort(logits, direction='DESCENDING', axis=-1)
     cumulative = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1)
     last = tf.maximum(tf.reduce_sum(tf.cast(cumulative <= p, tf.int32), axis=-1) - 1, 0)  # [batch]
     floor = tf.gather(ordered, last, axis=-1, batch_dims=1)  # [batch]
     return tf.where(logits < floor[:, None], tf.cast(-1e10, logits.dtype), logits)
+
+
+# --- one step's choice -----------------------------------------------------------------------
+
+def order_keys(x):
+    """float32 [...] -> int64 [...] with the same order: the kept sets are thresholds on these."""
+    x = tf.where(tf.equal(x, 0), tf.zeros_like(x), x)  # -0.0 ties with 0.0
+    bits = tf.bitcast(x, tf.int32)
+    return tf.cast(tf.where(bits < 0, tf.bitwise.bitwise_xor(bits, 0x7fffffff), bits), tf.int64)
+
+
+def nucleus_floor(keys, probs, target):
+    """The original top-p cut as a threshold: keys, probs [batch, vocab], target [batch] -> floor key [batch].
+
+    Sorted by logit, the original keeps a token when the cumulative probability up
+    to and including it is <= p. That is a threshold t: the smallest logit whose
+    mass at or above it is <= target, found by bisection over the keys; then the
+    next lower logit too when its first token still fits (ties share a logit).
+    """
+    big = tf.constant(2**40, tf.int64)
+    low = tf.reduce_min(tf.where(probs > 0, keys, big), axis=-1)
+    high = tf.reduce_max(keys, axis=-1) + 1
+
+    def mass(t):  # [batch] -> [batch]: probability of the tokens with key >= t
+        return tf.reduce_sum(tf.where(keys >= t[:, None], probs, 0.0), axis=-1)
+
+    def halve(low, high):
+        mid = (low + high) // 2
+        fits = mass(mid) <= target
+        return [tf.where(fits, low, mid + 1), tf.where(fits, mid, high)]
+
+    low, _ = tf.while_loop(lambda low, high: tf.reduce_any(low < high), halve, [low, high],
+                           maximum_iterations=34)
+    t1 = tf.reduce_min(tf.where(keys >= low[:, None], keys, big), axis=-1)  # big: the top alone is over
+    t2 = tf.reduce_max(tf.where((keys < t1[:, None]) & (probs > 0), keys, -big), axis=-1)
+    p2 = tf.reduce_max(tf.where(tf.equal(keys, t2[:, None]), probs, 0.0), axis=-1)
+    top = tf.reduce_max(keys, axis=-1)
+    floor = tf.where((t2 > -big) & (mass(t1) + p2 <= target), t2, t1)
+    return tf.minimum(floor, top)
+
+
+def floors(logits, temperature, top_k, top_p, *, kmax: int):
+    """The kept set of top_p(top_k(logits / temperature)) as a threshold: keep order_keys(logits) >= floor.
+
+    logits [batch, vocab]; temperature, top_p float32 [batch] (temperature > 0);
+    top_k int32 [batch], 0 for none; kmax (static) >= every top_k in use, 0 if none.
+    Returns floor int64 [batch], and z = (logits - max) / temperature [batch, vocab].
+    """
+    vocab = logits.shape[-1]
+    keys = order_keys(logits)
+    none = tf.fill(tf.shape(logits)[:1], tf.constant(-2**40, tf.int64))
+    floor_k = none
+    if kmax:
+        values, _ = tf.math.top_k(logits, k=min(kmax, vocab))
+        kth = tf.gather(values, tf.maximum(tf.minimum(top_k, values.shape[-1]) - 1, 0), batch_dims=1)
+        floor_k = tf.where((top_k > 0) & (top_k < vocab), order_keys(kth), none)
+    z = (logits - tf.reduce_max(logits, axis=-1, keepdims=True)) / temperature[:, None]
+
+    def nucleus():
+        valid = keys >= floor_k[:, None]
+        zv = tf.where(valid, z, -np.inf)
+        probs = tf.exp(zv - tf.reduce_logsumexp(zv, axis=-1, keepdims=True))  # 0 outside the top-k set
+        return tf.where(top_p < 1, nucleus_floor(keys, probs, top_p - TOP_P_MARGIN), none)
+
+    floor_p = tf.cond(tf.reduce_any(top_p < 1), nucleus, lambda: none)
+    return tf.maximum(floor_k, floor_p), z
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _mix64(z):
+    """SplitMix64's output function: a bijection on uint64 that scrambles every bit."""
+    for shift, factor in zip((30, 27), _MIX):
+        z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(shift, tf.uint64))) * factor
+    return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(31, tf.uint64)))
+
+
+def uniform_bits(keys, step, vocab: int):
+    """[batch, vocab] integers in [0, 2**UNIFORM_BITS): row i's from its own key and the step alone.
+
+    Each (row key, step) seeds a SplitMix64 stream (the generator behind Java's
+    SplittableRandom), and token j takes the stream's j-th output. It is integer
+    arithmetic only, so XLA, tf.function and eager give the same bits, and one
+    op covers the whole batch (a per-row stateless Philox call costs 6x more at batch 8).
+    """
+    keys = tf.bitcast(tf.cast(keys, tf.int64), tf.uint64)  # [batch, 2]
+    state = _mix64(_mix64(_mix64(keys[:, 0] + _GOLDEN) + keys[:, 1]) + tf.bitcast(tf.cast(step, tf.int64), tf.uint64))
+    counter = tf.cast(tf.range(1, vocab + 1), tf.uint64)
+    out = _mix64(state[:, None] + counter[None, :] * _GOLDEN)
+    return tf.cast(tf.bitwise.right_shift(out, tf.constant(64 - UNIFORM_BITS, tf.uint64)), tf.int32)
+
+
+def uniform(bits):
+    """Integers in [0, 2**23) -> (b + 0.5) / 2**23: exact in float32, in [2**-24, 1 - 2**-24], never 0 or 1."""
+    return (tf.cast(bits, tf.float32) + 0.5) / (1 << UNIFORM_BITS)
+
+
+def gumbel(keys, step, vocab: int):
+    """Gumbel noise [batch, vocab] from uniform_bits: in [-2.81, 16.64], never infinite."""
+    return -tf.math.log(-tf.math.log(uniform(uniform_bits(keys, step, vocab))))
+
+
+def first_argmax(x):
+    """[batch, vocab] -> int32 [batch]: the lowest index of each row's maximum, as tf.argmax.
+
+    Written as a max and a min: XLA on CPU runs tf.argmax (a reduction over value
+    and index pairs) and whatever is fused into it element by element, 4x slower.
+    """
+    top = tf.reduce_max(x, axis=-1, keepdims=True)
+    ids = tf.range(x.shape[-1], dtype=tf.int32)
+    return tf.reduce_min(tf.where(x >= top, ids, x.shape[-1]), axis=-1)
+
+
+def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: bool = False):
+    """One step's tokens: logits [batch, vocab] -> int32 [batch].
+
+    Per row: temperature, top_p float32 [batch], top_k int32 [batch], keys int64
+    [batch, 2]; step int64 []. A row with temperature 0 or top_k 1 takes the
+    argmax (the lowest id among exact ties); greedy=True (static) says every row does.
+    """
+    best = first_argmax(logits)
+    if greedy:
+        return best
+    is_greedy = tf.equal(temperature, 0) | tf.equal(top_k, 1)
+    floor, z = floors(logits, tf.where(is_greedy, 1.0, temperature), top_k, top_p, kmax=kmax)
+    noisy = tf.where(order_keys(logits) >= floor[:, None], z + gumbel(keys, step, logits.shape[-1]), -np.inf)
+    return tf.where(is_greedy, best, first_argmax(noisy))
+
+
+# --- the compiled loop -----------------------------------------------------------------------
+
+def _start(model: Model, context, pads, *, size: int):
+    """context [batch, P] left-padded by pads [batch] -> the last token's logits [batch, vocab], caches of size slots."""
+    return decode(model, context, pads=pads, caches=empty_cache(model, tf.shape(context)[0], size), index=0)
+
+
+def _advance(model: Model, logits, caches, pads, prompt, step0, length, temperature, top_k, top_p, keys, *,
+             chunk: int, greedy: bool, kmax: int):
+    """Chooses tokens step0 .. step0 + chunk - 1 (fewer at the end) -> tokens [batch, chunk], logits, caches.
+
+    Token i goes in cache slot prompt + i (the padded prompt fills the first
+    slots). Each chosen token is fed back except the sequence's last, as in the original.
+    """
+    options = dict(kmax=kmax, greedy=greedy)
+    out = tf.zeros([chunk, tf.shape(logits)[0]], tf.int32)
+    fed = tf.minimum(chunk, length - 1 - step0)  # steps in this chunk whose token is fed back
+
+    def body(j, logits, caches, out):
+        i = tf.cast(step0 + j, tf.int64)
+        token = choose(logits, temperature, top_k, top_p, keys, i, **options)
+        logits, caches = decode(model, token[:, None], pads=pads, caches=caches, index=prompt + step0 + j)
+        return j + 1, logits, caches, tf.tensor_scatter_nd_update(out, [[j]], token[None])
+
+    _, logits, caches, out = tf.while_loop(lambda j, *_: j < fed, body, [tf.constant(0), logits, caches, out])
+    # The sequence's last token, when it falls in this chunk: chosen, never fed.
+    last = choose(logits, temperature, top_k, top_p, keys, tf.cast(step0 + fed, tf.int64), **options)
+    ends_here = fed < chunk
+    out = tf.tensor_scatter_nd_update(out, [[tf.minimum(fed, chunk - 1)]],
+                                      tf.where(ends_here, last, out[tf.minimum(fed, chunk - 1)])[None])
+    return tf.transpose(out), logits, caches
 
 
 def bucket(n: int) -> int:
@@ -61,149 +233,142 @@ def bucket(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def _generate(model: Model, context, pads, length, temperature, top_k, top_p, seed, *, steps: int, greedy: bool):
-    """context [batch, Tp] left-padded by pads [batch] -> new tokens [batch, length]; length <= steps."""
-    hp = model.hparams
-    batch, prompt = tf.shape(context)[0], context.shape[1]
-    size = prompt + steps  # cache slots: the padded prompt, then one per new token
-    caches = [tf.zeros([batch, 2, hp.n_head, size, hp.head_size]) for _ in range(hp.n_layer)]
-    slots = tf.range(size)
-
-    def positions(query):  # [n] slots -> [batch, n] positions; each row starts at 0 after its padding
-        return tf.maximum(query[None, :] - pads[:, None], 0)
-
-    def visible(query):  # [n] slots -> [batch, 1, n, size]: past and own slots, never padding
-        seen = (slots[None, None, :] >= pads[:, None, None]) & (slots[None, None, :] <= query[None, :, None])
-        return tf.cast(seen, tf.float32)[:, None]
-
-    def choose(logits, step):  # [batch, vocab] -> [batch]
-        if greedy:
-            return tf.argmax(logits, axis=-1, output_type=tf.int32)
-        logits = top_k_logits(logits / temperature, top_k)
-        logits = tf.cond(top_p < 1, lambda: top_p_logits(logits, top_p), lambda: logits)
-        # Gumbel-max draws from the same distribution as the original's tf.multinomial.
-        # Philox integers are the same bits with and without XLA (its floats are not),
-        # so every mode draws the same tokens for a seed.
-        step_seed = tf.random.experimental.stateless_fold_in(seed, step)
-        bits = tf.random.stateless_uniform(tf.shape(logits), step_seed, minval=0, maxval=1 << 24,
-                                           dtype=tf.int32, alg='philox')
-        u = (tf.cast(bits, tf.float32) + 0.5) / (1 << 24)  # uniform in (0, 1)
-        return tf.argmax(logits - tf.math.log(-tf.math.log(u)), axis=-1, output_type=tf.int32)
-
-    first = tf.range(prompt)
-    logits, caches = model.decode(context, positions=positions(first), caches=caches,
-                                  cache_index=0, mask=visible(first))
-    token = choose(logits, 0)
-    out = tf.TensorArray(tf.int32, size=steps, element_shape=token.shape).write(0, token)
-
-    def body(i, token, caches, out):
-        slot = (prompt + i - 1)[None]  # the previous token goes in the next free slot
-        logits, caches = model.decode(token[:, None], positions=positions(slot), caches=caches,
-                                      cache_index=slot[0], mask=visible(slot))
-        token = choose(logits, i)
-        return i + 1, token, caches, out.write(i, token)
-
-    _, _, _, out = tf.while_loop(lambda i, *_: i < length, body, [tf.constant(1), token, caches, out])
-    return tf.transpose(out.stack())[:, :length]
+def top_k_size(top_k: np.ndarray, vocab: int) -> int:
+    """The static k for tf.math.top_k that covers every row's top_k (0: no row truncates)."""
+    largest = int(max((k for k in top_k if 0 < k < vocab), default=0))
+    if not largest:
+        return 0
+    return next((size for size in _TOP_K_SIZES if size >= largest), vocab)
 
 
-_compiled = weakref.WeakKeyDictionary()
+def row_keys(seed, batch: int) -> np.ndarray:
+    """int64 [batch, 2]: one Philox key per row.
 
-
-def decoder(model: Model, mode: str = 'xla'):
-    """The decode loop for a model: XLA-compiled ('xla'), a plain tf.function ('function'), or eager."""
-    if mode not in MODES:
-        raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-    if mode == 'eager':
-        return functools.partial(_generate, model)
-    functions = _compiled.setdefault(model, {})
-    if mode not in functions:
-        functions[mode] = tf.function(functools.partial(_generate, model), jit_compile=(mode == 'xla'))
-    return functions[mode]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    seed: an int s (the pair (s, 0)), a pair p (row i gets fold_in(p, i)), one pair
+    per row (used as given), or None (a random pair).
+    """
+    if seed is None:
+        seed = (secrets.randbits(63), secrets.randbits(63))
+    validate.check_seed(seed, batch)
+    if validate.is_int(seed):
+        seed = (seed, 0)
+    seed = np.asarray(seed, np.int64)
+    if seed.ndim == 2:  # one pair per row
+        return seed
+    return np.stack([tf.random.experimental.stateless_fold_in(seed, np.int64(i), alg='philox').numpy()
+                     for i in range(batch)])
 
 
 def _prompts(context, start_token, batch_size) -> list:
     """The prompts as a list of lists of ints, one per row."""
     if (context is None) == (start_token is None):
         raise ValueError('give exactly one of context and start_token')
+    if batch_size is not None and (not validate.is_int(batch_size) or batch_size < 1):
+        raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
     if start_token is not None:
-        return [[int(start_token)]] * (1 if batch_size is None else batch_size)
+        return [[start_token]] * (batch_size or 1)
     if isinstance(context, (tf.Tensor, np.ndarray)):
         context = np.asarray(context).tolist()
     context = list(context)
     if not context or not isinstance(context[0], (list, tuple, np.ndarray)):
-        rows = [context] * (1 if batch_size is None else batch_size)  # one prompt, repeated
+        rows = [context] * (batch_size or 1)  # one prompt, repeated
     else:
         rows = [list(row) for row in context]
         if batch_size is not None and batch_size != len(rows):
             raise ValueError(f'batch_size {batch_size} differs from the {len(rows)} prompts in context')
     for row in rows:
         for t in row:
-            if not _is_int(t):
+            if not validate.is_int(t):
                 raise ValueError(f'token ids must be integers, got {t!r}')
     return [[int(t) for t in row] for row in rows]
 
 
-def _check(model: Model, rows: list, length, temperature, top_k, top_p, seed) -> None:
-    hp = model.hparams
-    if not rows:
-        raise ValueError('batch_size must be at least 1')
-    if not _is_int(length) or length < 1:
-        raise ValueError(f'length must be a positive integer, got {length!r}')
-    for i, row in enumerate(rows):
-        if not row:
-            raise ValueError(f'prompt {i} is empty; give at least one token, or start_token')
-        bad = [t for t in row if not 0 <= t < hp.n_vocab]
-        if bad:
-            raise ValueError(f'prompt {i}: token id {bad[0]} is outside the vocabulary [0, {hp.n_vocab})')
-        if len(row) + length > hp.n_ctx:
-            raise ValueError(f'prompt {i}: {len(row)} prompt tokens + length {length} > n_ctx = {hp.n_ctx}')
-    if not _is_int(top_k) or top_k < 0:
-        raise ValueError(f'top_k must be an integer >= 0, got {top_k!r}')
-    if not 0 <= top_p <= 1:
-        raise ValueError(f'top_p must be in [0, 1], got {top_p!r}')
-    if not temperature >= 0:
-        raise ValueError(f'temperature must be >= 0, got {temperature!r}')
-    if seed is not None and not (_is_int(seed) or (np.shape(seed) == (2,) and all(map(_is_int, seed)))):
-        raise ValueError(f'seed must be an integer or a pair of integers, got {seed!r}')
+class Request:
+    """A checked sampling request: padded prompts, per-row options and keys, ready for the loop."""
+
+    def __init__(self, model: Model, length, context, start_token, batch_size, temperature, top_k, top_p,
+                 seed, mode: str, chunk: Optional[int]):
+        hp = model.hparams
+        self.rows = _prompts(context, start_token, batch_size)
+        batch = len(self.rows)
+        validate.check_length(length, hp.n_ctx)
+        for i, row in enumerate(self.rows):
+            if not row:
+                raise ValueError(f'prompt {i} is empty; give at least one token, or start_token')
+            validate.check_token_ids(row, hp.n_vocab, name=f'prompt {i}: token')
+            validate.check_window(len(row), length, hp.n_ctx, what=f'prompt {i}')
+        self.temperature, self.top_k, self.top_p = validate.check_sampling(temperature, top_k, top_p, batch)
+        self.keys = row_keys(seed, batch)
+        if mode not in MODES:
+            raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+        if chunk is not None and (not validate.is_int(chunk) or chunk < 1):
+            raise ValueError(f'chunk must be a positive integer, got {chunk!r}')
+        self.length, self.mode = length, mode
+        self.chunk = min(chunk or DEFAULT_CHUNK, bucket(length))
+        self.greedy = bool(np.all((self.temperature == 0) | (self.top_k == 1)))
+        self.kmax = 0 if self.greedy else top_k_size(self.top_k, hp.n_vocab)
+        prompt = bucket(max(len(row) for row in self.rows))
+        self.context = np.zeros([batch, prompt], np.int32)
+        self.pads = np.array([prompt - len(row) for row in self.rows], np.int32)
+        for i, row in enumerate(self.rows):
+            self.context[i, self.pads[i]:] = row
+        # Cache slots: the padded prompt, then the fed tokens, rounded up so that nearby lengths share code.
+        self.size = prompt + bucket(length)
+
+
+def _run(model: Model, request: Request) -> Iterator[np.ndarray]:
+    start = compiled.shared(_start, model.hparams, request.mode)
+    advance = compiled.shared(_advance, model.hparams, request.mode)
+    pads = tf.constant(request.pads)
+    logits, caches = start(model, tf.constant(request.context), pads, size=request.size)
+    options = [tf.constant(request.temperature), tf.constant(request.top_k), tf.constant(request.top_p),
+               tf.constant(request.keys)]
+    prompt = tf.constant(request.context.shape[1], tf.int32)
+    length = tf.constant(request.length, tf.int32)
+    step = 0
+    while step < request.length:
+        tokens, logits, caches = advance(model, logits, caches, pads, prompt, tf.constant(step, tf.int32), length,
+                                         *options, chunk=request.chunk, greedy=request.greedy, kmax=request.kmax)
+        n = min(request.chunk, request.length - step)
+        yield tokens.numpy()[:, :n]
+        step += n
+
+
+def sample_chunks(model: Model, length: int, context=None, start_token: Optional[int] = None,
+                  batch_size: Optional[int] = None, temperature=1, top_k=0, top_p=1, seed=None, *,
+                  mode: str = 'xla', chunk: Optional[int] = None) -> Iterator[np.ndarray]:
+    """sample_sequence as a generator: yields the new tokens, int32 [batch, n], chunk by chunk.
+
+    Each chunk is one compiled call of `chunk` tokens (DEFAULT_CHUNK by default;
+    the last may be shorter). Stop iterating to stop generating.
+    Every argument is checked before anything runs.
+    """
+    request = Request(model, length, context, start_token, batch_size, temperature, top_k, top_p, seed, mode,
+                      chunk)
+    return _run(model, request)
 
 
 def sample_sequence(model: Model, length: int, context=None, start_token: Optional[int] = None,
-                    batch_size: Optional[int] = None, temperature: float = 1, top_k: int = 0,
-                    top_p: float = 1, seed=None, *, mode: str = 'xla'):
+                    batch_size: Optional[int] = None, temperature=1, top_k=0, top_p=1, seed=None, *,
+                    mode: str = 'xla', chunk: Optional[int] = None):
     """Generates `length` tokens after each prompt, as the original sample_sequence does.
 
-    Give exactly one of context (token ids: one prompt, a [batch, T] array, or a list of
-    prompts of different lengths) and start_token (with batch_size). Returns int32
-    [batch, T + length], prompts included; for prompts of different lengths, a list of
-    one such row each. temperature = 0 or top_k = 1 is greedy. The same seed (an int,
-    or a pair of ints) gives the same tokens; seed None draws one. mode: 'xla' (the
-    default; about 1.3x faster than 'function' on CPU, see BENCHMARKS.md), 'function'
-    (a plain tf.function) or 'eager'.
+    Give exactly one of context (token ids: one prompt, a [batch, T] array, or a
+    list of prompts of different lengths) and start_token (with batch_size).
+    Returns int32 [batch, T + length], prompts included; for prompts of different
+    lengths, a list of one such row each.
+
+    temperature (in [0, 2]; 0 is greedy), top_k (0: none; 1 is greedy) and top_p
+    (1: none) are numbers, or one per row. seed: an int, a pair of ints, or one
+    pair per row [batch, 2]; a pair p gives row i the key fold_in(p, i), and a row
+    draws the same tokens as its key given alone as a one-row seed. None draws a
+    random seed. mode: 'xla' (default), 'function' or 'eager'; all three draw the
+    same tokens. chunk: tokens per compiled call (see sample_chunks).
     """
-    rows = _prompts(context, start_token, batch_size)
-    _check(model, rows, length, temperature, top_k, top_p, seed)
-    run = decoder(model, mode)  # checks mode before any compute
-    greedy = temperature == 0 or top_k == 1
-    prompt = bucket(max(len(row) for row in rows))
-    padded = np.zeros([len(rows), prompt], np.int32)
-    pads = np.zeros([len(rows)], np.int32)
-    for i, row in enumerate(rows):
-        pads[i] = prompt - len(row)
-        padded[i, pads[i]:] = row
-    if seed is None:
-        seed = secrets.randbits(31)
-    seed = (seed, 0) if _is_int(seed) else tuple(seed)
-    with model._on_device():
-        new = run(tf.constant(padded), tf.constant(pads), tf.constant(length, tf.int32),
-                  tf.constant(max(temperature, 1e-30), tf.float32), tf.constant(top_k, tf.int32),
-                  tf.constant(top_p, tf.float32), tf.constant(seed, tf.int64),
-                  steps=bucket(length), greedy=greedy).numpy()
-    out = [np.concatenate([np.asarray(row, np.int32), new[i]]) for i, row in enumerate(rows)]
-    if len({len(row) for row in rows}) == 1:
+    request = Request(model, length, context, start_token, batch_size, temperature, top_k, top_p, seed, mode,
+                      chunk)
+    new = np.concatenate(list(_run(model, request)), axis=1)
+    out = [np.concatenate([np.asarray(row, np.int32), new[i]]) for i, row in enumerate(request.rows)]
+    if len({len(row) for row in request.rows}) == 1:
         return np.stack(out)
     return out

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import itertools
 import os
-from importlib import resources
 from typing import Iterator, Optional
 
+from .assets import bundled_checkpoint  # noqa: F401  (re-exported: the CLI's fallback model)
 from .encoder import END_OF_TEXT, Encoder, get_encoder
 from .model import Model
 from .sample import sample_sequence
-
-
-def bundled_checkpoint() -> str:
-    """A tiny original-format checkpoint with random weights (the real vocabulary, 2 layers), for trying things out."""
-    return str(resources.files('gpt2_tf') / 'assets' / 'test-checkpoint')
 
 
 def encoder_for(model_dir: str | os.PathLike) -> Encoder:
@@ -27,7 +22,7 @@ def encoder_for(model_dir: str | os.PathLike) -> Encoder:
 def default_length(model: Model, conditional: bool) -> int:
     """The original scripts' defaults: half the window after a prompt, the whole window without one."""
     n_ctx = model.hparams.n_ctx
-    return n_ctx // 2 if conditional else n_ctx - 1  # the start token takes one slot
+    return n_ctx // 2 if conditional else n_ctx
 
 
 def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[int] = None, *,

@@ -10,8 +10,6 @@ tool and the tests then measure the port against it.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import tensorflow as tf
 
@@ -128,7 +126,10 @@ def gpt2_graph(hparams: HParams, X, past=None, *, scope='model', reuse=False, st
 
 
 def top_k_filter(logits, k):
-    """The original top_k_logits: logits [batch, vocab]; ties with the k-th value survive."""
+    """The original top_k_logits: logits [batch, vocab]; ties with the k-th value survive; k = 0 keeps all."""
+    if k == 0:
+        return logits
+
     def cut():
         values, _ = tf.nn.top_k(logits, k=k)
         return tf.where(logits < values[:, -1, None], tf.ones_like(logits) * -1e10, logits)
@@ -214,31 +215,3 @@ class Reference:
 
     def close(self):
         self.session.close()
-
-
-def write_random_checkpoint(model_dir: str | os.PathLike, hparams: HParams, *, seed: int = 0,
-                            scale: float = 0.05, meta_graph: bool = True) -> str:
-    """Writes an original-format checkpoint with random values through tf.compat.v1.train.Saver.
-
-    Every value is non-trivial: gains are 1 + noise, biases are noise, so a port
-    that drops a gain or a bias fails. Returns the checkpoint prefix.
-    """
-    model_dir = os.fspath(model_dir)
-    os.makedirs(model_dir, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    graph = tf.Graph()
-    with graph.as_default():
-        tokens = v1.placeholder(tf.int32, [None, None])
-        gpt2_graph(hparams, tokens)
-        variables = v1.global_variables()
-        saver = v1.train.Saver(var_list=variables, save_relative_paths=True)
-        with v1.Session(graph=graph) as session:
-            for variable in variables:
-                shape = variable.shape.as_list()
-                value = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
-                if variable.op.name.endswith('/g'):
-                    value += 1
-                variable.load(value, session)
-            prefix = saver.save(session, os.path.join(model_dir, 'model.ckpt'), write_meta_graph=meta_graph)
-    hparams.to_json(os.path.join(model_dir, 'hparams.json'))
-    return prefix

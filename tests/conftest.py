@@ -7,7 +7,7 @@ import pytest
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 from gpt2_tf import HParams  # noqa: E402
-from gpt2_tf.tf1_reference import write_random_checkpoint  # noqa: E402
+from support import write_random_checkpoint  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures'
 FIXTURE_NAMES = ['tf1-tiny', 'tf1-tiny-hot']

@@ -9,7 +9,8 @@ import pytest
 import gpt2_tf
 from gpt2_tf import CheckpointError, HParams
 from gpt2_tf.checkpoint import checkpoint_shapes, find_checkpoint
-from gpt2_tf.tf1_reference import Reference, write_random_checkpoint
+from gpt2_tf.tf1_reference import Reference
+from support import write_random_checkpoint
 
 from conftest import FIXTURES, assert_close
 

@@ -14,7 +14,7 @@ import pytest
 
 from gpt2_tf import download
 from gpt2_tf.download import DownloadError, FILES, download_model
-from gpt2_tf.encoder import bundled_files
+from gpt2_tf.assets import bundled_vocabulary as bundled_files
 
 from conftest import FIXTURES
 

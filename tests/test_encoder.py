@@ -7,7 +7,8 @@ import shutil
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gpt2_tf.encoder import END_OF_TEXT, Encoder, bundled_files, bytes_to_unicode, get_encoder
+from gpt2_tf.assets import bundled_vocabulary as bundled_files
+from gpt2_tf.encoder import END_OF_TEXT, Encoder, bytes_to_unicode, get_encoder
 
 from conftest import FIXTURES
 

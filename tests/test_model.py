@@ -157,7 +157,7 @@ def test_bad_call_inputs(tokens, past, message):
 
 
 def test_variable_shapes_without_building_agree_with_the_model():
-    from gpt2_tf.model import variable_shapes
+    from gpt2_tf.checkpoint import variable_shapes
     hparams = HParams(n_vocab=11, n_ctx=7, n_embd=12, n_head=3, n_layer=3)
     built = {name: tuple(v.shape.as_list()) for name, v in Model(hparams).variables_by_name().items()}
     assert variable_shapes(hparams) == built

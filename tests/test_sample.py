@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import gpt2_tf
 from gpt2_tf import HParams
-from gpt2_tf.sample import MODES, _compiled, bucket, decoder, sample_sequence, top_k_logits, top_p_logits
+from gpt2_tf import compiled, sample
+from gpt2_tf.sample import MODES, bucket, sample_chunks, sample_sequence, top_k_logits, top_p_logits
 
 from conftest import FIXTURES
 
@@ -64,13 +65,17 @@ def test_mixed_length_batch_equals_row_by_row(models):
         np.testing.assert_array_equal(out, sample_sequence(model, 30, context=row, top_k=1)[0])
 
 
+def traces(model, mode='xla') -> int:
+    return sum(compiled.shared(fn, model.hparams, mode).tracing_count for fn in (sample._start, sample._advance))
+
+
 def test_new_prompt_length_in_a_bucket_does_not_retrace():
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
-    xla = decoder(model, 'xla')
-    for prompt, length in [(3, 20), (5, 17), (8, 24), (6, 26)]:  # prompts bucket to 8, lengths to 32
+    before = traces(model)
+    for prompt, length in [(3, 20), (5, 17), (8, 24), (6, 25)]:  # prompts bucket to 8, lengths to 32
         sample_sequence(model, length, context=list(range(1, prompt + 1)), seed=1, top_k=40, top_p=0.9)
     assert bucket(3) == bucket(8) == 8 and bucket(17) == bucket(32) == 32
-    assert xla.experimental_get_tracing_count() == 1
+    assert traces(model) - before <= 2  # at most one trace each of _start and _advance
 
 
 SEEDED = ('import gpt2_tf, sys; from gpt2_tf.sample import sample_sequence; '
@@ -114,29 +119,49 @@ class CountingModel:
 
     hparams = HParams(n_vocab=50, n_ctx=40, n_embd=4, n_head=1, n_layer=1)
 
-    def _on_device(self):
+    def on_device(self):
         return tf.device('/CPU:0')
 
-    def decode(self, X, *, positions, caches, cache_index, mask):
-        return tf.one_hot((positions[:, -1] + 1) % 50, 50) * 10, caches
+
+def counting_decode(model, X, *, pads, caches, index):
+    position = index + tf.shape(X)[1] - 1 - pads  # of the last token fed, per row
+    fed.append(X.shape[1])
+    return tf.one_hot((position + 1) % 50, 50) * 10, caches
 
 
-def test_loop_positions_with_a_fake_model():
-    out = sample_sequence(CountingModel(), 6, context=[[7, 7, 7], [9]], top_k=1, mode='eager')
+fed = []
+
+
+@pytest.mark.parametrize('chunk', [1, 3, 32])
+def test_loop_positions_with_a_fake_model(monkeypatch, chunk):
+    monkeypatch.setattr(sample, 'decode', counting_decode)
+    monkeypatch.setattr(sample, 'empty_cache', lambda model, batch, size: [])
+    fed.clear()
+    out = sample_sequence(CountingModel(), 6, context=[[7, 7, 7], [9]], top_k=1, mode='eager', chunk=chunk)
     np.testing.assert_array_equal(out[0], [7, 7, 7, 3, 4, 5, 6, 7, 8])
     np.testing.assert_array_equal(out[1], [9, 1, 2, 3, 4, 5, 6])
+    assert fed == [8] + [1] * 5  # the padded prompt, then every new token but the last
 
 
 @pytest.mark.parametrize('kwargs, message', [
-    (dict(length=30, context=[1] * 3), r'3 prompt tokens \+ length 30 > n_ctx = 32'),
+    (dict(length=31, context=[1] * 3), r'prompt 0: 3 tokens \+ length 31 exceeds the window by 1 '
+                                       r'\(needs prompt \+ length - 1 <= n_ctx = 32\)'),
+    (dict(length=33, start_token=0), 'length 33 is longer than the window'),
     (dict(length=5, context=[]), 'prompt 0 is empty'),
     (dict(length=5, context=[[1, 2], []]), 'prompt 1 is empty'),
-    (dict(length=5, context=[1, 512]), r'token id 512 is outside the vocabulary \[0, 512\)'),
+    (dict(length=5, context=[1, 512]), r'prompt 0: token id 512 is outside the vocabulary \[0, 512\)'),
     (dict(length=5, context=[-3]), 'token id -3 is outside'),
+    (dict(length=5, context=[2**32 + 5]), 'token id 4294967301 is outside'),
     (dict(length=5, context=[1], top_k=-1), 'top_k must be an integer >= 0'),
     (dict(length=5, context=[1], top_p=1.5), r'top_p must be in \[0, 1\]'),
     (dict(length=5, context=[1], top_p=-0.1), r'top_p must be in \[0, 1\]'),
-    (dict(length=5, context=[1], temperature=-1), 'temperature must be >= 0'),
+    (dict(length=5, context=[1], temperature=-1), r'temperature must be in \[0, 2\]'),
+    (dict(length=5, context=[1], temperature=2.5), r'temperature must be in \[0, 2\]'),
+    (dict(length=5, context=[1], temperature=float('nan')), r'temperature must be in \[0, 2\]'),
+    (dict(length=5, context=[[1], [2]], top_k=[1, 2, 3]), r'top_k must be a number or one value per row \(2\)'),
+    (dict(length=5, context=[1], seed=2**70), 'seed .* is out of range'),
+    (dict(length=5, context=[1], seed=(1, 2, 3)), 'seed must be an integer, a pair of integers, or one pair per row'),
+    (dict(length=5, context=[1], chunk=0), 'chunk must be a positive integer'),
     (dict(length=0, context=[1]), 'length must be a positive integer'),
     (dict(length=5), 'give exactly one of context and start_token'),
     (dict(length=5, context=[1], start_token=0), 'give exactly one of context and start_token'),
@@ -144,8 +169,58 @@ def test_loop_positions_with_a_fake_model():
     (dict(length=5, context=[1.5]), 'token ids must be integers'),
     (dict(length=5, context=[1], mode='fast'), "mode must be one of"),
 ])
-def test_bad_requests_fail_before_compute(kwargs, message):
+def test_bad_requests_fail_before_compute(kwargs, message, monkeypatch):
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    monkeypatch.setattr(sample, '_run', lambda *a: pytest.fail('ran before the request was checked'))
     with pytest.raises(ValueError, match=message):
         sample_sequence(model, **kwargs)
-    assert model not in _compiled  # nothing was traced or run
+
+
+# --- per-row seeds and options, the chunked loop ------------------------------------------------
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_row_equals_its_key_sampled_alone(models, mode):
+    model = models['tf1-tiny-hot']
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [3]]
+    options = dict(temperature=[0.8, 1.0, 1.7], top_k=[0, 20, 5], top_p=[0.9, 1.0, 0.5])
+    together = sample_sequence(model, 20, context=prompts, seed=(11, 4), mode=mode, **options)
+    keys = sample.row_keys((11, 4), 3)
+    for i, prompt in enumerate(prompts):
+        alone = sample_sequence(model, 20, context=prompt, seed=keys[i:i + 1], mode=mode,
+                                **{name: values[i] for name, values in options.items()})
+        np.testing.assert_array_equal(together[i], alone[0], f'row {i}')
+
+
+def test_row_keys_follow_the_seed_forms():
+    pair = sample.row_keys((3, 9), 4)
+    assert pair.shape == (4, 2) and pair.dtype == np.int64 and len({tuple(k) for k in pair}) == 4
+    np.testing.assert_array_equal(sample.row_keys(3, 4), sample.row_keys((3, 0), 4))  # an int s is (s, 0)
+    np.testing.assert_array_equal(sample.row_keys(pair, 4), pair)  # one pair per row: used as given
+    np.testing.assert_array_equal(pair[2], tf.random.experimental.stateless_fold_in(
+        tf.constant([3, 9], tf.int64), tf.constant(2, tf.int64), alg='philox').numpy())
+
+
+@pytest.mark.parametrize('chunk', [1, 5, 16])
+def test_chunk_size_does_not_change_the_tokens(models, chunk):
+    model = models['tf1-tiny-hot']
+    kwargs = dict(context=[[5, 6, 7], [8, 9, 10]], seed=5, top_k=30, top_p=0.95, temperature=1.2)
+    np.testing.assert_array_equal(sample_sequence(model, 23, chunk=chunk, **kwargs),
+                                  sample_sequence(model, 23, chunk=64, **kwargs))
+
+
+def test_sample_chunks_yields_the_same_tokens_chunk_by_chunk(models):
+    model = models['tf1-tiny-hot']
+    chunks = list(sample_chunks(model, 21, context=[5, 6, 7], batch_size=2, seed=8, chunk=8))
+    assert [c.shape for c in chunks] == [(2, 8), (2, 8), (2, 5)]
+    whole = sample_sequence(model, 21, context=[5, 6, 7], batch_size=2, seed=8)
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1), whole[:, 3:])
+    first = next(iter(sample_chunks(model, 21, context=[5, 6, 7], batch_size=2, seed=8, chunk=8)))
+    np.testing.assert_array_equal(first, chunks[0])  # stopping after one chunk is allowed
+
+
+def test_the_length_rule_allows_the_whole_window(models):
+    model = models['tf1-tiny']  # n_ctx = 32
+    out = sample_sequence(model, 32, start_token=0, batch_size=2, seed=1)  # 1 + 32 - 1 = n_ctx
+    assert out.shape == (2, 33)
+    out = sample_sequence(model, 28, context=[1, 2, 3, 4, 5], top_k=1)  # 5 + 28 - 1 = n_ctx
+    assert out.shape == (1, 33)

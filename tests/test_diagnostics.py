@@ -9,8 +9,7 @@ import pytest
 import gpt2_tf
 from gpt2_tf import HParams
 from gpt2_tf.cli import main
-from gpt2_tf.inspect import compare, format_table, parameter_table, trace
-from gpt2_tf.model import STATE_NAMES
+from gpt2_tf.diagnostics import STATE_NAMES, compare, format_table, parameter_table, trace
 from gpt2_tf.tf1_reference import Reference
 
 from conftest import FIXTURES, assert_close

@@ -1,14 +1,7 @@
 """Seeing inside the model: parameter accounting, named block states, and a block-by-block diff against TF1.
 
-The named states of each block (model.STATE_NAMES):
-    x       x_n, the block input (for h0, the token plus position embeddings)
-    z1      ln_1(x_n)
-    attn    the attention delta, attn(z1)
-    x_attn  x'_n = x_n + attention delta
-    z2      ln_2(x'_n)
-    mlp     the mlp delta, mlp(z2)
-    out     x_{n+1} = x'_n + mlp delta
-and, on request, attn_weights: the softmaxed attention [batch, heads, dst, src].
+The named states of each block (STATE_NAMES), and on request attn_weights,
+the softmaxed attention [batch, heads, dst, src].
 """
 
 from __future__ import annotations
@@ -19,9 +12,46 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .checkpoint import checkpoint_shapes, find_checkpoint, load_model
+from .checkpoint import checkpoint_shapes, find_checkpoint, load_model, variable_shapes
 from .hparams import HParams
-from .model import STATE_NAMES, Model, components, variable_name
+from . import model as graph
+from .model import Model, attention_mask, positions_for
+
+# The states trace records per block, in forward order.
+STATE_NAMES = {
+    'x': 'x_n, the block input (the embeddings for h0)',
+    'z1': 'ln_1(x_n)',
+    'attn': 'the attention delta, attn(z1)',
+    'x_attn': "x'_n = x_n + attention delta",
+    'z2': "ln_2(x'_n)",
+    'mlp': 'the mlp delta, mlp(z2)',
+    'out': "x_{n+1} = x'_n + mlp delta, the block output",
+}
+
+# The model's parts: (component, scope under model/ with {i} for the block, instances per n_layer or 1).
+COMPONENTS = [('wte', 'wte', False), ('wpe', 'wpe', False),
+              ('ln_1', 'h{i}/ln_1', True), ('attn.c_attn', 'h{i}/attn/c_attn', True),
+              ('attn.c_proj', 'h{i}/attn/c_proj', True), ('ln_2', 'h{i}/ln_2', True),
+              ('mlp.c_fc', 'h{i}/mlp/c_fc', True), ('mlp.c_proj', 'h{i}/mlp/c_proj', True),
+              ('ln_f', 'ln_f', False)]
+
+def variable_name(scope: str, variable: str, layer: int = 0) -> str:
+    """The checkpoint name of a component's variable: ('h{i}/ln_1', 'g', 3) -> model/h3/ln_1/g."""
+    scope = scope.format(i=layer)
+    return f'model/{scope}' if scope == variable else f'model/{scope}/{variable}'
+
+
+def components(hp: HParams) -> list:
+    """(component, scope, {variable: shape}, instances) per part, with the shapes of checkpoint.variable_shapes."""
+    shapes = variable_shapes(hp)
+    table = []
+    for name, scope, per_block in COMPONENTS:
+        prefix = 'model/' + scope.format(i=0)
+        own = {key.rsplit('/', 1)[-1]: list(shape) for key, shape in shapes.items()
+               if key == prefix or key.rsplit('/', 1)[0] == prefix}
+        table.append((name, scope, own, hp.n_layer if per_block else 1))
+    return table
+
 
 # Forward order, in which the first divergence is looked for.
 COMPARED_STATES = ['x', 'z1', 'attn_weights', 'attn', 'x_attn', 'z2', 'mlp', 'out']
@@ -83,14 +113,30 @@ def format_table(table: dict) -> str:
 def trace(model: Model, tokens, *, attention_weights: bool = False) -> list:
     """Runs tokens [batch, sequence] eagerly; returns per block a dict of its named states as numpy.
 
-    The names are those in this module's docstring; attention_weights adds 'attn_weights'.
+    The names are STATE_NAMES; attention_weights adds 'attn_weights'. The block is
+    walked step by step through the model's own modules, as Block does it, so
+    'out' of the last block equals what the model computes before ln_f.
     """
-    tokens = tf.cast(tf.convert_to_tensor(tokens), tf.int32)
-    model.check_inputs(tokens)
+    tokens = tf.constant(model.check_inputs(tokens), tf.int32)
+    x = model.embed(tokens, positions_for(tokens, 0))
+    sequence = tokens.shape[1]
+    mask = tf.reshape(attention_mask(sequence, sequence, dtype=tf.float32), [1, 1, sequence, sequence])
     states = []
-    model.forward(tokens, states=states)
-    keep = list(STATE_NAMES) + (['attn_weights'] if attention_weights else [])
-    return [{name: block[name].numpy() for name in keep} for block in states]
+    for block in model.h:
+        z1 = block.ln_1(x)
+        q, k, v = block.attn.qkv(z1)
+        w = graph.attention_weights(q, k, mask)
+        a = block.attn.project(tf.matmul(w, v))
+        x_attn = x + a
+        z2 = block.ln_2(x_attn)
+        m = block.mlp(z2)
+        out = x_attn + m
+        named = dict(x=x, z1=z1, attn=a, x_attn=x_attn, z2=z2, mlp=m, out=out)
+        if attention_weights:
+            named['attn_weights'] = w
+        states.append({name: value.numpy() for name, value in named.items()})
+        x = out
+    return states
 
 
 def compare(model_dir: str | os.PathLike, tokens: Sequence, *, model: Optional[Model] = None,
@@ -106,7 +152,7 @@ def compare(model_dir: str | os.PathLike, tokens: Sequence, *, model: Optional[M
 
     model_dir = os.fspath(model_dir)
     model = model or load_model(model_dir)
-    tokens = np.asarray(tokens, np.int32)
+    tokens = model.check_inputs(tokens).astype(np.int32)
     reference = Reference(model.hparams, find_checkpoint(model_dir))
     try:
         theirs = reference.trace(tokens)

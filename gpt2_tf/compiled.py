@@ -1,0 +1,86 @@
+"""Compiled functions shared by every model of one shape, with the weights passed in as arguments.
+
+A tf.function that reads a model's variables captures them: each model then
+compiles its own copy (XLA takes seconds for 124M), and the function keeps the
+model alive. Here the weights go in as arguments instead. While the function
+traces, the module tree of the model being called has its variables swapped
+for those argument tensors, so the model code runs unchanged; afterwards the
+function holds no reference to any model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import tensorflow as tf
+
+_functions = {}
+_tracing = threading.RLock()  # one trace at a time: tracing swaps a model's attributes
+
+
+def weights(model) -> tuple:
+    """The model's variables as tensors, in tf.Module order (the same for every model of a shape)."""
+    return tuple(tf.convert_to_tensor(v) for v in model.variables)
+
+
+@contextlib.contextmanager
+def bound(model, tensors):
+    """Within the block, the model's modules hold `tensors` where they held their variables."""
+    paths = [path for path, _ in model._flatten(predicate=lambda v: isinstance(v, tf.Variable), with_path=True)]
+    assert len(paths) == len(tensors), 'weights of another model shape'
+    saved = []
+    for path, tensor in zip(paths, tensors):
+        owner = model
+        for step in path[:-1]:
+            owner = owner[step] if isinstance(step, int) else getattr(owner, step)
+        saved.append((owner, path[-1], getattr(owner, path[-1])))
+        setattr(owner, path[-1], tensor)
+    try:
+        yield model
+    finally:
+        for owner, name, variable in saved:
+            setattr(owner, name, variable)
+
+
+class Shared:
+    """fn(model, *tensors, **static) compiled once per (model shape, static arguments), for any model.
+
+    mode: 'xla' (XLA-compiled), 'function' (a plain tf.function) or 'eager'
+    (fn runs on the model's own variables). Static arguments are Python values;
+    each new one traces anew.
+    """
+
+    def __init__(self, fn: Callable, mode: str):
+        self.fn = fn
+        self.mode = mode
+        self._model = threading.local()
+        if mode != 'eager':
+            self._compiled = tf.function(self._traced, jit_compile=(mode == 'xla'))
+
+    def _traced(self, tensors, *args, **static):
+        with _tracing, bound(self._model.value, tensors) as model:
+            return self.fn(model, *args, **static)
+
+    def __call__(self, model, *args, **static):
+        with model.on_device():
+            if self.mode == 'eager':
+                return self.fn(model, *args, **static)
+            self._model.value = model
+            try:
+                return self._compiled(weights(model), *args, **static)
+            finally:
+                self._model.value = None
+
+    @property
+    def tracing_count(self) -> int:
+        return 0 if self.mode == 'eager' else self._compiled.experimental_get_tracing_count()
+
+
+def shared(fn: Callable, hparams, mode: str, dtype: str = 'float32') -> Shared:
+    """The one Shared for (fn, hparams, mode, dtype): every model of that shape uses it."""
+    key = (fn, hparams, mode, dtype)
+    if key not in _functions:
+        _functions[key] = Shared(fn, mode)
+    return _functions[key]

@@ -1,0 +1,142 @@
+"""Input checks, in one place: the model, sampling, scoring and the command line all call these.
+
+Each raises ValueError with a one-line message that names the problem; none
+imports TensorFlow, so the command line can check its arguments before
+loading it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+INT64 = np.iinfo(np.int64)
+MAX_TEMPERATURE = 2.0  # the accepted range is [0, MAX_TEMPERATURE]; 0 is greedy
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer, and not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def token_array(tokens, *, name: str = 'tokens') -> np.ndarray:
+    """tokens as a numpy integer array, without casting (an int64 id 2**32 + 5 stays what it is)."""
+    array = np.asarray(tokens)
+    if array.dtype == object or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f'{name} must be integers, got {array.dtype if array.dtype != object else "mixed values"}')
+    return array
+
+
+def check_token_ids(tokens, n_vocab: int, *, name: str = 'token') -> None:
+    """Raises for any id outside [0, n_vocab). Call it before casting to int32."""
+    array = np.asarray(tokens)
+    if array.size == 0:
+        return
+    low, high = array.min(), array.max()
+    if low < 0 or high >= n_vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab})')
+
+
+def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt') -> None:
+    """The length rule: a prompt of P tokens and `length` new ones need P + length - 1 <= n_ctx.
+
+    The last sampled token is never fed back to the model, as in the original
+    sample_sequence, so it needs no position of its own.
+    """
+    if prompt + length - 1 > n_ctx:
+        over = prompt + length - 1 - n_ctx
+        raise ValueError(f'{what}: {prompt} tokens + length {length} exceeds the window by {over} '
+                         f'(needs prompt + length - 1 <= n_ctx = {n_ctx})')
+
+
+def check_sequence(past_length: int, new: int, n_ctx: int) -> None:
+    """One model call sees past_length + new positions, at most n_ctx."""
+    if past_length + new > n_ctx:
+        raise ValueError(f'sequence too long: {past_length} past + {new} new tokens > n_ctx = {n_ctx}')
+
+
+def check_model_inputs(tokens, past, *, past_shape: list, n_vocab: int, n_ctx: int) -> np.ndarray:
+    """tokens [batch, sequence] as a checked integer array; past, when given, must have past_shape
+    (whose None entries are the batch, which must be tokens', and the past length).
+
+    Ids are checked before any cast (an int64 2**32 + 5 is not id 5), and always:
+    on a GPU, tf.gather returns zeros for an out-of-range id instead of failing.
+    """
+    try:
+        tokens = token_array(tokens)
+    except ValueError as e:
+        raise ValueError(f'tokens must be a [batch, sequence] array of integers ({e})') from None
+    if tokens.ndim != 2:
+        raise ValueError(f'tokens must be [batch, sequence], got shape {list(tokens.shape)}')
+    check_token_ids(tokens, n_vocab)
+    past_length = 0
+    if past is not None:
+        got = list(past.shape)
+        past_shape = [tokens.shape[0]] + list(past_shape[1:])
+        if len(got) != len(past_shape) or any(w is not None and w != g for w, g in zip(past_shape, got)):
+            want = str(past_shape).replace('None', 'past_length')
+            raise ValueError(f'past must have shape {want}, got {got}')
+        past_length = got[4]
+    check_sequence(past_length, tokens.shape[1], n_ctx)
+    return tokens
+
+
+def room_for_prompt(length: int, n_ctx: int) -> int:
+    """The longest prompt that leaves room for `length` new tokens under the length rule."""
+    return n_ctx - length + 1
+
+
+def check_length(length, n_ctx: int) -> None:
+    if not is_int(length) or length < 1:
+        raise ValueError(f'length must be a positive integer, got {length!r}')
+    if length > n_ctx:
+        raise ValueError(f"length {length} is longer than the window: at most n_ctx = {n_ctx} new tokens")
+
+
+def per_row(value, batch: int, name: str) -> np.ndarray:
+    """A scalar option repeated for each row, or one value per row given as a sequence."""
+    array = np.asarray(value)
+    if array.ndim == 0:
+        return np.full([batch], array.item())
+    if array.shape != (batch,):
+        raise ValueError(f'{name} must be a number or one value per row ({batch}), got shape {array.shape}')
+    return array
+
+
+def check_sampling(temperature, top_k, top_p, batch: int) -> tuple:
+    """Per-row float32 temperature, int32 top_k, float32 top_p, after checking each value."""
+    temperature = per_row(temperature, batch, 'temperature')
+    top_k = per_row(top_k, batch, 'top_k')
+    top_p = per_row(top_p, batch, 'top_p')
+    for t in temperature:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.number)) \
+                or not 0 <= t <= MAX_TEMPERATURE:
+            raise ValueError(f'temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {t!r}')
+    for k in top_k:
+        if not is_int(k) or k < 0:
+            raise ValueError(f'top_k must be an integer >= 0 (0: no truncation), got {k!r}')
+    for p in top_p:
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.number)) or not 0 <= p <= 1:
+            raise ValueError(f'top_p must be in [0, 1] (1: no truncation), got {p!r}')
+    top_k = np.minimum(top_k.astype(np.int64), np.iinfo(np.int32).max)
+    return temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32)
+
+
+def check_seed(seed, batch: int) -> None:
+    """A seed is an int, a pair of ints, or one pair per row ([batch, 2]); each within int64."""
+    def fits(values: Sequence) -> bool:
+        return all(is_int(v) and INT64.min <= v <= INT64.max for v in values)
+
+    if is_int(seed):
+        if not fits([seed]):
+            raise ValueError(f'seed {seed} is out of range: use an integer in [{INT64.min}, {INT64.max}]')
+        return
+    array = np.asarray(seed, dtype=object)
+    if array.shape == (2,) or array.shape == (batch, 2):
+        if fits(array.ravel().tolist()):
+            return
+        raise ValueError(f'seed values must be integers in [{INT64.min}, {INT64.max}], got {seed!r}')
+    raise ValueError(f'seed must be an integer, a pair of integers, or one pair per row [{batch}, 2]; '
+                     f'got {seed!r}')

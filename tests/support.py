@@ -1,0 +1,65 @@
+"""Test and benchmark tooling: original-format checkpoints with random values, chi-square fits.
+
+bench/ imports this module too (it puts tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from gpt2_tf.hparams import HParams
+from gpt2_tf.tf1_reference import gpt2_graph
+
+v1 = tf.compat.v1
+
+
+def write_random_checkpoint(model_dir: str | os.PathLike, hparams: HParams, *, seed: int = 0,
+                            scale: float = 0.05, meta_graph: bool = True) -> str:
+    """Writes an original-format checkpoint with random values through tf.compat.v1.train.Saver.
+
+    Every value is non-trivial: gains are 1 + noise, biases are noise, so a port
+    that drops a gain or a bias fails. Returns the checkpoint prefix.
+    """
+    model_dir = os.fspath(model_dir)
+    os.makedirs(model_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = v1.placeholder(tf.int32, [None, None])
+        gpt2_graph(hparams, tokens)
+        variables = v1.global_variables()
+        saver = v1.train.Saver(var_list=variables, save_relative_paths=True)
+        with v1.Session(graph=graph) as session:
+            for variable in variables:
+                shape = variable.shape.as_list()
+                value = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+                if variable.op.name.endswith('/g'):
+                    value += 1
+                variable.load(value, session)
+            prefix = saver.save(session, os.path.join(model_dir, 'model.ckpt'), write_meta_graph=meta_graph)
+    hparams.to_json(os.path.join(model_dir, 'hparams.json'))
+    return prefix
+
+
+def chi_square_p_value(counts, expected, *, merge_below: float = 5.0) -> tuple:
+    """Goodness of fit of observed counts to expected counts (same total): (statistic, df, p-value).
+
+    Bins expected fewer than merge_below times are merged into one bin, as the
+    test requires. The p-value uses the Wilson-Hilferty approximation of the
+    chi-square distribution, accurate to a few percent in the tail for df >= 3.
+    """
+    counts, expected = np.asarray(counts, np.float64), np.asarray(expected, np.float64)
+    small = expected < merge_below
+    observed = np.append(counts[~small], counts[small].sum())
+    wanted = np.append(expected[~small], expected[small].sum())
+    if wanted[-1] == 0:
+        assert observed[-1] == 0, f'{observed[-1]:.0f} draws fell where nothing was expected'
+        observed, wanted = observed[:-1], wanted[:-1]
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    df = len(wanted) - 1
+    z = ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return statistic, df, 0.5 * math.erfc(z / math.sqrt(2))

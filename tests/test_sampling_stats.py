@@ -1,0 +1,194 @@
+"""What the sampler draws, tested by drawing: support, goodness of fit, and end to end against TF1.
+
+Every test uses fixed seeds, so none is flaky: a p-value below the threshold
+means a wrong distribution (each test was seen to fail with the temperature
+dropped, a filter dropped, or u = 1.0 allowed back in).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gpt2_tf
+from gpt2_tf import sample
+from gpt2_tf.sample import choose, floors, gumbel, order_keys, uniform_bits
+from gpt2_tf.tf1_reference import Reference, top_k_filter, top_p_filter
+
+from conftest import FIXTURES
+from support import chi_square_p_value
+
+P_MIN = 1e-4  # a correct sampler fails one such test in 10,000 seeds; the seeds here are fixed
+V = 50257
+
+
+def peaked_logits(vocab: int, seed: int) -> np.ndarray:
+    """A GPT-2-like row: a long flat tail and a head of a few dozen likely tokens."""
+    rng = np.random.default_rng(seed)
+    row = rng.standard_normal(vocab).astype(np.float32) * 1.5
+    row[rng.choice(vocab, 30, replace=False)] += rng.uniform(3, 8, 30).astype(np.float32)
+    return row
+
+
+def original_probs(row, temperature, top_k, top_p) -> np.ndarray:
+    """float64 [vocab]: the distribution the original sample_sequence draws from for one row.
+
+    At top_p = 1 the port skips the nucleus filter, which in the original could still
+    drop tail tokens whose float32 cumulative sum rounded above 1 (a named departure).
+    """
+    kept = top_k_filter(tf.constant(row[None] / np.float32(temperature)), top_k)
+    if top_p < 1:
+        kept = top_p_filter(kept, top_p)
+    kept = kept.numpy()[0]
+    probs = np.where(kept > -1e9, np.exp(kept.astype(np.float64) - kept.max()), 0.0)
+    return probs / probs.sum()
+
+
+_choose = tf.function(choose, jit_compile=True)
+
+
+def draw(row, temperature, top_k, top_p, *, rows: int, steps: int, seed: int) -> np.ndarray:
+    """Token counts [vocab] over rows x steps draws from `choose`, all on the same logits."""
+    logits = tf.constant(np.tile(row, [rows, 1]))
+    options = [tf.fill([rows], np.float32(temperature)), tf.fill([rows], np.int32(top_k)),
+               tf.fill([rows], np.float32(top_p)), tf.constant(sample.row_keys(seed, rows))]
+    kmax = sample.top_k_size(np.array([top_k]), row.shape[-1])
+    counts = np.zeros(row.shape[-1], np.int64)
+    for step in range(steps):
+        ids = _choose(logits, *options, tf.constant(step, tf.int64), kmax=kmax).numpy()
+        np.add.at(counts, ids, 1)
+    return counts
+
+
+# --- the noise ---------------------------------------------------------------------------------
+
+def test_uniforms_stay_strictly_inside_zero_and_one():
+    # The extreme grid points are exact in float32; u = 1.0 would make the noise +inf.
+    u = sample.uniform(tf.constant([0, (1 << sample.UNIFORM_BITS) - 1], tf.int32)).numpy()
+    assert u[0] == np.float32(2.0 ** -24) and u[1] == np.float32(1 - 2.0 ** -24)
+    extremes = -np.log(-np.log(u.astype(np.float64)))
+    assert np.isfinite(extremes).all() and extremes.min() > -2.82 and extremes.max() < 16.64
+    noise = gumbel(tf.constant(sample.row_keys(5, 200)), tf.constant(0, tf.int64), V).numpy()
+    assert np.isfinite(noise).all() and noise.max() <= 16.64 and noise.min() >= -2.82
+
+
+def test_uniform_bits_are_uniform_and_independent_of_the_batch():
+    keys = sample.row_keys(9, 64)
+    bits = uniform_bits(tf.constant(keys), tf.constant(3, tf.int64), 4096).numpy()
+    counts = np.bincount(bits.ravel() >> (sample.UNIFORM_BITS - 8), minlength=256)  # 256 equal bins
+    assert chi_square_p_value(counts, np.full(256, bits.size / 256))[2] > P_MIN
+    alone = uniform_bits(tf.constant(keys[5:6]), tf.constant(3, tf.int64), 4096).numpy()
+    np.testing.assert_array_equal(alone[0], bits[5])  # a row's bits depend on its key and the step only
+    other_step = uniform_bits(tf.constant(keys[5:6]), tf.constant(4, tf.int64), 4096).numpy()
+    assert (other_step != alone).mean() > 0.99
+
+
+# --- the support: removed tokens are never drawn ----------------------------------------------------
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [
+    (1.0, 40, 1.0), (1.0, 0, 0.9), (0.05, 40, 1.0), (2.0, 0, 0.5), (1.5, 100, 0.95),
+])
+def test_no_draw_outside_the_original_filters_support(temperature, top_k, top_p):
+    row = peaked_logits(V, seed=1)
+    allowed = original_probs(row, temperature, top_k, top_p) > 0
+    counts = draw(row, temperature, top_k, top_p, rows=100, steps=100, seed=2)  # 10^4 draws
+    assert counts.sum() == 10_000
+    outside = counts[~allowed].sum()
+    assert outside == 0, f'{outside} of 10,000 draws fell outside the {allowed.sum()} allowed tokens'
+
+
+def test_kept_set_equals_the_original_float32_filter():
+    """The top-p cut differs from the original's only where float32 rounding of the cumulative sum decides."""
+    rng = np.random.default_rng(3)
+    for trial in range(12):
+        scale = [0.5, 1.5, 3.0][trial % 3]
+        logits = (rng.standard_normal((4, V)) * scale).astype(np.float32)
+        for temperature, top_k, top_p in [(1.0, 0, 0.9), (0.7, 40, 0.8), (1.3, 0, 0.5), (1.0, 1000, 0.95)]:
+            floor, _ = floors(tf.constant(logits), tf.fill([4], np.float32(temperature)),
+                              tf.fill([4], np.int32(top_k)), tf.fill([4], np.float32(top_p)),
+                              kmax=sample.top_k_size(np.array([top_k]), V))
+            ours = order_keys(tf.constant(logits)).numpy() >= floor.numpy()[:, None]
+            x = top_k_filter(tf.constant(logits / np.float32(temperature)), top_k).numpy()
+            theirs = top_p_filter(tf.constant(x), top_p).numpy() > -1e9
+            # The original's cumulative sums, float32 as it computes them and exact, per token.
+            order = np.argsort(-x, axis=-1, kind='stable')
+            ordered = np.take_along_axis(x, order, -1)
+            cum32 = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1).numpy().astype(np.float64)
+            exact = np.exp(ordered.astype(np.float64) - ordered[:, :1])
+            cum64 = np.cumsum(exact / exact.sum(-1, keepdims=True), axis=-1)
+            doubtful = np.zeros_like(ours)
+            np.put_along_axis(doubtful, order, (np.abs(cum32 - top_p) < 1e-5) | (np.abs(cum64 - top_p) < 1e-5), -1)
+            assert not (ours & ~theirs & ~doubtful).any(), 'kept a token the original drops'
+            assert not (theirs & ~ours & ~doubtful).any(), 'dropped a token the original keeps'
+
+
+# --- goodness of fit ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.6, 0, 1.0), (1.0, 40, 1.0), (0.8, 10, 1.0),
+    (1.0, 0, 0.9), (1.3, 0, 0.6), (1.0, 40, 0.8), (0.5, 100, 0.95),
+])
+def test_draws_fit_the_filtered_softmax(temperature, top_k, top_p):
+    row = peaked_logits(2000, seed=4)
+    expected = original_probs(row, temperature, top_k, top_p)
+    counts = draw(row, temperature, top_k, top_p, rows=200, steps=100, seed=5)  # 2 x 10^4 draws
+    statistic, df, p = chi_square_p_value(counts, expected * counts.sum())
+    assert p > P_MIN, f'chi-square {statistic:.1f} on {df} degrees of freedom: p = {p:.2g}'
+
+
+def test_rows_with_their_own_options_draw_from_their_own_distributions():
+    row = peaked_logits(2000, seed=6)
+    settings = [(1.0, 0, 1.0), (0.6, 20, 1.0), (1.4, 0, 0.7), (0.0, 0, 1.0)]
+    rows = 60 * len(settings)
+    logits = tf.constant(np.tile(row, [rows, 1]))
+    pick = np.repeat(np.arange(len(settings)), 60)
+    options = [tf.constant(np.array([settings[i][0] for i in pick], np.float32)),
+               tf.constant(np.array([settings[i][1] for i in pick], np.int32)),
+               tf.constant(np.array([settings[i][2] for i in pick], np.float32)),
+               tf.constant(sample.row_keys(7, rows))]
+    counts = np.zeros([len(settings), 2000], np.int64)
+    for step in range(200):
+        ids = _choose(logits, *options, tf.constant(step, tf.int64), kmax=64).numpy()
+        for i in range(len(settings)):
+            np.add.at(counts[i], ids[pick == i], 1)
+    for i, (temperature, top_k, top_p) in enumerate(settings[:3]):
+        expected = original_probs(row, temperature, top_k, top_p) * counts[i].sum()
+        assert chi_square_p_value(counts[i], expected)[2] > P_MIN, f'setting {settings[i]}'
+    assert counts[3, row.argmax()] == counts[3].sum()  # temperature 0: always the argmax
+
+
+# --- end to end: the loop against the TF1 graph ---------------------------------------------------
+
+@pytest.fixture(scope='module')
+def hot():
+    folder = FIXTURES / 'tf1-tiny-hot'
+    model = gpt2_tf.load_model(folder)
+    reference = Reference(model.hparams, str(folder / 'model.ckpt'))
+    prompt = np.load(folder / 'reference.npz')['tokens'][0, :6]
+    return model, reference, prompt
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 0, 1.0), (0.8, 40, 1.0), (1.2, 0, 0.9)])
+def test_next_token_draws_fit_the_tf1_graphs_distribution(hot, temperature, top_k, top_p):
+    model, reference, prompt = hot
+    logits = reference(prompt[None])['logits'][0, -1]
+    expected = original_probs(logits, temperature, top_k, top_p)
+    out = sample_sequence_rows(model, prompt, 4000, temperature, top_k, top_p)
+    counts = np.bincount(out[:, len(prompt)], minlength=model.hparams.n_vocab)
+    statistic, df, p = chi_square_p_value(counts, expected * counts.sum())
+    assert p > P_MIN, f'chi-square {statistic:.1f} on {df} degrees of freedom: p = {p:.2g}'
+
+
+def sample_sequence_rows(model, prompt, rows, temperature, top_k, top_p):
+    return gpt2_tf.sample_sequence(model, 2, context=prompt, batch_size=rows, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=21)
+
+
+@pytest.mark.parametrize('top_k, top_p', [(0, 1.0), (40, 1.0), (0, 0.9)])
+def test_the_tf1_reference_sampler_draws_the_same_distribution(hot, top_k, top_p):
+    model, reference, prompt = hot
+    logits = reference(prompt[None])['logits'][0, -1]
+    expected = original_probs(logits, 1.0, top_k, top_p)
+    tf1 = reference.sampler(length=1, batch_size=4000, top_k=top_k, top_p=top_p, seed=3)
+    counts = np.bincount(tf1(np.tile(prompt, [4000, 1]))[:, -1], minlength=model.hparams.n_vocab)
+    statistic, df, p = chi_square_p_value(counts, expected * counts.sum())
+    assert p > P_MIN, f'TF1 sampler: chi-square {statistic:.1f} on {df} degrees of freedom: p = {p:.2g}'
