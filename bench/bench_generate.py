@@ -1,29 +1,33 @@
 """Generation and forward-pass speed: gpt2_tf against the TF1 reference graph, in one run.
 
-    python bench/bench_generate.py [--reps 5] [--modes function,xla]
+    python bench/bench_generate.py [--reps 5] [--sections sampling,chunks,forward]
 
 Uses a 124M-shaped original-format checkpoint with random values (written once
-into bench/.cache/). Prints ms per call, tokens/s and ours/TF1 time ratios; the
-first call of each (trace and compile) is timed separately.
+into bench/.cache/). Prints the CPU, ms per call, tokens/s and ours/TF1 time
+ratios; the first call of each (trace and compile) is timed separately.
 """
 
 import argparse
 import os
 import pathlib
 import statistics
+import sys
 import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / 'tests'))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import gpt2_tf  # noqa: E402
 from gpt2_tf import HParams  # noqa: E402
-from gpt2_tf.sample import sample_sequence  # noqa: E402
-from gpt2_tf.tf1_reference import Reference, write_random_checkpoint  # noqa: E402
+from gpt2_tf.sample import bucket, sample_sequence  # noqa: E402
+from gpt2_tf.tf1_reference import Reference  # noqa: E402
+from support import write_random_checkpoint  # noqa: E402
 
 CACHE = pathlib.Path(__file__).parent / '.cache' / '124M-random'
+FLAGS = ('avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')
 
 
 def checkpoint() -> pathlib.Path:
@@ -31,6 +35,17 @@ def checkpoint() -> pathlib.Path:
         print(f'writing a 124M-shaped random checkpoint to {CACHE} ...', flush=True)
         write_random_checkpoint(CACHE, HParams.named('124M'), seed=0, scale=0.02, meta_graph=False)
     return CACHE
+
+
+def cpu() -> str:
+    """The CPU model and the vector flags that matter here, from /proc/cpuinfo."""
+    try:
+        text = pathlib.Path('/proc/cpuinfo').read_text()
+    except OSError:
+        return 'unknown CPU'
+    model = next((line.split(':', 1)[1].strip() for line in text.splitlines() if line.startswith('model name')), '?')
+    flags = set(next((line.split(':', 1)[1].split() for line in text.splitlines() if line.startswith('flags')), []))
+    return f'{model}, {os.cpu_count()} CPUs, flags: {" ".join(f for f in FLAGS if f in flags) or "none of " + str(FLAGS)}'
 
 
 def timed(fn, reps):
@@ -45,18 +60,85 @@ def timed(fn, reps):
     return first, statistics.median(times)
 
 
-def memory_bandwidth(megabytes: int = 512) -> float:
-    """GB/s of a large array copy (bytes read + bytes written), best of five."""
-    src = np.ones(megabytes * 2**20 // 4, np.float32)
-    dst = np.empty_like(src)
-    best = min(timed(lambda: np.copyto(dst, src), 4))
-    return 2 * src.nbytes / best / 1e9
+def row(case, first, seconds, tokens, ratio=None, note=''):
+    ratio_text = f'{ratio:>10.2f}' if ratio is not None else f'{"":>10}'
+    print(f'{case:<44}{first:>9.2f}{seconds * 1e3:>10.1f}{tokens / seconds:>10.1f}{ratio_text}  {note}', flush=True)
+
+
+def sampling(model, reference, hparams, args, rng):
+    settings = [('greedy', dict(top_k=1), dict(top_k=1, top_p=None)),
+                ('top_k=40', dict(top_k=40), dict(top_k=40, top_p=None)),
+                ('top_p=0.9', dict(top_p=0.9), dict(top_k=0, top_p=0.9))]
+    for name, ours_options, tf1_options in settings:
+        for batch in (1, 8):
+            prompt = rng.integers(0, hparams.n_vocab, size=(batch, args.prompt), dtype=np.int32)
+            sampler = reference.sampler(length=args.new, batch_size=batch, **tf1_options)
+            tf1_first, tf1 = timed(lambda: sampler(prompt), args.reps)
+            new_tokens = batch * args.new
+            row(f'{name}, {args.new} new, B={batch}: TF1', tf1_first, tf1, new_tokens)
+            for mode in args.modes.split(','):
+                run = lambda: sample_sequence(model, args.new, context=prompt, mode=mode, seed=1, **ours_options)  # noqa: E731
+                first, ours = timed(run, args.reps)
+                note = ''
+                if name == 'greedy':
+                    note = 'same tokens' if np.array_equal(run(), sampler(prompt)) else 'TOKENS DIFFER'
+                row(f'{name}, {args.new} new, B={batch}: ours {mode}', first, ours, new_tokens, ours / tf1, note)
+
+
+def chunks(model, hparams, args, rng):
+    """The chunked loop against one compiled call for the whole sequence."""
+    for name, options in (('greedy', dict(top_k=1)), ('top_k=40', dict(top_k=40))):
+        for batch in (1, 8):
+            prompt = rng.integers(0, hparams.n_vocab, size=(batch, args.prompt), dtype=np.int32)
+            whole = bucket(args.new)
+            results = {}
+            for chunk in (whole, 64, 32, 16, 8):
+                if chunk > whole or (chunk == whole and chunk in results):
+                    continue
+                run = lambda: sample_sequence(model, args.new, context=prompt, seed=1, chunk=chunk, **options)  # noqa: E731
+                first, seconds = timed(run, args.reps)
+                results[chunk] = seconds
+                overhead = f'overhead {seconds / results[whole] - 1:+.1%}' if chunk != whole else 'one call'
+                row(f'{name}, B={batch}, chunk={chunk}', first, seconds, batch * args.new, None, overhead)
+
+
+def step_choice(hparams, args, rng):
+    """One step's choice on 50,257 logits, against the original sort-based filters, both under XLA."""
+    from gpt2_tf import sample
+
+    vocab = hparams.n_vocab
+    for batch in (1, 8):
+        logits = tf.constant(rng.standard_normal((batch, vocab)).astype(np.float32) * 3)
+        keys = tf.constant(sample.row_keys(1, batch))
+        for name, top_k, top_p in (('no filter', 0, 1.0), ('top_k=40', 40, 1.0), ('top_p=0.9', 0, 0.9)):
+            options = [tf.fill([batch], 1.0), tf.fill([batch], top_k), tf.fill([batch], np.float32(top_p)), keys]
+            choose = tf.function(sample.choose, jit_compile=True)
+            kmax = sample.top_k_size(np.array([top_k]), vocab)
+            _, ours = timed(lambda: choose(logits, *options, tf.constant(0, tf.int64), kmax=kmax).numpy(), 20)
+            note = ''
+            if top_p < 1:
+                original = tf.function(lambda x: sample.top_p_logits(x, top_p), jit_compile=True)
+                _, theirs = timed(lambda: original(logits).numpy(), 20)
+                note = f'the sort-based top_p_logits alone: {theirs * 1e3:.2f} ms'
+            print(f'{f"choose, {name}, B={batch}":<44}{ours * 1e3:>9.2f} ms  {note}', flush=True)
+
+
+def forward(model, model_xla, reference, hparams, args, rng):
+    for batch, length in ((1, 1024), (8, 128)):
+        tokens = rng.integers(0, hparams.n_vocab, size=(batch, length), dtype=np.int32)
+        tf1_first, tf1 = timed(lambda: reference(tokens), args.reps)
+        n = batch * length
+        row(f'forward B={batch} T={length}: TF1', tf1_first, tf1, n)
+        for name, ours_model in (('ours', model), ('ours jit_compile', model_xla)):
+            first, ours = timed(lambda: ours_model(tokens)['logits'].numpy(), args.reps)
+            row(f'forward B={batch} T={length}: {name}', first, ours, n, ours / tf1)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--reps', type=int, default=5)
-    parser.add_argument('--modes', default='function,xla', help='our decode loop modes to time')
+    parser.add_argument('--modes', default='xla', help='our decode loop modes to time (xla,function,eager)')
+    parser.add_argument('--sections', default='sampling,choose,chunks,forward')
     parser.add_argument('--prompt', type=int, default=16)
     parser.add_argument('--new', type=int, default=64)
     args = parser.parse_args()
@@ -64,41 +146,20 @@ def main():
     folder = checkpoint()
     hparams = HParams.named('124M')
     model = gpt2_tf.load_model(folder)
-    model_xla = gpt2_tf.load_model(folder, jit_compile=True)
     reference = Reference(hparams, str(folder / 'model.ckpt'))
     rng = np.random.default_rng(0)
-    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, devices: '
-          f'{[d.name for d in tf.config.list_logical_devices()]}')
-    bandwidth = memory_bandwidth()
-    weights = sum(v.shape.num_elements() for v in model.variables) * 4
-    print(f'memory bandwidth (numpy copy): {bandwidth:.1f} GB/s; reading the {weights / 1e6:.0f} MB of weights '
-          f'once per token bounds batch-1 decoding at {bandwidth * 1e9 / weights:.1f} tokens/s')
-    print(f'{"case":<34}{"first call s":>13}{"ms/call":>10}{"tokens/s":>10}{"ours/TF1":>10}')
-
-    for batch in (1, 8):
-        prompt = rng.integers(0, hparams.n_vocab, size=(batch, args.prompt), dtype=np.int32)
-        sampler = reference.sampler(length=args.new, batch_size=batch, top_k=1)
-        tf1_first, tf1 = timed(lambda: sampler(prompt), args.reps)
-        expected = sampler(prompt)
-        new_tokens = batch * args.new
-        print(f'{f"greedy {args.new} new, B={batch}: TF1":<34}{tf1_first:>13.2f}{tf1 * 1e3:>10.1f}'
-              f'{new_tokens / tf1:>10.1f}{"":>10}')
-        for mode in args.modes.split(','):
-            run = lambda: sample_sequence(model, args.new, context=prompt, top_k=1, mode=mode)  # noqa: E731
-            first, ours = timed(run, args.reps)
-            same = 'same tokens' if np.array_equal(run(), expected) else 'TOKENS DIFFER'
-            print(f'{f"greedy {args.new} new, B={batch}: ours {mode}":<34}{first:>13.2f}{ours * 1e3:>10.1f}'
-                  f'{new_tokens / ours:>10.1f}{ours / tf1:>10.2f}  {same}')
-
-    for batch, length in ((1, 1024), (8, 128)):
-        tokens = rng.integers(0, hparams.n_vocab, size=(batch, length), dtype=np.int32)
-        tf1_first, tf1 = timed(lambda: reference(tokens), args.reps)
-        n = batch * length
-        print(f'{f"forward B={batch} T={length}: TF1":<34}{tf1_first:>13.2f}{tf1 * 1e3:>10.1f}{n / tf1:>10.1f}')
-        for name, ours_model in (('ours', model), ('ours jit_compile', model_xla)):
-            first, ours = timed(lambda: ours_model(tokens)['logits'].numpy(), args.reps)
-            print(f'{f"forward B={batch} T={length}: {name}":<34}{first:>13.2f}{ours * 1e3:>10.1f}'
-                  f'{n / ours:>10.1f}{ours / tf1:>10.2f}')
+    print(f'CPU: {cpu()}')
+    print(f'TensorFlow {tf.__version__}; {args.reps} timed calls after a first one')
+    print(f'{"case":<44}{"first s":>9}{"ms/call":>10}{"tokens/s":>10}{"ours/TF1":>10}')
+    sections = args.sections.split(',')
+    if 'sampling' in sections:
+        sampling(model, reference, hparams, args, rng)
+    if 'choose' in sections:
+        step_choice(hparams, args, rng)
+    if 'chunks' in sections:
+        chunks(model, hparams, args, rng)
+    if 'forward' in sections:
+        forward(model, gpt2_tf.load_model(folder, jit_compile=True), reference, hparams, args, rng)
 
 
 if __name__ == '__main__':

@@ -101,18 +101,18 @@ def cmd_sample(args):
 
 def cmd_generate(args):
     from .text import default_length, iter_samples
+    from .validate import check_length, room_for_prompt
 
     model, encoder = _load(args)
     length = args.length
-    if length is not None and length >= model.hparams.n_ctx:
-        raise CommandError(f"can't get samples longer than the window: length must be < {model.hparams.n_ctx}")
     if length is None:
         length = default_length(model, conditional=True)
+    check_length(length, model.hparams.n_ctx)
     if args.prompt is not None:
         texts = iter_samples(model, args.prompt, length, nsamples=args.nsamples, **_options(args, encoder))
         _print_samples(texts, args.nsamples, args.quiet)
         return
-    room = model.hparams.n_ctx - length
+    room = room_for_prompt(length, model.hparams.n_ctx)
     while True:
         try:
             prompt = input('Model prompt >>> ')

@@ -206,10 +206,8 @@ class Model(tf.Module):
             self.ln_f = Norm(hparams.n_embd, 'ln_f')
         tokens = tf.TensorSpec([None, None], tf.int32, name='tokens')
         past = tf.TensorSpec(past_shape(hparams=hparams), tf.float32, name='past')
-        self._forward = tf.function(
-            lambda X: self.forward(X), input_signature=[tokens], jit_compile=jit_compile)
-        self._forward_past = tf.function(
-            lambda X, past: self.forward(X, past), input_signature=[tokens, past], jit_compile=jit_compile)
+        self._forward = tf.function(lambda X: self.forward(X), input_signature=[tokens], jit_compile=jit_compile)
+        self._forward_past = tf.function(self.forward, input_signature=[tokens, past], jit_compile=jit_compile)
 
     def on_device(self):
         return tf.device(self.device) if self.device else contextlib.nullcontext()
@@ -251,8 +249,7 @@ class Model(tf.Module):
     def check_inputs(self, tokens, past=None) -> np.ndarray:
         """tokens as a checked integer array (see validate.check_model_inputs)."""
         hp = self.hparams
-        return validate.check_model_inputs(tokens, past, past_shape=past_shape(hparams=hp),
-                                           n_vocab=hp.n_vocab, n_ctx=hp.n_ctx)
+        return validate.check_model_inputs(tokens, past, past_shape=past_shape(hparams=hp), n_vocab=hp.n_vocab, n_ctx=hp.n_ctx)
 
     @property
     def tracing_count(self) -> int:

@@ -2,8 +2,8 @@
 
 This module builds the graph the way openai/gpt-2 src/model.py and src/sample.py
 do: variable_scope and get_variable, placeholders, a Session, and a while_loop
-that concatenates `past` every step. It shares no code with gpt2_tf.model on
-purpose, so that the two can be compared. The tests hold it to the outputs of
+that concatenates `past` every step. It shares no code with gpt2_tf.model but
+the shape helper, on purpose, so that the two can be compared. The tests hold it to the outputs of
 the original code (tests/fixtures/*/reference.npz); the benchmarks, the compare
 tool and the tests then measure the port against it.
 """
@@ -14,13 +14,9 @@ import numpy as np
 import tensorflow as tf
 
 from .hparams import HParams
+from .model import shape_list  # the one helper shared with the port: static where known, else dynamic
 
 v1 = tf.compat.v1
-
-
-def _dims(x):
-    static = x.shape.as_list()
-    return [tf.shape(x)[i] if d is None else d for i, d in enumerate(static)]
 
 
 def _layer_norm(x, scope, epsilon=1e-5):
@@ -36,7 +32,7 @@ def _layer_norm(x, scope, epsilon=1e-5):
 
 def _dense(x, scope, nf):
     with v1.variable_scope(scope):
-        *lead, nx = _dims(x)
+        *lead, nx = shape_list(x)
         w = v1.get_variable('w', [1, nx, nf], initializer=v1.random_normal_initializer(stddev=0.02))
         b = v1.get_variable('b', [nf], initializer=v1.constant_initializer(0))
         y = tf.matmul(tf.reshape(x, [-1, nx]), tf.reshape(w, [-1, nf])) + b
@@ -44,13 +40,13 @@ def _dense(x, scope, nf):
 
 
 def _heads(x, n_head):  # [batch, seq, feat] -> [batch, head, seq, feat / head]
-    *lead, feat = _dims(x)
+    *lead, feat = shape_list(x)
     return tf.transpose(tf.reshape(x, lead + [n_head, feat // n_head]), [0, 2, 1, 3])
 
 
 def _unheads(x):  # [batch, head, seq, f] -> [batch, seq, head * f]
     x = tf.transpose(x, [0, 2, 1, 3])
-    *lead, a, b = _dims(x)
+    *lead, a, b = shape_list(x)
     return tf.reshape(x, lead + [a * b])
 
 
@@ -65,7 +61,7 @@ def _attention(x, scope, *, past, hparams, record):
             k = tf.concat([past_k, k], axis=-2)
             v = tf.concat([past_v, v], axis=-2)
         scores = tf.matmul(q, k, transpose_b=True) * tf.math.rsqrt(tf.cast(v.shape[-1], tf.float32))
-        _, _, nd, ns = _dims(scores)
+        _, _, nd, ns = shape_list(scores)
         visible = tf.cast(tf.range(nd)[:, None] >= tf.range(ns) - ns + nd, scores.dtype)
         visible = tf.reshape(visible, [1, 1, nd, ns])
         scores = scores * visible - 1e10 * (1 - visible)
@@ -103,7 +99,7 @@ def gpt2_graph(hparams: HParams, X, past=None, *, scope='model', reuse=False, st
     resource variables, whose reads copy wte once it has been gathered from).
     """
     with v1.variable_scope(scope, reuse=reuse, use_resource=False):
-        batch, sequence = _dims(X)
+        batch, sequence = shape_list(X)
         wpe = v1.get_variable('wpe', [hparams.n_ctx, hparams.n_embd],
                               initializer=v1.random_normal_initializer(stddev=0.01))
         wte = v1.get_variable('wte', [hparams.n_vocab, hparams.n_embd],
@@ -147,7 +143,11 @@ def top_p_filter(logits, p):
 
 
 def sample_graph(hparams: HParams, *, length, context, batch_size, temperature=1, top_k=0, top_p=1):
-    """The original sample_sequence: context [batch, T] -> tokens [batch, T + length]."""
+    """The original sample_sequence: context [batch, T] -> tokens [batch, T + length].
+
+    top_p=None skips the nucleus filter, as the port does at top_p = 1 (the
+    original always applies it; at 1 it only trims a float32-rounded tail).
+    """
     def step(tokens, past=None):
         out = gpt2_graph(hparams, tokens, past=past, reuse=v1.AUTO_REUSE)
         out['present'].set_shape([batch_size, hparams.n_layer, 2, hparams.n_head, None, hparams.head_size])
@@ -156,7 +156,9 @@ def sample_graph(hparams: HParams, *, length, context, batch_size, temperature=1
     def body(past, prev, output, first=False):
         out = step(prev if first else prev[:, None], past=past)
         logits = out['logits'][:, -1, :] / tf.cast(temperature, tf.float32)
-        logits = top_p_filter(top_k_filter(logits, top_k), top_p)
+        logits = top_k_filter(logits, top_k)
+        if top_p is not None:
+            logits = top_p_filter(logits, top_p)
         picked = v1.multinomial(logits, num_samples=1, output_dtype=tf.int32)
         past = out['present'] if first else tf.concat([past, out['present']], axis=-2)
         return [past, tf.squeeze(picked, axis=[1]), tf.concat([output, picked], axis=1)]

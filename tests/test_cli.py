@@ -55,7 +55,7 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize('argv, message', [
     (['generate', 'x', '--model_name', '355M'], 'no model at checkpoints/355M; download it with: python download_model.py 355M'),
-    (['generate', 'x', '--length', '128'], "length must be < 128"),
+    (['generate', 'x', '--length', '129'], 'length 129 is longer than the window'),
     (['generate', 'x', '--top_k', '-1'], 'top_k must be an integer >= 0'),
     (['generate', 'x', '--nsamples', '3', '--batch_size', '2'], r'nsamples \(3\) must be a multiple of batch_size \(2\)'),
     (['generate', 'x', '--model_dir', '/nonexistent'], 'no model folder at /nonexistent'),

