@@ -8,6 +8,7 @@ A model folder holds `checkpoint`, `hparams.json`, `model.ckpt.index`,
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import tempfile
@@ -75,12 +76,16 @@ def find_checkpoint(path: str | os.PathLike) -> str:
         f'(download one with: python download_model.py 124M)')
 
 
+def _first_line(e: BaseException) -> str:
+    text = getattr(e, 'message', None) or str(e) or type(e).__name__
+    return text.strip().splitlines()[0]
+
+
 def _open_reader(prefix: str):
     try:
         return tf.train.load_checkpoint(prefix)
-    except (tf.errors.OpError, ValueError) as e:
-        message = getattr(e, 'message', str(e)).splitlines()[0]
-        raise CheckpointError(f'cannot read checkpoint {prefix}: {message}') from None
+    except Exception as e:  # TF raises OpError, ValueError, and others for damaged files
+        raise CheckpointError(f'cannot read checkpoint {prefix}: {_first_line(e)}') from None
 
 
 def checkpoint_shapes(path: str | os.PathLike) -> dict:
@@ -163,12 +168,12 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> No
     expected = {name: tuple(v.shape.as_list()) for name, v in variables.items()}
     reader = _checked_reader(prefix, expected, model.hparams, strict=strict)
     values = {}
-    for name in variables:
+    for name in variables:  # every value is read before any is assigned
         try:
             values[name] = reader.get_tensor(name)
-        except tf.errors.OpError as e:
+        except Exception as e:  # OpError for a bad checksum; IndexError and others for other damage
             raise CheckpointError(
-                f'checkpoint {prefix}: cannot read {name} ({e.message.splitlines()[0]}); '
+                f'checkpoint {prefix}: cannot read {name} ({_first_line(e)}); '
                 f'the .data file is corrupt or truncated') from None
     for name, variable in variables.items():
         variable.assign(values[name])
@@ -193,32 +198,90 @@ def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, st
     return model
 
 
-def save_checkpoint(model: Model, model_dir: str | os.PathLike) -> str:
-    """Writes the model in the original layout; returns the checkpoint prefix.
-
-    The files appear under their final names only once complete, so an
-    interrupted save leaves any earlier checkpoint in model_dir intact.
-    """
-    model_dir = os.fspath(model_dir)
-    os.makedirs(model_dir, exist_ok=True)
-    variables = model.variables_by_name()
-    names = sorted(variables)
-    staging = tempfile.mkdtemp(prefix='.saving-', dir=model_dir)
+def checkpoint_state(model_dir: str) -> tuple:
+    """(the current prefix name, every listed prefix name) from a folder's `checkpoint` file, or (None, [])."""
     try:
-        tf.raw_ops.SaveV2(
-            prefix=os.path.join(staging, CHECKPOINT_PREFIX), tensor_names=names,
-            shape_and_slices=[''] * len(names), tensors=[variables[n].read_value() for n in names])
-        model.hparams.to_json(os.path.join(staging, 'hparams.json'))
-        with open(os.path.join(staging, 'checkpoint'), 'w', encoding='utf-8') as f:
-            f.write(f'model_checkpoint_path: "{CHECKPOINT_PREFIX}"\n'
-                    f'all_model_checkpoint_paths: "{CHECKPOINT_PREFIX}"\n')
-        # The data before the index, and the `checkpoint` file last, so that
-        # whatever a reader finds named is complete.
-        order = sorted(os.listdir(staging), key=lambda f: ('.data-' not in f, f == 'checkpoint', f))
-        for filename in order:
-            os.replace(os.path.join(staging, filename), os.path.join(model_dir, filename))
+        with open(os.path.join(model_dir, 'checkpoint'), encoding='utf-8', errors='replace') as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None, []
+    current = re.search(r'^model_checkpoint_path:\s*"(.*)"', text, re.MULTILINE)
+    listed = re.findall(r'^all_model_checkpoint_paths:\s*"(.*)"', text, re.MULTILINE)
+    current = os.path.basename(current.group(1)) if current else None
+    names = [os.path.basename(name) for name in listed]
+    return current, names if current in names else names + [current] if current else names
+
+
+def _replace_atomically(path: str, text: str) -> None:
+    temporary = f'{path}.tmp-{os.getpid()}'
+    with open(temporary, 'w', encoding='utf-8') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def write_tensors(prefix: str, tensors: dict) -> None:
+    """Writes {name: tensor} as a TF name-based checkpoint at prefix (.index and .data-00000-of-00001).
+
+    The files are written in a staging folder beside them and moved into place data
+    first, so a reader never finds an index whose data is missing.
+    """
+    folder = os.path.dirname(prefix) or '.'
+    staging = tempfile.mkdtemp(prefix='.saving-', dir=folder)
+    try:
+        names = sorted(tensors)
+        tf.raw_ops.SaveV2(prefix=os.path.join(staging, 'bundle'), tensor_names=names,
+                          shape_and_slices=[''] * len(names), tensors=[tensors[n] for n in names])
+        for suffix in ('.data-00000-of-00001', '.index'):
+            os.replace(os.path.join(staging, 'bundle' + suffix), prefix + suffix)
     finally:
         for leftover in os.listdir(staging):
             os.remove(os.path.join(staging, leftover))
         os.rmdir(staging)
-    return os.path.join(model_dir, CHECKPOINT_PREFIX)
+
+
+def remove_bundle(prefix: str) -> None:
+    for path in glob.glob(glob.escape(prefix) + '.data-*') + [prefix + '.index', prefix + '.meta']:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optional[str] = None,
+                    keep: int = 1) -> str:
+    """Writes the model in the original layout; returns the checkpoint prefix.
+
+    Into a folder without a checkpoint it writes the published layout (model.ckpt.*,
+    `checkpoint`, hparams.json). Over an existing checkpoint it writes the tensors
+    under a new prefix (model.ckpt-1, -2, ...; or `name`), switches the `checkpoint`
+    file to it with an atomic rename, and only then removes the prefixes beyond the
+    `keep` newest, as TF's own Saver does: an interrupted save leaves the earlier
+    checkpoint loadable. The folder's other files stay. A folder whose hparams.json
+    describes another model size is refused.
+    """
+    model_dir = os.fspath(model_dir)
+    os.makedirs(model_dir, exist_ok=True)
+    hparams_path = os.path.join(model_dir, 'hparams.json')
+    if os.path.exists(hparams_path):
+        existing = HParams.from_json(hparams_path)
+        if existing != model.hparams:
+            raise CheckpointError(f'{model_dir} holds a model of another size ({existing}); '
+                                  f'save to another folder')
+    current, listed = checkpoint_state(model_dir)
+    if name is None:
+        name = CHECKPOINT_PREFIX
+        number = 0
+        while name == current or os.path.exists(os.path.join(model_dir, name + '.index')):
+            number += 1
+            name = f'{CHECKPOINT_PREFIX}-{number}'
+    prefix = os.path.join(model_dir, name)
+    write_tensors(prefix, {n: v.read_value() for n, v in model.variables_by_name().items()})
+    if not os.path.exists(hparams_path):
+        _replace_atomically(hparams_path, json.dumps(model.hparams.to_dict(), indent=2) + '\n')
+    kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]
+    _replace_atomically(os.path.join(model_dir, 'checkpoint'),
+                        f'model_checkpoint_path: "{name}"\n'
+                        + ''.join(f'all_model_checkpoint_paths: "{n}"\n' for n in kept))
+    for old in set(listed) - set(kept):  # only once the `checkpoint` file names the new one
+        remove_bundle(os.path.join(model_dir, old))
+    return prefix

@@ -1,10 +1,13 @@
 """The gpt2-tf command: a thin layer over the library.
 
     gpt2-tf generate "PROMPT"     conditional samples, like interactive_conditional_samples.py
-    gpt2-tf generate              the interactive mode: prompts from stdin
+    gpt2-tf generate              the interactive mode: prompts from the terminal
     gpt2-tf sample                unconditional samples, like generate_unconditional_samples.py
     gpt2-tf inspect MODEL_DIR     parameter accounting, from hparams and from the checkpoint
     gpt2-tf compare MODEL_DIR     this port against the TF1 graph, block by block
+
+Every argument is checked before TensorFlow loads (it takes seconds, the model
+minutes for 1558M); errors are one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 DEFAULT_MODEL = '124M'
+DEFAULT_MODELS_DIR = 'checkpoints'
 BANNER = '=' * 40 + ' SAMPLE {} ' + '=' * 40
 
 
@@ -21,11 +26,228 @@ class CommandError(Exception):
     """An error to report in one line, without a traceback."""
 
 
+# --- finding the model, without TensorFlow ------------------------------------------------------
+
+def _incomplete(folder: str) -> bool:
+    """A model folder that an interrupted download left behind (.part files, or no index)."""
+    names = os.listdir(folder)
+    return any(n.endswith('.part') for n in names) or not any(n.endswith('.index') for n in names)
+
+
+def model_dir(args) -> tuple:
+    """(the folder to load, a notice to print before loading it or None): --model_dir, else
+    models_dir/model_name, else the bundled test checkpoint."""
+    from .assets import bundled_checkpoint
+    from .download import PARTIAL
+    from .hparams import OLD_NAMES, PUBLISHED
+
+    if args.model_dir:
+        if not os.path.isdir(args.model_dir):
+            raise CommandError(f'no model folder at {args.model_dir}')
+        return args.model_dir, None
+    models_dir = os.path.expanduser(args.models_dir or DEFAULT_MODELS_DIR)
+    if args.models_dir and not os.path.isdir(models_dir):
+        raise CommandError(f'--models_dir {args.models_dir} is not a folder; give the folder that holds '
+                           f'the model folders (default: {DEFAULT_MODELS_DIR})')
+    name = args.model_name or DEFAULT_MODEL
+    path = os.path.join(models_dir, name)
+    published = OLD_NAMES.get(name, name) in PUBLISHED
+    resume = f'python download_model.py {name}' + (f' --models_dir {args.models_dir}' if args.models_dir else '')
+    if os.path.isdir(path):
+        if published and _incomplete(path):
+            raise CommandError(f'the download in {path} is incomplete: run `{resume}` again to resume it')
+        return path, None
+    partial = os.path.isdir(path + PARTIAL)
+    if args.model_name is None and args.models_dir is None:
+        if partial:
+            why = (f'the download of {name} is incomplete ({path + PARTIAL}); resume it with `{resume}`. '
+                   f'Meanwhile using')
+        else:
+            why = f'no model at {path}, so using'
+        notice = (f'gpt2-tf: {why} the bundled test checkpoint (random weights, 2 tiny layers: the text is '
+                  f'gibberish).' + ('' if partial else f' Get a real model with: {resume}'))
+        return bundled_checkpoint(), notice
+    if partial:
+        raise CommandError(f'the download of {name} is incomplete: run `{resume}` again to resume it')
+    if not published:
+        raise CommandError(f'no model folder {path}, and {name!r} is not a published model '
+                           f'({", ".join(PUBLISHED)}); give --model_dir for a folder of your own')
+    raise CommandError(f'no model at {path}; download it with: {resume}')
+
+
+# --- generation ------------------------------------------------------------------------------
+
+def _checked_options(args) -> dict:
+    """The sampling options, checked without TensorFlow."""
+    from .validate import check_sampling, check_seed
+
+    if args.batch_size < 1:
+        raise CommandError(f'--batch_size must be at least 1, got {args.batch_size}')
+    if args.nsamples < 0:
+        raise CommandError(f'--nsamples must be >= 0, got {args.nsamples}')
+    if args.nsamples % args.batch_size:
+        raise CommandError(f'--nsamples ({args.nsamples}) must be a multiple of --batch_size ({args.batch_size})')
+    check_sampling(args.temperature, args.top_k, args.top_p, 1)
+    if args.seed is not None:
+        check_seed(args.seed, 1)
+    if args.chunk is not None and args.chunk < 1:
+        raise CommandError(f'--chunk must be at least 1, got {args.chunk}')
+    return dict(batch_size=args.batch_size, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, mode=args.mode, chunk=args.chunk)
+
+
+def _prepare(args, conditional: bool):
+    """(model folder, hparams, encoder, length), all checked before TensorFlow loads."""
+    from .encoder import encoder_for
+    from .hparams import HParams
+    from .validate import check_length, default_length
+
+    folder, args.notice = model_dir(args)
+    hparams = HParams.from_json(os.path.join(folder, 'hparams.json'))
+    length = args.length if args.length is not None else default_length(hparams.n_ctx, conditional)
+    check_length(length, hparams.n_ctx)
+    return folder, hparams, encoder_for(folder), length
+
+
+def _check_prompt(text: str, encoder, hparams, length: int) -> None:
+    from .validate import check_token_ids, check_window
+
+    ids = encoder.encode(text)
+    if not ids:
+        raise ValueError('the prompt is empty: give some text')
+    check_token_ids(ids, hparams.n_vocab, name="the prompt's token")
+    check_window(len(ids), length, hparams.n_ctx, what='the prompt')
+
+
+def _load(args, folder: str):
+    """Loads TensorFlow and the model, once every check has passed (the fallback notice comes here, last)."""
+    from . import quiet
+
+    if args.notice:
+        print(args.notice, file=sys.stderr)
+    quiet.tensorflow(verbose=args.verbose)
+    quiet.check_device(args.device)
+    from .checkpoint import load_model
+
+    return load_model(folder, device=args.device)
+
+
+def _run_samples(model, encoder, prompt, length: int, args, options: dict, nsamples: Optional[int]) -> None:
+    """Prints each text between the original's banners; on a terminal, a progress bar counts tokens."""
+    from tqdm import tqdm
+
+    from .text import iter_samples
+
+    total = None if nsamples is None else nsamples * length
+    with tqdm(total=total, desc='generating', unit='tok', file=sys.stderr, leave=False, dynamic_ncols=True,
+              mininterval=0, disable=args.quiet or not sys.stderr.isatty()) as bar:  # updates come per chunk
+        texts = iter_samples(model, prompt, length, nsamples=nsamples, encoder=encoder, progress=bar.update,
+                             **options)
+        for number, text in enumerate(texts, start=1):
+            tqdm.write(BANNER.format(number), file=sys.stdout)
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
+
+
+def cmd_sample(args):
+    options = _checked_options(args)
+    folder, hparams, encoder, length = _prepare(args, conditional=False)
+    model = _load(args, folder)
+    _run_samples(model, encoder, None, length, args, options, args.nsamples or None)  # 0: until interrupted
+
+
+def cmd_generate(args):
+    from .validate import room_for_prompt
+
+    options = _checked_options(args)
+    if args.nsamples == 0:
+        raise CommandError('--nsamples must be at least 1 for generate (sample runs until interrupted with 0)')
+    folder, hparams, encoder, length = _prepare(args, conditional=True)
+    if args.prompt is not None:
+        _check_prompt(args.prompt, encoder, hparams, length)
+        model = _load(args, folder)
+        _run_samples(model, encoder, args.prompt, length, args, options, args.nsamples)
+        return
+    try:
+        import readline  # noqa: F401  (line editing and history for input(); the prompt goes to the terminal)
+    except ImportError:
+        pass
+    model = _load(args, folder)
+    room = room_for_prompt(length, hparams.n_ctx)
+    while True:
+        try:
+            prompt = input('Model prompt >>> ')
+        except EOFError:
+            print()
+            return
+        count = len(encoder.encode(prompt))
+        if count == 0:
+            print('Prompt should not be empty!')
+            continue
+        if count > room:
+            print(f'Prompt too long: {count} tokens, and at most {room} fit with --length {length} '
+                  f'(prompt + length - 1 <= n_ctx = {hparams.n_ctx}).')
+            continue
+        _run_samples(model, encoder, prompt, length, args, options, args.nsamples)
+        print('=' * 80)
+
+
+# --- inspection ---------------------------------------------------------------------------------
+
+def _model_folder_argument(path: str) -> str:
+    if not os.path.isdir(path):
+        what = 'a file' if os.path.exists(path) else 'not there'
+        raise CommandError(f'{path} is {what}: give a model folder (hparams.json and a checkpoint)')
+    return path
+
+
+def cmd_inspect(args):
+    import json
+
+    from . import quiet
+
+    folder = _model_folder_argument(args.model_dir)
+    quiet.tensorflow(verbose=args.verbose)
+    from .diagnostics import format_table, parameter_table
+
+    table = parameter_table(folder)
+    print(json.dumps(table, indent=2) if args.json else format_table(table))
+    if table['mismatches']:
+        raise CommandError(f'{len(table["mismatches"])} component(s) disagree with hparams.json')
+
+
+def cmd_compare(args):
+    from . import quiet
+    from .hparams import HParams
+    from .validate import check_sequence, check_token_ids
+
+    folder = _model_folder_argument(args.model_dir)
+    try:
+        tokens = [int(t) for t in args.tokens.replace(',', ' ').split()]
+    except ValueError:
+        raise CommandError(f'--tokens takes token ids separated by spaces, e.g. "464 2068"; got {args.tokens!r}') \
+            from None
+    if not tokens:
+        raise CommandError('--tokens is empty: give at least one token id, e.g. "464 2068"')
+    hparams = HParams.from_json(os.path.join(folder, 'hparams.json'))
+    check_token_ids(tokens, hparams.n_vocab)
+    check_sequence(0, len(tokens), hparams.n_ctx)
+    quiet.tensorflow(verbose=args.verbose)
+    from .diagnostics import compare, format_comparison
+
+    report = compare(folder, [tokens])
+    print(format_comparison(report))
+    if report['first_divergence'] is not None:
+        sys.exit(1)
+
+
+# --- the parser ---------------------------------------------------------------------------------
+
 def _add_model_arguments(parser):
     parser.add_argument('--model_name', '--model-name', default=None,
                         help=f'which model folder under models_dir (default {DEFAULT_MODEL})')
-    parser.add_argument('--models_dir', '--models-dir', default='checkpoints',
-                        help='the folder holding model folders (default: checkpoints)')
+    parser.add_argument('--models_dir', '--models-dir', default=None,
+                        help=f'the folder holding model folders (default: {DEFAULT_MODELS_DIR})')
     parser.add_argument('--model_dir', '--model-dir', default=None,
                         help='a model folder to use directly, instead of models_dir/model_name')
     parser.add_argument('--device', default=None, help="pin a device, e.g. '/GPU:0' or '/CPU:0'")
@@ -41,156 +263,72 @@ def _add_sampling_arguments(parser, *, nsamples):
     parser.add_argument('--length', type=int, default=None,
                         help='new tokens per sample (default: half the window after a prompt, '
                              'the whole window without one)')
-    parser.add_argument('--temperature', type=float, default=1.0, help='0 is greedy (default 1)')
+    parser.add_argument('--temperature', type=float, default=1.0, help='in [0, 2]; 0 is greedy (default 1)')
     parser.add_argument('--top_k', '--top-k', type=int, default=0, help='0: no truncation (default 0)')
-    parser.add_argument('--top_p', '--top-p', type=float, default=1.0, help='nucleus sampling (default 1)')
+    parser.add_argument('--top_p', '--top-p', type=float, default=1.0, help='nucleus sampling (default 1: off)')
     parser.add_argument('--mode', choices=['xla', 'function', 'eager'], default='xla',
                         help='how the decode loop runs (default xla)')
+    parser.add_argument('--chunk', type=int, default=None,
+                        help='tokens per compiled call of the decode loop (default 32)')
     parser.add_argument('--quiet', action='store_true', help='no progress bar on stderr')
 
 
-def _model_dir(args) -> str:
-    from .text import bundled_checkpoint
-
-    if args.model_dir:
-        return args.model_dir
-    name = args.model_name or DEFAULT_MODEL
-    path = os.path.join(os.path.expanduser(args.models_dir), name)
-    if os.path.isdir(path):
-        return path
-    if args.model_name is None:
-        print(f'gpt2-tf: no model at {path}, so using the bundled test checkpoint (random weights, '
-              f'2 tiny layers: the text is gibberish). Get a real model with: '
-              f'python download_model.py {DEFAULT_MODEL}', file=sys.stderr)
-        return bundled_checkpoint()
-    raise CommandError(f'no model at {path}; download it with: python download_model.py {name}')
-
-
-def _load(args):
-    from .checkpoint import load_model
-    from .text import encoder_for
-
-    model_dir = _model_dir(args)
-    return load_model(model_dir, device=args.device), encoder_for(model_dir)
-
-
-def _print_samples(texts, total, quiet):
-    from tqdm import tqdm
-
-    with tqdm(total=total or None, desc='samples', unit='sample', file=sys.stderr, leave=False,
-              disable=quiet) as bar:
-        for number, text in enumerate(texts, start=1):
-            tqdm.write(BANNER.format(number), file=sys.stdout)
-            tqdm.write(text, file=sys.stdout)
-            sys.stdout.flush()
-            bar.update(1)
-
-
-def _options(args, encoder):
-    return dict(batch_size=args.batch_size, encoder=encoder, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, mode=args.mode)
-
-
-def cmd_sample(args):
-    from .text import iter_samples
-
-    model, encoder = _load(args)
-    texts = iter_samples(model, None, args.length, nsamples=args.nsamples or None, **_options(args, encoder))
-    _print_samples(texts, args.nsamples, args.quiet)
-
-
-def cmd_generate(args):
-    from .text import default_length, iter_samples
-    from .validate import check_length, room_for_prompt
-
-    model, encoder = _load(args)
-    length = args.length
-    if length is None:
-        length = default_length(model, conditional=True)
-    check_length(length, model.hparams.n_ctx)
-    if args.prompt is not None:
-        texts = iter_samples(model, args.prompt, length, nsamples=args.nsamples, **_options(args, encoder))
-        _print_samples(texts, args.nsamples, args.quiet)
-        return
-    room = room_for_prompt(length, model.hparams.n_ctx)
-    while True:
-        try:
-            prompt = input('Model prompt >>> ')
-        except EOFError:
-            print()
-            return
-        count = len(encoder.encode(prompt))
-        if count == 0:
-            print('Prompt should not be empty!')
-            continue
-        if count > room:
-            print(f'Number of tokens should be in range of 1 - {room}, got: {count}!')
-            continue
-        texts = iter_samples(model, prompt, length, nsamples=args.nsamples, **_options(args, encoder))
-        _print_samples(texts, args.nsamples, args.quiet)
-        print('=' * 80)
-
-
-def cmd_inspect(args):
-    import json
-
-    from .diagnostics import format_table, parameter_table
-
-    table = parameter_table(args.model_dir)
-    print(json.dumps(table, indent=2) if args.json else format_table(table))
-    if table['mismatches']:
-        raise CommandError(f'{len(table["mismatches"])} component(s) disagree with hparams.json')
-
-
-def cmd_compare(args):
-    from .diagnostics import compare, format_comparison
-
-    tokens = [int(t) for t in args.tokens.replace(',', ' ').split()]
-    report = compare(args.model_dir, [tokens])
-    print(format_comparison(report))
-    if report['first_divergence'] is not None:
-        sys.exit(1)
+def _add_verbose(parser):
+    parser.add_argument('--verbose', action='store_true', help="show TensorFlow's start-up messages")
 
 
 def parser() -> argparse.ArgumentParser:
     main = argparse.ArgumentParser(prog='gpt2-tf', description='GPT-2 on TensorFlow 2, faithful to the original.')
     commands = main.add_subparsers(dest='command', required=True, metavar='COMMAND')
 
-    generate = commands.add_parser('generate', help='samples after a prompt; without one, read prompts from stdin')
+    generate = commands.add_parser('generate', help='samples after a prompt; without one, read prompts interactively')
     generate.add_argument('prompt', nargs='?', default=None, help='the prompt text (omit for the interactive mode)')
     _add_model_arguments(generate)
     _add_sampling_arguments(generate, nsamples=1)
+    _add_verbose(generate)
     generate.set_defaults(run=cmd_generate)
 
     sample = commands.add_parser('sample', help='unconditional samples')
     _add_model_arguments(sample)
     _add_sampling_arguments(sample, nsamples=0)
+    _add_verbose(sample)
     sample.set_defaults(run=cmd_sample)
 
     inspect = commands.add_parser('inspect', help='parameter accounting of a model folder')
     inspect.add_argument('model_dir')
     inspect.add_argument('--json', action='store_true', help='machine-readable output')
+    _add_verbose(inspect)
     inspect.set_defaults(run=cmd_inspect)
 
     compare = commands.add_parser('compare', help='max |diff| per block and state against the TF1 graph')
     compare.add_argument('model_dir')
     compare.add_argument('--tokens', required=True, help='token ids, e.g. "464 2068 7586"')
+    _add_verbose(compare)
     compare.set_defaults(run=cmd_compare)
     return main
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     args = parser().parse_args(argv)
     try:
         args.run(args)
     except KeyboardInterrupt:
+        print(file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
-    except (CommandError, ValueError, FileNotFoundError) as e:
-        print(f'gpt2-tf: error: {e}', file=sys.stderr)
+    except (CommandError, ValueError, OSError) as e:  # CheckpointError is a ValueError
+        message = (getattr(e, 'message', None) or str(e) or type(e).__name__).strip().splitlines()[0]
+        print(f'gpt2-tf: error: {message}', file=sys.stderr)
         return 2
+    except Exception as e:  # TensorFlow's own errors: still one line, with --verbose for the details
+        if getattr(args, 'verbose', False):
+            raise
+        if type(e).__module__.startswith('tensorflow'):
+            message = (getattr(e, 'message', None) or str(e)).strip().splitlines()[0]
+            print(f'gpt2-tf: error: {message} (run with --verbose for details)', file=sys.stderr)
+            return 2
+        raise
     return 0
 
 

@@ -9,6 +9,7 @@ file, and a complete file is never fetched twice.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import os
@@ -64,6 +65,27 @@ def _total_size(response) -> Optional[int]:
     return int(length) if length is not None else None
 
 
+def _range_start(response) -> Optional[int]:
+    match = re.match(r'bytes (\d+)-', response.headers.get('Content-Range', ''))
+    return int(match.group(1)) if match else None
+
+
+def _validator(response) -> Optional[str]:
+    """What identifies this version of the file: a strong ETag, else Last-Modified (for If-Range)."""
+    etag = response.headers.get('ETag')
+    if etag and not etag.startswith('W/'):
+        return etag
+    return response.headers.get('Last-Modified')
+
+
+def _read_validator(part: str) -> Optional[str]:
+    try:
+        with open(part + '.validator', encoding='utf-8') as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def _check_status(response, url: str) -> None:
     if response.status_code == 404:
         raise DownloadError(f'{url}: 404 Not Found (is the model name right, and the base URL?)')
@@ -74,15 +96,21 @@ def _check_status(response, url: str) -> None:
 
 
 def _is_complete(session, url: str, path: str, sha256: Optional[str], timeout: float) -> bool:
-    """Whether a file under its final name matches the server's size (and the known hash)."""
+    """Whether a file under its final name is still the server's (its known hash, or its size).
+
+    A final name is only ever given to a verified file, so when the server cannot
+    say (offline, or a mirror that rejects HEAD) the file counts as complete.
+    """
     if sha256 is not None:
         return _sha256(path) == sha256
     try:
         response = session.head(url, timeout=timeout, allow_redirects=True)
     except requests.RequestException:
-        return True  # offline: a final name is only ever given to a verified file
+        return True
     size = response.headers.get('Content-Length')
-    return response.status_code == 200 and size is not None and int(size) == os.path.getsize(path)
+    if response.status_code != 200 or size is None:
+        return True
+    return int(size) == os.path.getsize(path)
 
 
 def _attempt(session, url: str, part: str, *, timeout: float, progress, announced: dict) -> Optional[int]:
@@ -91,7 +119,17 @@ def _attempt(session, url: str, part: str, *, timeout: float, progress, announce
     announced['total'] keeps the size the first response gave; a later one that differs is an error.
     """
     have = os.path.getsize(part) if os.path.exists(part) else 0
-    headers = {'Range': f'bytes={have}-'} if have else {}
+    seen = 'validator' in announced  # this process saw the file's first response
+    validator = announced['validator'] if seen else _read_validator(part)
+    if have and not (seen or validator or announced.get('sha256')):
+        # Bytes from an earlier run that nothing identifies, and no hash to check them with:
+        # resuming could splice two versions of the file, so start over.
+        have = 0
+    headers = {}
+    if have:
+        headers['Range'] = f'bytes={have}-'
+        if validator:
+            headers['If-Range'] = validator  # the server sends the whole file if it changed
     try:
         with session.get(url, headers=headers, stream=True, timeout=timeout) as response:
             _check_status(response, url)
@@ -107,9 +145,16 @@ def _attempt(session, url: str, part: str, *, timeout: float, progress, announce
                 os.remove(part)
                 raise DownloadError(f'{url}: size mismatch: the server announced {first:,} bytes, '
                                     f'then {total:,} (the file changed?); run again to start over')
-            mode = 'ab' if response.status_code == 206 else 'wb'  # 200: Range ignored, so start over
+            if response.status_code == 206 and _range_start(response) != have:
+                os.remove(part)
+                raise _Retry(f'{url}: the server resumed at byte {_range_start(response)}, not {have}; '
+                             f'starting over')
+            mode = 'ab' if response.status_code == 206 else 'wb'  # 200: Range ignored or file changed
             if mode == 'wb':
                 have = 0
+                announced['validator'] = _validator(response)
+                with open(part + '.validator', 'w', encoding='utf-8') as f:
+                    f.write(announced['validator'] or '')
             progress.reset(total=total)
             progress.update(have)
             with open(part, mode) as f:
@@ -135,16 +180,18 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
         return False
     part = path + '.part'
     name = os.path.basename(path)
-    announced = {}
-    with tqdm(desc=f'Fetching {name}', unit='B', unit_scale=True, unit_divisor=1024, disable=quiet,
-              file=sys.stderr, leave=True) as progress:
+    announced = {'sha256': sha256}
+    with tqdm(desc=f'Fetching {name}', unit='B', unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              leave=True, disable=quiet or not sys.stderr.isatty()) as progress:
         for attempt in range(retries + 1):
             try:
                 total = _attempt(session, url, part, timeout=timeout, progress=progress, announced=announced)
             except _Retry as e:
                 if attempt == retries:
-                    raise DownloadError(f'{e}; gave up after {retries + 1} attempts '
-                                        f'(run again to resume from {part})') from None
+                    resume = f'run again to resume from {part}' if os.path.exists(part) else 'run again later'
+                    raise DownloadError(f'{e}; gave up after {retries + 1} attempts ({resume})') from None
+                if attempt == 0:  # one notice per file, however many retries follow
+                    progress.write(f'download_model.py: {e}; retrying up to {retries} times', file=sys.stderr)
                 time.sleep(backoff * 2 ** attempt)
                 continue
             except OSError as e:
@@ -164,21 +211,35 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
             raise DownloadError(f'{name}: sha256 mismatch: expected {sha256}, got {actual} '
                                 f'(a corrupt download or a wrong mirror)')
     os.replace(part, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(part + '.validator')
     return True
+
+
+PARTIAL = '.partial'  # a model folder being downloaded: models_dir/<model>.partial
+
+
+def partial_folder(folder: str) -> str:
+    return folder.rstrip('/\\') + PARTIAL
 
 
 def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Optional[str] = None,
                    verify: bool = True, quiet: bool = False, retries: int = 5, backoff: float = 1.0,
-                   timeout: float = 60.0) -> str:
+                   timeout: float = 60.0, verbose: bool = False) -> str:
     """Downloads a published model's seven files into models_dir/<model>; returns that folder.
 
-    base_url defaults to $GPT2_TF_BASE_URL, then the original location. With
-    verify, the checkpoint's names and shapes are checked against hparams.json.
+    The files go to models_dir/<model>.partial (where interrupted downloads
+    resume), which becomes models_dir/<model> only once every file is complete
+    and verified, so a model folder is never half there. base_url defaults to
+    $GPT2_TF_BASE_URL, then the original location. With verify, the checkpoint's
+    names and shapes are checked against hparams.json.
     """
     model = model_name(model)
     base_url = base_url or os.environ.get(BASE_URL_ENV) or BASE_URL
     base_url = base_url if base_url.endswith('/') else base_url + '/'
-    folder = os.path.join(models_dir, model)
+    final = os.path.join(models_dir, model)
+    # A folder left complete by an earlier run is checked in place; otherwise work in the .partial one.
+    folder = final if os.path.isdir(final) else partial_folder(final)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -188,16 +249,23 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
         fetched = download_file(f'{base_url}models/{model}/{filename}', os.path.join(folder, filename),
                                 sha256=KNOWN_SHA256.get(filename), retries=retries, backoff=backoff,
                                 timeout=timeout, quiet=quiet, session=session)
-        if not fetched and not quiet:
+        if not fetched and not quiet and sys.stderr.isatty():  # beside the progress bars, which need a terminal
             print(f'{filename}: already complete, skipped', file=sys.stderr)
     if verify:
+        from . import quiet as tf_start
+
+        tf_start.tensorflow(verbose=verbose)
         from .checkpoint import check_folder
 
         try:
             check_folder(folder)
         except (ValueError, FileNotFoundError) as e:
-            raise DownloadError(f'the downloaded checkpoint does not load: {e}') from None
-    return folder
+            reason = str(e).splitlines()[0]
+            raise DownloadError(f'the downloaded checkpoint does not load ({reason}); delete {folder} '
+                                f'and download again, or try another mirror') from None
+    if folder != final:
+        os.replace(folder, final)
+    return final
 
 
 def main(argv=None) -> int:
@@ -211,13 +279,14 @@ def main(argv=None) -> int:
                         help=f'a mirror to download from (default: ${BASE_URL_ENV}, else {BASE_URL})')
     parser.add_argument('--no-verify', action='store_true', help='skip the check that the checkpoint loads')
     parser.add_argument('--quiet', action='store_true', help='no progress bars')
+    parser.add_argument('--verbose', action='store_true', help="show TensorFlow's start-up messages")
     args = parser.parse_args(argv)
     if args.model == 'list':
         print('\n'.join(PUBLISHED))
         return 0
     try:
         folder = download_model(args.model, args.models_dir, base_url=args.base_url, verify=not args.no_verify,
-                                quiet=args.quiet)
+                                quiet=args.quiet, verbose=args.verbose)
     except DownloadError as e:
         print(f'download_model.py: error: {e}', file=sys.stderr)
         return 1

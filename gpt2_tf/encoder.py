@@ -46,27 +46,29 @@ def get_pairs(word: tuple) -> set:
     return set(zip(word, word[1:]))
 
 
-def _tiktoken_encoding(encoder: dict, bpe_merges: Sequence[tuple]):
-    """A tiktoken Encoding with the same ids, or None when tiktoken is missing or the files do not fit it.
+@functools.lru_cache(maxsize=1)
+def _gpt2_vocabulary() -> tuple:
+    encoder, merges = _read_files(*bundled_vocabulary())
+    return encoder, merges
 
-    tiktoken merges by the rank of the merged token; that equals merging by pair
-    rank only when every merge's token id is 256 + its line in vocab.bpe, as in
-    GPT-2's files.
+
+def _tiktoken_encoding(encoder: dict, bpe_merges: Sequence[tuple]):
+    """A tiktoken Encoding with the same ids, or None when tiktoken is missing or the vocabulary is not GPT-2's.
+
+    tiktoken merges by the rank of the merged token, the original by the rank of
+    the pair. The two agree on GPT-2's files (the tests hold them to the same ids),
+    but not on every vocabulary: with merges (a, b), (b, c), (a, bc) they encode
+    'abc' differently. So the fast path is used only for GPT-2's own vocabulary.
     """
     try:
         import tiktoken
     except ImportError:
         return None
-    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
-    ranks = {}
-    for symbol, rank in encoder.items():
-        if symbol == END_OF_TEXT:
-            continue
-        ranks[bytes(byte_decoder[c] for c in symbol)] = rank
-    byte_ids = sorted(ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks)
-    if byte_ids != list(range(256)) or any(
-            encoder.get(first + second) != 256 + i for i, (first, second) in enumerate(bpe_merges)):
+    gpt2_encoder, gpt2_merges = _gpt2_vocabulary()
+    if len(encoder) != len(gpt2_encoder) or list(map(tuple, bpe_merges)) != gpt2_merges or encoder != gpt2_encoder:
         return None
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    ranks = {bytes(byte_decoder[c] for c in symbol): rank for symbol, rank in encoder.items() if symbol != END_OF_TEXT}
     special = {END_OF_TEXT: encoder[END_OF_TEXT]} if END_OF_TEXT in encoder else {}
     return tiktoken.Encoding('gpt2_tf', pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=special,
                              explicit_n_vocab=len(encoder))
@@ -91,7 +93,7 @@ class Encoder:
         self.pat = regex.compile(PATTERN)
         self._tiktoken = None if fast is False else _tiktoken_encoding(encoder, bpe_merges)
         if fast and self._tiktoken is None:
-            raise ValueError('fast=True needs tiktoken installed and GPT-2-style vocabulary files')
+            raise ValueError("fast=True needs tiktoken installed and GPT-2's own vocabulary files")
         self.backend = 'python' if self._tiktoken is None else 'tiktoken'
 
     @property
@@ -207,6 +209,13 @@ def get_encoder(model_dir: Optional[str | os.PathLike] = None, *, fast: Optional
         encoder_path = os.path.join(os.fspath(model_dir), 'encoder.json')
         bpe_path = os.path.join(os.fspath(model_dir), 'vocab.bpe')
     return _cached_encoder(os.path.abspath(encoder_path), os.path.abspath(bpe_path), fast)
+
+
+def encoder_for(model_dir: str | os.PathLike) -> Encoder:
+    """The model folder's own encoder.json and vocab.bpe when it has them, else the bundled GPT-2 files."""
+    if os.path.exists(os.path.join(model_dir, 'encoder.json')) or os.path.exists(os.path.join(model_dir, 'vocab.bpe')):
+        return get_encoder(model_dir)
+    return get_encoder()
 
 
 def encode(text: str, *, special: bool = False) -> list:

@@ -88,6 +88,11 @@ def room_for_prompt(length: int, n_ctx: int) -> int:
     return n_ctx - length + 1
 
 
+def default_length(n_ctx: int, conditional: bool) -> int:
+    """The original scripts' defaults: half the window after a prompt, the whole window without one."""
+    return n_ctx // 2 if conditional else n_ctx
+
+
 def check_length(length, n_ctx: int) -> None:
     if not is_int(length) or length < 1:
         raise ValueError(f'length must be a positive integer, got {length!r}')

@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import gpt2_tf
 from gpt2_tf import CheckpointError, HParams
@@ -112,15 +113,32 @@ def test_missing_and_extra_variables(tiny_copy, tmp_path):
     assert model.hparams.n_layer == 1
 
 
-def test_nothing_assigned_when_verification_fails(tiny_copy):
-    model = gpt2_tf.load_model(TINY)
+def test_nothing_assigned_when_a_read_fails(tiny_copy):
+    model = gpt2_tf.Model(HParams.from_json(tiny_copy / 'hparams.json'))  # fresh: gains 1, the rest 0
     before = {n: v.numpy().copy() for n, v in model.variables_by_name().items()}
     data = tiny_copy / 'model.ckpt.data-00000-of-00001'
-    data.write_bytes(data.read_bytes()[:1000])
-    with pytest.raises(CheckpointError):
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = b'\x55' * 64  # same size: passes the size check, fails a checksum
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match='corrupt or truncated'):
         gpt2_tf.checkpoint.restore(model, tiny_copy)
     for name, variable in model.variables_by_name().items():
-        np.testing.assert_array_equal(variable.numpy(), before[name])
+        np.testing.assert_array_equal(variable.numpy(), before[name], name)
+
+
+def test_truncated_data_with_extra_variables_is_a_checkpoint_error(tmp_path):
+    # Extra variables (optimizer slots, say) sort first and make the file larger than the
+    # model needs, so a truncated end passes the size check and fails only when read.
+    model = gpt2_tf.load_model(TINY)
+    tensors = {n: v.read_value() for n, v in model.variables_by_name().items()}
+    tensors['aaa/slot'] = tf.zeros([20000])
+    gpt2_tf.checkpoint.write_tensors(str(tmp_path / 'model.ckpt'), tensors)
+    (tmp_path / 'checkpoint').write_text('model_checkpoint_path: "model.ckpt"\n')
+    shutil.copy(TINY / 'hparams.json', tmp_path)
+    data = tmp_path / 'model.ckpt.data-00000-of-00001'
+    data.write_bytes(data.read_bytes()[:-4000])
+    with pytest.raises(CheckpointError, match=r'cannot read model/wte .*corrupt or truncated'):
+        gpt2_tf.load_model(tmp_path, strict=False)
 
 
 def test_save_then_restore_with_tf1_saver(tmp_path):
@@ -144,3 +162,58 @@ def test_save_over_existing_leaves_no_temporary_files(tmp_path):
     gpt2_tf.save_checkpoint(model, tmp_path)
     gpt2_tf.save_checkpoint(model, tmp_path)
     assert not [f for f in os.listdir(tmp_path) if f.startswith('.')]
+
+
+def test_saving_over_a_checkpoint_switches_prefixes_and_removes_the_old(tmp_path):
+    model = gpt2_tf.load_model(TINY)
+    first = gpt2_tf.save_checkpoint(model, tmp_path)
+    assert first == str(tmp_path / 'model.ckpt')
+    second = gpt2_tf.save_checkpoint(model, tmp_path)
+    assert second == str(tmp_path / 'model.ckpt-1')
+    assert not (tmp_path / 'model.ckpt.index').exists()  # the old prefix goes once the new one is named
+    assert find_checkpoint(tmp_path) == second
+    (tmp_path / 'notes.txt').write_text('mine')
+    gpt2_tf.save_checkpoint(model, tmp_path)
+    assert (tmp_path / 'notes.txt').read_text() == 'mine'  # the folder's other files stay
+
+
+@pytest.mark.parametrize('fail_at', range(6))
+def test_an_interrupted_save_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, fail_at):
+    """Fail the save at each file operation in turn: the folder always loads, as the old or the new model."""
+    old = gpt2_tf.load_model(TINY)
+    gpt2_tf.save_checkpoint(old, tmp_path)
+    new = gpt2_tf.load_model(TINY)
+    for variable in new.variables:
+        variable.assign(variable + 1)
+    steps = []
+    real_replace, real_remove = os.replace, os.remove
+
+    def failing(real):
+        def step(*args):
+            steps.append(args)
+            if len(steps) == fail_at + 1:
+                raise OSError('simulated crash')
+            return real(*args)
+        return step
+
+    monkeypatch.setattr(os, 'replace', failing(real_replace))
+    monkeypatch.setattr(os, 'remove', failing(real_remove))
+    try:
+        gpt2_tf.save_checkpoint(new, tmp_path)
+        completed = True
+    except OSError:
+        completed = False
+    monkeypatch.undo()
+    loaded = gpt2_tf.load_model(tmp_path)
+    wte = loaded.variables_by_name()['model/wte'].numpy()
+    source = new if completed or not np.array_equal(wte, old.variables_by_name()['model/wte'].numpy()) else old
+    for name, variable in loaded.variables_by_name().items():
+        np.testing.assert_array_equal(variable.numpy(), source.variables_by_name()[name].numpy(), name)
+    if fail_at >= len(steps):
+        assert completed
+
+
+def test_saving_a_model_of_another_size_into_a_folder_is_refused(tmp_path):
+    gpt2_tf.save_checkpoint(gpt2_tf.load_model(TINY), tmp_path)
+    with pytest.raises(CheckpointError, match='holds a model of another size'):
+        gpt2_tf.save_checkpoint(gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot'), tmp_path)

@@ -1,14 +1,29 @@
-"""The gpt2-tf command, run in-process on the bundled test checkpoint and the fixtures."""
+"""The gpt2-tf command: in-process for what it prints, and as the real entry point in a subprocess
+(and a pseudo-terminal) for what a user sees on stderr."""
 
+import fcntl
 import io
+import os
+import pathlib
+import pty
 import re
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import time
 
 import pytest
 
+from gpt2_tf import quiet
 from gpt2_tf.cli import BANNER, main
 
 from conftest import FIXTURES
 
+ROOT = pathlib.Path(__file__).parent.parent
+GPT2_TF = [sys.executable, '-m', 'gpt2_tf.cli']
 FAST = ['--mode', 'function', '--quiet']
 
 
@@ -39,10 +54,11 @@ def test_sample_is_unconditional(capsys, monkeypatch, tmp_path):
 
 def test_interactive_mode_reads_prompts_from_stdin(capsys, monkeypatch, tmp_path):
     code, out, _ = run(capsys, monkeypatch, tmp_path, 'generate', '--length', '6', '--seed', '1', *FAST,
-                       stdin='First prompt\n\nSecond prompt\n')
+                       stdin='First prompt\n\nSecond prompt\n' + 'word ' * 130 + '\n')
     assert code == 0
-    assert out.count('Model prompt >>> ') == 4  # two prompts, one empty line, then end of input
+    assert out.count('Model prompt >>> ') == 5  # two prompts, an empty one, a long one, then end of input
     assert 'Prompt should not be empty!' in out
+    assert 'Prompt too long: 131 tokens, and at most 123 fit with --length 6 (prompt + length - 1 <= n_ctx = 128)' in out
     assert out.count(BANNER.format(1)) == 2 and out.count('=' * 80 + '\n') == 2
 
 
@@ -50,17 +66,134 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     code, out, err = run(capsys, monkeypatch, tmp_path, 'generate', 'Hi', '--models_dir', str(FIXTURES),
                          '--model_name', 'tf1-tiny', '--length', '4', '--temperature', '0', *FAST)
     # "Hi" is id 17250, outside this fixture's 512-token vocabulary.
-    assert code == 2 and 'token id 17250 is outside the vocabulary [0, 512)' in err
+    assert code == 2 and "the prompt's token id 17250 is outside the vocabulary [0, 512)" in err
 
 
 @pytest.mark.parametrize('argv, message', [
     (['generate', 'x', '--model_name', '355M'], 'no model at checkpoints/355M; download it with: python download_model.py 355M'),
-    (['generate', 'x', '--length', '129'], 'length 129 is longer than the window'),
-    (['generate', 'x', '--top_k', '-1'], 'top_k must be an integer >= 0'),
-    (['generate', 'x', '--nsamples', '3', '--batch_size', '2'], r'nsamples \(3\) must be a multiple of batch_size \(2\)'),
+    (['generate', 'x', '--model_name', '125M'], "'125M' is not a published model"),
+    (['generate', 'x', '--models_dir', '/nonexistent'], '--models_dir /nonexistent is not a folder'),
     (['generate', 'x', '--model_dir', '/nonexistent'], 'no model folder at /nonexistent'),
+    (['generate', 'x', '--length', '129'], 'length 129 is longer than the window'),
+    (['generate', 'x' * 400, '--length', '100'], r'the prompt: 50 tokens \+ length 100 exceeds the window by 21'),
+    (['generate', ''], 'the prompt is empty'),
+    (['generate', 'x', '--top_k', '-1'], 'top_k must be an integer >= 0'),
+    (['generate', 'x', '--top_p', '1.5'], r'top_p must be in \[0, 1\]'),
+    (['generate', 'x', '--temperature', '3'], r'temperature must be in \[0, 2\]'),
+    (['generate', 'x', '--batch_size', '0'], '--batch_size must be at least 1'),
+    (['generate', 'x', '--nsamples', '0'], '--nsamples must be at least 1 for generate'),
+    (['generate', 'x', '--nsamples', '-1'], '--nsamples must be >= 0'),
+    (['generate', 'x', '--nsamples', '3', '--batch_size', '2'], r'--nsamples \(3\) must be a multiple of --batch_size \(2\)'),
+    (['generate', 'x', '--seed', '99999999999999999999'], 'seed 99999999999999999999 is out of range'),
+    (['sample', '--length', '200'], 'length 200 is longer than the window: at most n_ctx = 128'),
+    (['inspect', str(ROOT / 'README.md')], 'README.md is a file: give a model folder'),
+    (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '99999'], r'token id 99999 is outside the vocabulary \[0, 512\)'),
+    (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '-1 5'], 'token id -1 is outside'),
+    (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', ''], '--tokens is empty'),
+    (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', ' '.join(['1'] * 33)], 'sequence too long: 0 past \\+ 33'),
+    (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', 'a b'], '--tokens takes token ids'),
 ])
-def test_errors_are_one_line(capsys, monkeypatch, tmp_path, argv, message):
-    code, _, err = run(capsys, monkeypatch, tmp_path, *argv, *FAST)
+def test_errors_are_one_line_and_come_before_tensorflow_loads(capsys, monkeypatch, tmp_path, argv, message):
+    monkeypatch.setattr(quiet, 'tensorflow', lambda **_: pytest.fail('TensorFlow loaded before the check'))
+    code, _, err = run(capsys, monkeypatch, tmp_path, *argv, *([] if argv[0] in ('inspect', 'compare') else FAST))
     assert code == 2
-    assert re.search(message, err.strip().splitlines()[-1])
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err.strip())
+
+
+def test_a_missing_gpu_is_an_error(capsys, monkeypatch, tmp_path):
+    import tensorflow as tf
+
+    if tf.config.list_logical_devices('GPU'):
+        pytest.skip('this machine has a GPU')
+    code, _, err = run(capsys, monkeypatch, tmp_path, 'generate', 'x', '--device', '/GPU:0', *FAST)
+    assert code == 2 and 'no /GPU:0 visible' in err and 'drop --device' in err
+
+
+def test_incomplete_downloads_are_named_with_the_command_that_resumes_them(capsys, monkeypatch, tmp_path):
+    (tmp_path / 'checkpoints' / '124M.partial').mkdir(parents=True)
+    code, out, err = run(capsys, monkeypatch, tmp_path, 'generate', 'Hi', '--length', '3', *FAST)
+    assert code == 0 and out.count('SAMPLE') == 1
+    assert 'the download of 124M is incomplete' in err and 'python download_model.py 124M' in err
+    assert 'bundled test checkpoint' in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, monkeypatch, tmp_path, 'generate', 'Hi', '--model_name', '124M', *FAST)
+    assert code == 2 and 'incomplete: run `python download_model.py 124M` again to resume it' in err
+    # A folder that an older downloader left half-written.
+    shutil.copytree(FIXTURES / 'tf1-tiny', tmp_path / 'checkpoints' / '355M')
+    (tmp_path / 'checkpoints' / '355M' / 'model.ckpt.index').unlink()
+    (tmp_path / 'checkpoints' / '355M' / 'model.ckpt.index.part').write_bytes(b'')
+    code, _, err = run(capsys, monkeypatch, tmp_path, 'generate', 'Hi', '--model_name', '355M', *FAST)
+    assert code == 2 and 'the download in checkpoints/355M is incomplete' in err
+
+
+# --- the real entry point ------------------------------------------------------------------------
+
+def subprocess_env():
+    env = dict(os.environ)
+    env.pop('TF_CPP_MIN_LOG_LEVEL', None)  # what a user's shell has: nothing set
+    return env
+
+
+def test_stderr_holds_only_the_projects_own_lines(tmp_path):
+    done = subprocess.run([*GPT2_TF, 'generate', 'Hello', '--length', '4', '--seed', '1'], cwd=tmp_path,
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith('gpt2-tf: no model at checkpoints/124M'), lines
+    assert BANNER.format(1) in done.stdout  # piped: no progress bar either
+    failed = subprocess.run([*GPT2_TF, 'compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '99999'], cwd=tmp_path,
+                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert failed.returncode == 2
+    assert failed.stderr.splitlines() == ['gpt2-tf: error: token id 99999 is outside the vocabulary [0, 512)']
+
+
+def test_verbose_shows_tensorflows_start_up_lines(tmp_path):
+    done = subprocess.run([*GPT2_TF, 'inspect', str(FIXTURES / 'tf1-tiny'), '--verbose'], cwd=tmp_path,
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert done.returncode == 0
+    assert 'oneDNN' in done.stderr or 'cuda' in done.stderr.lower()  # what the quiet start hides
+
+
+def terminal_session(argv, keys, cwd, *, timeout=180):
+    """Runs argv on a pseudo-terminal, typing each of keys once the previous output settles; returns the output."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(cwd)
+        os.execvpe(argv[0], argv, subprocess_env())
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack('HHHH', 24, 120, 0, 0))  # a terminal's size, as a user's has
+    output, pending, deadline = b'', list(keys), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+        elif pending and output.endswith(b'>>> '):
+            os.write(fd, pending.pop(0))
+    os.waitpid(pid, 0)
+    return output.decode('utf-8', errors='replace')
+
+
+@pytest.mark.slow
+def test_interactive_mode_on_a_terminal_has_line_editing(tmp_path):
+    # A left arrow on an empty line: with line editing it moves nothing and the line stays empty;
+    # without it, the escape code would become the prompt and a sample would follow.
+    out = terminal_session([*GPT2_TF, 'generate', '--length', '4', '--seed', '1', '--mode', 'function'],
+                           [b'\x1b[D\r', b'Hello\r', b'\x04'], tmp_path)
+    assert out.count('Model prompt >>> ') == 3
+    assert 'Prompt should not be empty!' in out
+    assert out.count(BANNER.format(1)) == 1
+
+
+@pytest.mark.slow
+def test_progress_shows_tokens_per_second_on_a_terminal(tmp_path):
+    out = terminal_session([*GPT2_TF, 'generate', 'Hello', '--length', '64', '--chunk', '8', '--seed', '1',
+                            '--mode', 'function'], [], tmp_path)
+    assert re.search(r'generating: .*\d+/64.*tok/s', out), out[-500:]
+    quiet_out = terminal_session([*GPT2_TF, 'generate', 'Hello', '--length', '64', '--seed', '1', '--quiet',
+                                  '--mode', 'function'], [], tmp_path)
+    assert 'tok/s' not in quiet_out

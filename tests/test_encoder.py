@@ -124,7 +124,18 @@ def test_custom_vocabulary_falls_back_to_python():
     encoder['ab'] = 256
     encoder['Ġab'] = 257
     enc = Encoder(encoder, [('a', 'b'), ('Ġ', 'ab')])
-    assert enc.encode('ab ab') == [256, 257]
-    # Merges whose ids are not 256 + rank do not fit tiktoken's model.
+    assert enc.encode('ab ab') == [256, 257] and enc.backend == 'python'
     swapped = dict(encoder, ab=257, Ġab=256)
     assert Encoder(swapped, [('a', 'b'), ('Ġ', 'ab')]).backend == 'python'
+
+
+def test_a_vocabulary_where_tiktoken_would_merge_differently_uses_the_original_algorithm():
+    # Merge ids are 256 + rank, yet tiktoken (merging by the merged token's rank) would turn
+    # 'abc' into the one token 'abc', where merging by pair rank stops at 'ab', 'c'.
+    encoder = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    encoder.update(ab=256, bc=257, abc=258)
+    enc = Encoder(encoder, [('a', 'b'), ('b', 'c'), ('a', 'bc')])
+    assert enc.backend == 'python'
+    assert enc.encode('abc') == [256, encoder['c']]
+    with pytest.raises(ValueError, match="needs tiktoken installed and GPT-2's own vocabulary"):
+        Encoder(encoder, [('a', 'b'), ('b', 'c'), ('a', 'bc')], fast=True)

@@ -7,7 +7,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / 'gpt2_tf'
 
 # Bottom to top. A module may import modules of lower layers only (lazy imports inside functions too).
 LAYERS = [
-    {'hparams', 'validate', 'assets'},
+    {'hparams', 'validate', 'assets', 'quiet'},
     {'encoder', 'model'},
     {'decoding', 'checkpoint', 'compiled', 'tf1_reference'},
     {'sample'},

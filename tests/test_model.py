@@ -172,3 +172,17 @@ def test_xla_compiled_calls_match_fixtures(fixture_dir):
     k = int(ref['split'])
     split = model(ref['tokens'][:, k:], past=model(ref['tokens'][:, :k])['present'])
     assert_close(split['logits'], ref['split_logits'], 'XLA split_logits')
+
+
+def test_int64_ids_are_checked_before_any_cast():
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    with pytest.raises(ValueError, match='token id 4294967301 is outside the vocabulary'):
+        model(np.array([[2**32 + 5]], np.int64))  # as int32 it would be id 5
+
+
+def test_names_do_not_depend_on_the_callers_name_scope():
+    hparams = HParams(n_vocab=11, n_ctx=7, n_embd=12, n_head=3, n_layer=1)
+    with tf.name_scope('outer'):
+        names = set(Model(hparams).variables_by_name())
+    assert names == set(Model(hparams).variables_by_name())
+    assert 'model/h0/mlp/c_fc/w' in names

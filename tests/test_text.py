@@ -3,7 +3,8 @@
 import pytest
 
 import gpt2_tf
-from gpt2_tf.text import bundled_checkpoint, encoder_for
+from gpt2_tf.assets import bundled_checkpoint
+from gpt2_tf.encoder import encoder_for
 
 
 @pytest.fixture(scope='module')
