@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from . import hf
 from .hparams import HParams
 from .model import Model
 
@@ -107,7 +108,8 @@ def _describe(shapes: dict) -> str:
     return ', '.join(facts) or 'no GPT-2 variables'
 
 
-def verify(expected: dict, shapes: dict, *, hparams: HParams, source: str, strict: bool = True) -> None:
+def verify(expected: dict, shapes: dict, *, hparams: HParams, source: str, strict: bool = True,
+           settings: str = 'hparams.json') -> None:
     """Raises CheckpointError unless the checkpoint's names and shapes are exactly the expected ones."""
     problems = []
     for name, shape in expected.items():
@@ -126,7 +128,7 @@ def verify(expected: dict, shapes: dict, *, hparams: HParams, source: str, stric
             f'checkpoint {source} does not match the model '
             f'(hparams: n_vocab={hp.n_vocab}, n_ctx={hp.n_ctx}, n_embd={hp.n_embd}, n_layer={hp.n_layer}; '
             f'checkpoint looks like {_describe(shapes)}). '
-            f'Likely cause: hparams.json describes another model size than the checkpoint.\n  '
+            f'Likely cause: {settings} describes another model size than the checkpoint.\n  '
             + '\n  '.join(problems[:10])
             + (f'\n  ... and {len(problems) - 10} more' if len(problems) > 10 else ''))
 
@@ -181,7 +183,9 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> No
 
 def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True,
                jit_compile: bool = False) -> Model:
-    """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint).
+    """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint), or from a
+    Hugging Face GPT-2 folder (config.json with model.safetensors or pytorch_model.bin; see gpt2_tf.hf).
+    A folder with both an hparams.json and a config.json loads as the original layout.
 
     device pins the variables and the computation ('/GPU:0', '/CPU:0'); by default
     TensorFlow places them, on a GPU when it sees one. strict=False ignores
@@ -191,10 +195,24 @@ def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, st
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f'no model folder at {model_dir}')
+    if hf.is_hf_folder(model_dir):
+        return _load_hf(model_dir, device=device, jit_compile=jit_compile)
     hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
     prefix = find_checkpoint(model_dir)
     model = Model(hparams, device=device, jit_compile=jit_compile)
     restore(model, prefix, strict=strict)
+    return model
+
+
+def _load_hf(model_dir: str, **options) -> Model:
+    """A Model from a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)."""
+    hparams = hf.read_config(model_dir)
+    tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir)
+    verify(variable_shapes(hparams), {name: value.shape for name, value in tensors.items()}, hparams=hparams,
+           source=model_dir, settings='config.json')
+    model = Model(hparams, **options)
+    for name, variable in model.variables_by_name().items():
+        variable.assign(tensors[name])
     return model
 
 

@@ -3,6 +3,8 @@
     gpt2-tf generate "PROMPT"     conditional samples, like interactive_conditional_samples.py
     gpt2-tf generate              the interactive mode: prompts from the terminal
     gpt2-tf sample                unconditional samples, like generate_unconditional_samples.py
+    gpt2-tf score FILE...         per-token log-probabilities and perplexity of text files
+    gpt2-tf convert SRC DST --to hf|original   Hugging Face folders, both ways
     gpt2-tf inspect MODEL_DIR     parameter accounting, from hparams and from the checkpoint
     gpt2-tf compare MODEL_DIR     this port against the TF1 graph, block by block
 
@@ -192,6 +194,106 @@ def cmd_generate(args):
         print('=' * 80)
 
 
+# --- scoring ------------------------------------------------------------------------------------
+
+def _read_text(path: str) -> str:
+    if path == '-':
+        return sys.stdin.read()
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CommandError(f'{path}: no such file') from None
+    except IsADirectoryError:
+        raise CommandError(f'{path} is a folder: give text files, or - for stdin') from None
+    except UnicodeDecodeError as e:
+        raise CommandError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start})') from None
+
+
+def cmd_score(args):
+    """Per file: tokens scored, mean NLL (nats/token) and perplexity; --json adds every token."""
+    import json
+    import math
+
+    from .validate import check_token_ids
+
+    folder, args.notice = model_dir(args)
+    from .encoder import encoder_for
+    from .hparams import HParams
+
+    hparams = HParams.from_json(os.path.join(folder, 'hparams.json'))
+    args.stride = hparams.n_ctx // 2 if args.stride is None else args.stride
+    if not 1 <= args.stride <= hparams.n_ctx - 1:
+        raise CommandError(f'--stride must be an integer in [1, {hparams.n_ctx - 1}] (n_ctx - 1), got {args.stride}')
+    encoder = encoder_for(folder)
+    texts = {path: _read_text(path) for path in dict.fromkeys(args.files)}
+    encoded = {}
+    for path, text in texts.items():
+        ids = encoder.encode(text)
+        if len(ids) + args.bos < 2:
+            raise CommandError(f'{path}: the text has {len(ids)} token(s); scoring needs at least 2'
+                               + ('' if args.bos else ' (or 1 with --bos)'))
+        check_token_ids(ids, hparams.n_vocab, name=f'{path}: token')
+        encoded[path] = ids
+    model = _load(args, folder)
+    from tqdm import tqdm
+
+    from .scoring import window_log_probs, windows
+
+    for path, ids in encoded.items():
+        count = len(windows(len(ids) + args.bos, hparams.n_ctx, args.stride))
+        with tqdm(total=count, desc=f'scoring {path}', unit='window', file=sys.stderr, leave=False, mininterval=0,
+                  disable=args.quiet or not sys.stderr.isatty()) as bar:
+            lp = window_log_probs(model, ids, stride=args.stride, bos=args.bos, progress=bar.update,
+                                  end_of_text=encoder.encoder.get('<|endoftext|>', 0))
+        nll = float(-lp.astype('float64').mean())
+        result = {'file': path, 'tokens': int(lp.size), 'nll': nll, 'perplexity': math.exp(nll)}
+        if args.json:
+            scored = [None] * (0 if args.bos else 1) + [float(x) for x in lp]
+            result['token_pieces'] = [{'id': int(t), 'text': encoder.decode([t]), 'log_prob': scored[i]}
+                                      for i, t in enumerate(ids)]
+            print(json.dumps(result))
+        else:
+            print(f'{path}: {result["tokens"]} tokens, mean NLL {nll:.4f} nats/token, '
+                  f'perplexity {result["perplexity"]:.3f}')
+        sys.stdout.flush()
+
+
+# --- conversion ---------------------------------------------------------------------------------
+
+def cmd_convert(args):
+    """An original-layout folder to a Hugging Face one, or back."""
+    import shutil
+
+    from . import quiet
+    from .hf import TOKENIZER_FILES, is_hf_folder
+
+    source = _model_folder_argument(args.source)
+    if os.path.exists(args.destination) and os.listdir(args.destination):
+        raise CommandError(f'{args.destination} exists and is not empty: convert into a new folder')
+    if args.to == 'hf' and is_hf_folder(source):
+        raise CommandError(f'{source} is already a Hugging Face folder (config.json); use --to original')
+    if args.to == 'original' and not is_hf_folder(source):
+        raise CommandError(f'{source} is not a Hugging Face folder (no config.json); use --to hf')
+    quiet.tensorflow(verbose=args.verbose)
+    from .checkpoint import load_model, save_checkpoint
+    from .hf import save_hf
+
+    model = load_model(source, device='/CPU:0')
+    if args.to == 'hf':
+        own = [os.path.join(source, name) for name in TOKENIZER_FILES.values()]
+        save_hf(model, args.destination, vocabulary=own if all(map(os.path.exists, own)) else None)
+    else:
+        save_checkpoint(model, args.destination)
+        from .assets import bundled_vocabulary
+
+        hf_names = [os.path.join(source, name) for name in TOKENIZER_FILES]
+        files = hf_names if all(map(os.path.exists, hf_names)) else bundled_vocabulary()
+        for original_name, path in zip(TOKENIZER_FILES.values(), files):
+            shutil.copyfile(path, os.path.join(args.destination, original_name))
+    print(f'{args.destination}: written ({args.to})')
+
+
 # --- inspection ---------------------------------------------------------------------------------
 
 def _model_folder_argument(path: str) -> str:
@@ -293,6 +395,25 @@ def parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(sample, nsamples=0)
     _add_verbose(sample)
     sample.set_defaults(run=cmd_sample)
+
+    score = commands.add_parser('score', help='per-token log-probabilities and perplexity of text files')
+    score.add_argument('files', nargs='+', metavar='FILE', help='UTF-8 text files; - reads stdin')
+    _add_model_arguments(score)
+    score.add_argument('--stride', type=int, default=None,
+                       help='new tokens scored per window of n_ctx tokens (default n_ctx // 2, 512 for '
+                            'GPT-2): each token is scored once, with at least n_ctx - stride tokens of context')
+    score.add_argument('--bos', action='store_true', help='score the first token too, after <|endoftext|>')
+    score.add_argument('--json', action='store_true', help='one JSON object per file, with every token')
+    score.add_argument('--quiet', action='store_true', help='no progress bar on stderr')
+    _add_verbose(score)
+    score.set_defaults(run=cmd_score)
+
+    convert = commands.add_parser('convert', help='an original-layout folder to a Hugging Face one, or back')
+    convert.add_argument('source', metavar='SRC')
+    convert.add_argument('destination', metavar='DST', help='a new folder')
+    convert.add_argument('--to', choices=['hf', 'original'], required=True)
+    _add_verbose(convert)
+    convert.set_defaults(run=cmd_convert)
 
     inspect = commands.add_parser('inspect', help='parameter accounting of a model folder')
     inspect.add_argument('model_dir')

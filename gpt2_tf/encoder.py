@@ -212,10 +212,39 @@ def get_encoder(model_dir: Optional[str | os.PathLike] = None, *, fast: Optional
 
 
 def encoder_for(model_dir: str | os.PathLike) -> Encoder:
-    """The model folder's own encoder.json and vocab.bpe when it has them, else the bundled GPT-2 files."""
-    if os.path.exists(os.path.join(model_dir, 'encoder.json')) or os.path.exists(os.path.join(model_dir, 'vocab.bpe')):
+    """The model folder's own vocabulary when it has one, else the bundled GPT-2 files.
+
+    The original layout names the files encoder.json and vocab.bpe; a Hugging Face
+    folder names the same files vocab.json and merges.txt. Added tokens (an
+    added_tokens.json, or a tokenizer.json with added tokens beyond
+    <|endoftext|>) and a folder with only a tokenizer.json are refused: the model
+    itself still loads.
+    """
+    model_dir = os.fspath(model_dir)
+    has = lambda name: os.path.exists(os.path.join(model_dir, name))  # noqa: E731
+    if has('encoder.json') or has('vocab.bpe'):
         return get_encoder(model_dir)
+    if has('added_tokens.json') or _added_tokens(os.path.join(model_dir, 'tokenizer.json')):
+        raise ValueError(f'{model_dir}: the vocabulary has added tokens, which this tokenizer does not read; '
+                         f'the model loads, but encode text with the folder\'s own tokenizer')
+    if has('vocab.json') or has('merges.txt'):
+        return _cached_encoder(os.path.abspath(os.path.join(model_dir, 'vocab.json')),
+                               os.path.abspath(os.path.join(model_dir, 'merges.txt')), None)
+    if has('tokenizer.json'):
+        raise ValueError(f'{model_dir} has only a tokenizer.json; this tokenizer reads GPT-2\'s vocab.json and '
+                         f'merges.txt (or encoder.json and vocab.bpe). The model loads; for text, copy those '
+                         f'files in, or use the bundled GPT-2 vocabulary with get_encoder()')
     return get_encoder()
+
+
+def _added_tokens(path: str) -> list:
+    """The added tokens of an HF tokenizer.json other than <|endoftext|>."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            added = json.load(f).get('added_tokens') or []
+    except (OSError, ValueError):
+        return []
+    return [t for t in added if t.get('content') != END_OF_TEXT]
 
 
 def encode(text: str, *, special: bool = False) -> list:

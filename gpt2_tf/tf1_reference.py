@@ -189,6 +189,9 @@ class Reference:
             self.states = []
             self.outputs = gpt2_graph(hparams, self.tokens, states=self.states)
             self.outputs_past = gpt2_graph(hparams, self.tokens, past=self.past, reuse=True)
+            # What users wrote on top of the original to score text: a log-softmax, gathered at the next tokens.
+            logits = self.outputs['logits'][:, :-1]
+            self.next_log_probs = tf.gather(tf.nn.log_softmax(logits), self.tokens[:, 1:], batch_dims=2)
             self._samplers = {}
             self.session = v1.Session(graph=self.graph)
             v1.train.Saver(var_list=v1.global_variables()).restore(self.session, checkpoint)
@@ -197,6 +200,10 @@ class Reference:
         if past is None:
             return self.session.run(self.outputs, {self.tokens: tokens})
         return self.session.run(self.outputs_past, {self.tokens: tokens, self.past: past})
+
+    def log_probs(self, tokens):
+        """tokens [batch, T] -> log p(tokens[:, i + 1] | tokens[:, :i + 1]) [batch, T - 1]."""
+        return self.session.run(self.next_log_probs, {self.tokens: tokens})
 
     def trace(self, tokens) -> list:
         """Per block, the named states of gpt2_tf.model.STATE_NAMES plus 'attn_weights', as numpy."""

@@ -47,3 +47,19 @@ def random_checkpoint(tmp_path_factory):
 @pytest.fixture(params=FIXTURE_NAMES)
 def fixture_dir(request) -> pathlib.Path:
     return FIXTURES / request.param
+
+
+def require(module: str):
+    """Imports an optional extra's module, or skips the test module when it is missing.
+
+    Under CI=true a missing extra fails instead: CI installs every extra.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if os.environ.get('CI') == 'true':
+            raise ImportError(f'{module} is missing, and CI installs every extra: {e}') from None
+        pytest.skip(f'{module} is not installed (an optional extra; pip install -e ".[test]")',
+                    allow_module_level=True)

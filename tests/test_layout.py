@@ -9,8 +9,8 @@ PACKAGE = pathlib.Path(__file__).parent.parent / 'gpt2_tf'
 LAYERS = [
     {'hparams', 'validate', 'assets', 'quiet'},
     {'encoder', 'model'},
-    {'decoding', 'checkpoint', 'compiled', 'tf1_reference'},
-    {'sample'},
+    {'decoding', 'compiled', 'tf1_reference', 'hf'},
+    {'checkpoint', 'sample', 'scoring'},
     {'text', 'diagnostics', 'download'},
     {'cli'},
     {'__main__'},

@@ -1,0 +1,83 @@
+"""Scoring speed: perplexity of a 10,000-token text, gpt2_tf against the TF1 graph doing the same windows.
+
+    python bench/bench_score.py [--tokens 10000] [--stride 512] [--batch 4] [--reps 3]
+
+A 124M-shaped original-format checkpoint with random values (bench/.cache/).
+The TF1 side runs each batch of windows through the original graph with a
+log-softmax gathered at the next tokens (what users wrote on top of it), and
+keeps the positions each window scores; ours computes logits only there.
+"""
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import numpy as np  # noqa: E402
+
+import gpt2_tf  # noqa: E402
+from gpt2_tf import HParams, scoring  # noqa: E402
+from gpt2_tf.tf1_reference import Reference  # noqa: E402
+from bench_generate import checkpoint, cpu  # noqa: E402
+
+
+def tf1_window_log_probs(reference, ids, n_ctx, stride, batch):
+    out = np.zeros(len(ids) - 1, np.float32)
+    spans = scoring.windows(len(ids), n_ctx, stride)
+    for at in range(0, len(spans), batch):
+        group = spans[at:at + batch]
+        length = max(end - start for start, end, _ in group)
+        if any(end - start != length for start, end, _ in group):  # the short first windows go one by one
+            for start, end, first in group:
+                lp = reference.log_probs(ids[start:end][None])[0]
+                out[first - 1:end - 1] = lp[first - 1 - start:]
+            continue
+        lp = reference.log_probs(np.stack([ids[start:end] for start, end, _ in group]))
+        for i, (start, end, first) in enumerate(group):
+            out[first - 1:end - 1] = lp[i, first - 1 - start:]
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--tokens', type=int, default=10_000)
+    parser.add_argument('--stride', type=int, default=512)
+    parser.add_argument('--batch', type=int, default=4, help='windows per call, both sides')
+    parser.add_argument('--reps', type=int, default=3)
+    args = parser.parse_args()
+    folder = checkpoint()
+    hparams = HParams.named('124M')
+    model = gpt2_tf.load_model(folder)
+    reference = Reference(hparams, str(folder / 'model.ckpt'))
+    ids = np.random.default_rng(0).integers(0, hparams.n_vocab, args.tokens, dtype=np.int32)
+    print(f'CPU: {cpu()}')
+    print(f'{args.tokens:,} tokens, stride {args.stride}, {args.batch} windows per call, '
+          f'{len(scoring.windows(len(ids), hparams.n_ctx, args.stride))} windows')
+
+    def timed(fn):
+        start = time.perf_counter()
+        result = fn()
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return first, statistics.median(times), result
+
+    tf1_first, tf1, theirs = timed(lambda: tf1_window_log_probs(reference, ids, hparams.n_ctx, args.stride, args.batch))
+    ours_first, ours, mine = timed(lambda: scoring.window_log_probs(model, ids, stride=args.stride,
+                                                                    batch_size=args.batch))
+    diff = float(np.abs(mine - theirs).max())
+    for name, first, seconds in (('TF1', tf1_first, tf1), ('ours (XLA)', ours_first, ours)):
+        print(f'{name:<12} first {first:7.2f} s   {seconds:7.2f} s   {(len(ids) - 1) / seconds:8.1f} tokens/s')
+    print(f'ours / TF1 time {ours / tf1:.2f} ({tf1 / ours:.2f}x tokens/s); max |log-prob diff| {diff:.2g}')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,213 @@
+"""Hugging Face GPT-2 folders: the same tensors under other names.
+
+HF's Conv1D keeps the original [nx, nf] layout (the original adds a leading 1),
+c_attn packs q, k, v the same way, and the LM head is tied to wte, so reading
+is renaming and reshaping, and writing is the reverse. A config that the
+original graph cannot express is refused, naming the field, rather than
+computed differently.
+
+Reading needs the `safetensors` package (for model.safetensors, without
+PyTorch) or `torch` (for pytorch_model.bin, loaded with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+
+from .hparams import HParams
+
+CONFIG = 'config.json'
+SAFETENSORS = 'model.safetensors'
+SAFETENSORS_INDEX = 'model.safetensors.index.json'
+TORCH_BIN = 'pytorch_model.bin'
+TOKENIZER_FILES = {'vocab.json': 'encoder.json', 'merges.txt': 'vocab.bpe'}  # HF's names for the same files
+GPT2_VOCAB = 50257
+
+# HF name under h.<i>. -> original name under model/h<i>/, and whether it is a conv1d weight ([nx, nf] vs [1, nx, nf]).
+BLOCK_NAMES = {
+    'ln_1.weight': ('ln_1/g', False), 'ln_1.bias': ('ln_1/b', False),
+    'attn.c_attn.weight': ('attn/c_attn/w', True), 'attn.c_attn.bias': ('attn/c_attn/b', False),
+    'attn.c_proj.weight': ('attn/c_proj/w', True), 'attn.c_proj.bias': ('attn/c_proj/b', False),
+    'ln_2.weight': ('ln_2/g', False), 'ln_2.bias': ('ln_2/b', False),
+    'mlp.c_fc.weight': ('mlp/c_fc/w', True), 'mlp.c_fc.bias': ('mlp/c_fc/b', False),
+    'mlp.c_proj.weight': ('mlp/c_proj/w', True), 'mlp.c_proj.bias': ('mlp/c_proj/b', False),
+}
+TOP_NAMES = {'wte.weight': 'model/wte', 'wpe.weight': 'model/wpe', 'ln_f.weight': 'model/ln_f/g',
+             'ln_f.bias': 'model/ln_f/b'}
+IGNORED = ('attn.bias', 'attn.masked_bias')  # the causal-mask buffers older versions saved
+
+
+class HFFormatError(ValueError):
+    """An HF folder that cannot be read into the original graph as it is."""
+
+
+def is_hf_folder(path) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG)) and not os.path.isfile(os.path.join(path, 'hparams.json'))
+
+
+def read_config(path) -> HParams:
+    """HParams from an HF config.json, refusing what the original graph cannot compute."""
+    config_path = os.path.join(path, CONFIG)
+    try:
+        with open(config_path, encoding='utf-8') as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise HFFormatError(f'{config_path}: not valid JSON ({e})') from None
+    source = config_path
+
+    def refuse(field, why):
+        raise HFFormatError(f'{source}: {field}={config.get(field)!r}: {why}; the original graph cannot compute it')
+
+    if config.get('model_type', 'gpt2') != 'gpt2':
+        refuse('model_type', 'not a GPT-2 model')
+    if config.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
+        refuse('activation_function', 'GPT-2 uses the tanh GELU (gelu_new or gelu_pytorch_tanh)')
+    if config.get('scale_attn_weights', True) is not True:
+        refuse('scale_attn_weights', 'GPT-2 scales attention scores by 1/sqrt(head size)')
+    for field in ('scale_attn_by_inverse_layer_idx', 'reorder_and_upcast_attn', 'add_cross_attention'):
+        if config.get(field):
+            refuse(field, 'not part of GPT-2')
+    n_embd = config.get('n_embd')
+    if config.get('n_inner') not in (None, 4 * (n_embd or 0)):
+        refuse('n_inner', f'the MLP is 4 * n_embd = {4 * (n_embd or 0)} wide in GPT-2')
+    if config.get('layer_norm_epsilon', 1e-5) != 1e-5:
+        refuse('layer_norm_epsilon', 'GPT-2 normalizes with epsilon 1e-5')
+    if 'n_ctx' in config and config['n_ctx'] != config.get('n_positions'):
+        refuse('n_ctx', f'it differs from n_positions={config.get("n_positions")}')
+    missing = [k for k in ('vocab_size', 'n_positions', 'n_embd', 'n_head', 'n_layer') if k not in config]
+    if missing:
+        raise HFFormatError(f'{source}: missing {missing}')
+    return HParams.from_dict({'n_vocab': config['vocab_size'], 'n_ctx': config['n_positions'], 'n_embd': n_embd,
+                              'n_head': config['n_head'], 'n_layer': config['n_layer']}, source=source)
+
+
+def _read_safetensors(files: list) -> dict:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise HFFormatError('reading model.safetensors needs the safetensors package: '
+                            "pip install -e '.[hf]' (or pip install safetensors)") from None
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework='np') as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _read_torch(file: str) -> dict:
+    try:
+        import torch
+    except ImportError:
+        raise HFFormatError(f'{file} is a PyTorch file and reading it needs torch (pip install torch==2.13.0); '
+                            f'a model.safetensors needs only the safetensors package') from None
+    state = torch.load(file, map_location='cpu', weights_only=True)
+    return {name: value.float().numpy() if value.is_floating_point() else value.numpy()
+            for name, value in state.items()}
+
+
+def read_tensors(path) -> dict:
+    """{HF name: array} from model.safetensors, a sharded safetensors index, or pytorch_model.bin (in that order)."""
+    single = os.path.join(path, SAFETENSORS)
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(single):
+        return _read_safetensors([single])
+    if os.path.isfile(index):
+        with open(index, encoding='utf-8') as f:
+            shards = sorted(set(json.load(f).get('weight_map', {}).values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if not shards or missing:
+            raise HFFormatError(f'{index}: shard(s) missing: {missing or "the index lists none"}')
+        return _read_safetensors([os.path.join(path, s) for s in shards])
+    if os.path.isfile(os.path.join(path, TORCH_BIN)):
+        return _read_torch(os.path.join(path, TORCH_BIN))
+    raise HFFormatError(f'{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} beside {CONFIG}')
+
+
+def to_original(tensors: dict, hparams: HParams, *, source: str) -> dict:
+    """{HF name: array} -> {checkpoint name: float32 array}, every name and shape checked."""
+    out, extra, upcast = {}, [], set()
+    for name, value in tensors.items():
+        key = name[len('transformer.'):] if name.startswith('transformer.') else name
+        parts = key.split('.', 2)
+        block = len(parts) == 3 and parts[0] == 'h' and parts[1].isdigit()
+        if key == 'lm_head.weight' or (block and parts[2] in IGNORED):
+            continue
+        if key in TOP_NAMES:
+            target, conv = TOP_NAMES[key], False
+        elif block and parts[2] in BLOCK_NAMES:
+            target, conv = BLOCK_NAMES[parts[2]]
+            target = f'model/h{int(parts[1])}/{target}'
+        else:
+            extra.append(name)
+            continue
+        value = np.asarray(value)
+        if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != 'bfloat16':
+            raise HFFormatError(f'{source}: {name} is {value.dtype}, expected floating point')
+        if value.dtype != np.float32:
+            upcast.add(str(value.dtype))
+            value = value.astype(np.float32)
+        out[target] = value[None] if conv else value
+    if extra:
+        raise HFFormatError(f'{source}: {len(extra)} tensor(s) GPT-2 does not have: {", ".join(extra[:5])}')
+    head = tensors.get('lm_head.weight', tensors.get('transformer.lm_head.weight'))
+    if head is not None and 'model/wte' in out and not np.array_equal(np.asarray(head, np.float32), out['model/wte']):
+        raise HFFormatError(f'{source}: lm_head.weight differs from wte: an untied head, which GPT-2 does not have')
+    if upcast:
+        warnings.warn(f'{source}: {", ".join(sorted(upcast))} tensors were upcast to float32', stacklevel=3)
+    return out
+
+
+def config_for(hparams: HParams) -> dict:
+    """The HF config.json of a GPT-2 of these hparams."""
+    return {'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': hparams.n_vocab,
+            'n_positions': hparams.n_ctx, 'n_ctx': hparams.n_ctx, 'n_embd': hparams.n_embd,
+            'n_head': hparams.n_head, 'n_layer': hparams.n_layer, 'n_inner': None,
+            'activation_function': 'gelu_new', 'layer_norm_epsilon': 1e-05, 'scale_attn_weights': True,
+            'resid_pdrop': 0.1, 'embd_pdrop': 0.1, 'attn_pdrop': 0.1, 'initializer_range': 0.02,
+            'bos_token_id': GPT2_VOCAB - 1, 'eos_token_id': GPT2_VOCAB - 1, 'tie_word_embeddings': True}
+
+
+def to_hf(tensors: dict) -> dict:
+    """{checkpoint name: array} -> {HF name: float32 array} under `transformer.`, as save_pretrained writes them."""
+    names = {v: k for k, v in TOP_NAMES.items()}
+    out = {}
+    for name, value in tensors.items():
+        value = np.asarray(value, np.float32)
+        if name in names:
+            out['transformer.' + names[name]] = value
+            continue
+        layer, rest = name[len('model/h'):].split('/', 1)
+        hf_name, conv = next((k, c) for k, (target, c) in BLOCK_NAMES.items() if target == rest)
+        out[f'transformer.h.{int(layer)}.{hf_name}'] = value[0] if conv else value
+    return out
+
+
+def save_hf(model, path, *, vocabulary=None) -> str:
+    """Writes an HF GPT-2 folder: config.json, model.safetensors, vocab.json and merges.txt; returns the folder.
+
+    vocabulary: (encoder.json path, vocab.bpe path) to copy under HF's names
+    (default: the files bundled with the package, GPT-2's own).
+    """
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        raise HFFormatError("writing an HF folder needs the safetensors package: pip install -e '.[hf]'") from None
+    from .assets import bundled_vocabulary
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = to_hf({name: v.numpy() for name, v in model.variables_by_name().items()})
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, SAFETENSORS),
+              metadata={'format': 'pt'})
+    with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
+        json.dump(config_for(model.hparams), f, indent=2)
+        f.write('\n')
+    for hf_name, source in zip(TOKENIZER_FILES, vocabulary or bundled_vocabulary()):
+        with open(source, 'rb') as src, open(os.path.join(path, hf_name), 'wb') as dst:
+            dst.write(src.read())
+    return path

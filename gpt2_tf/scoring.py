@@ -1,0 +1,185 @@
+"""Scoring text: per-token log-probabilities, top-N alternatives, and perplexity over texts of any length.
+
+    lp = score(model, tokens)             # [batch, T] -> [batch, T - 1]: lp[b, i] = log p(tokens[b, i + 1] | tokens[b, :i + 1])
+    lp, ids, top_lp = score(model, tokens, top=5)   # plus the 5 likeliest next tokens per position
+    perplexity(model, ids, stride=512)    # {'perplexity', 'nll', 'tokens'} over windows of n_ctx tokens
+
+Log-probs come from the model's raw distribution (no temperature, no filters),
+as a float32 log-softmax computed stably (the logit minus the logsumexp, never
+log(softmax)). Calls are compiled once per model shape and padded length
+(right padding: causal attention keeps it invisible to the real positions),
+and logits are computed only at the positions that are scored.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from . import compiled, validate
+from .model import Model, positions_for
+
+END_OF_TEXT = 50256  # <|endoftext|>, the context GPT-2 evaluations put before a text
+
+
+def hidden(model: Model, X):
+    """The original model() up to ln_f: X [batch, T] -> h [batch, T, n_embd], without the logits."""
+    h = model.embed(X, positions_for(X, 0))
+    for block in model.h:
+        h, _ = block(h)
+    return model.ln_f(h)
+
+
+def log_probs(logits, targets, *, top: int = 0):
+    """logits [..., vocab], targets [...] -> log p(target) [...] (and, with top, the top ids and log-probs [..., top])."""
+    lse = tf.reduce_logsumexp(logits, axis=-1)
+    picked = tf.gather(logits, targets, batch_dims=len(targets.shape)) - lse
+    if not top:
+        return picked, None, None
+    top_logits, top_ids = tf.math.top_k(logits, k=top)
+    return picked, top_ids, top_logits - lse[..., None]
+
+
+def _scored(model: Model, tokens, first, *, count: int, top: int):
+    """tokens [batch, Tb] right-padded; per row, positions first .. first + count - 1 predict the token after them.
+
+    -> log-probs [batch, count] (and top ids, log-probs [batch, count, top]); positions past Tb - 2 repeat the last.
+    """
+    h = hidden(model, tokens)
+    positions = tf.minimum(first[:, None] + tf.range(count)[None, :], tokens.shape[1] - 2)  # [batch, count]
+    logits = model.logits(tf.gather(h, positions, batch_dims=1))  # [batch, count, vocab]: only where scored
+    return log_probs(logits, tf.gather(tokens, positions + 1, batch_dims=1), top=top)
+
+
+def _bucket(n: int, n_ctx: int) -> int:
+    """Padded lengths, so that nearby lengths share compiled code: 8, 16, 32, 64, then multiples of 64."""
+    size = max(8, 1 << (n - 1).bit_length()) if n <= 64 else -(-n // 64) * 64
+    return min(size, n_ctx)
+
+
+def _rows(tokens, n_vocab: int, n_ctx: int) -> list:
+    """tokens ([batch, T], or a list of rows of any lengths) as checked lists of ints."""
+    if isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], (list, tuple, np.ndarray)):
+        rows = [validate.token_array(row, name=f'row {i}') for i, row in enumerate(tokens)]
+    else:
+        array = validate.token_array(tokens)
+        if array.ndim != 2:
+            raise ValueError(f'tokens must be [batch, T] or a list of rows, got shape {list(array.shape)}')
+        rows = list(array)
+    if not rows:
+        raise ValueError('tokens is empty: give at least one row')
+    for i, row in enumerate(rows):
+        if row.ndim != 1 or len(row) < 2:
+            raise ValueError(f'row {i} has {row.size} token(s): scoring needs at least 2 (a context and a next token)')
+        validate.check_token_ids(row, n_vocab, name=f'row {i}: token')
+        validate.check_sequence(0, len(row), n_ctx)
+    return [row.tolist() for row in rows]
+
+
+def score(model: Model, tokens, *, top: int = 0, mode: str = 'xla'):
+    """Per-token log-probabilities: int [batch, T] (T <= n_ctx) -> float32 [batch, T - 1].
+
+    lp[b, i] = log p(tokens[b, i + 1] | tokens[b, :i + 1]). With top=N (1..50),
+    also the N likeliest next tokens at each position and their log-probs:
+    (lp, int32 ids [batch, T - 1, N], float32 [batch, T - 1, N]). A list of rows
+    of different lengths is padded internally and gives one array per row.
+    """
+    hp = model.hparams
+    rows = _rows(tokens, hp.n_vocab, hp.n_ctx)
+    if not validate.is_int(top) or not 0 <= top <= 50:
+        raise ValueError(f'top must be an integer in [0, 50], got {top!r}')
+    length = _bucket(max(len(row) for row in rows), hp.n_ctx)
+    padded = np.zeros([len(rows), length], np.int32)
+    for i, row in enumerate(rows):
+        padded[i, :len(row)] = row
+    run = compiled.shared(_scored, hp, mode)
+    lp, ids, top_lp = run(model, tf.constant(padded), tf.zeros([len(rows)], tf.int32), count=length - 1, top=top)
+    lp = lp.numpy()
+    cut = [len(row) - 1 for row in rows]
+    same = len(set(cut)) == 1
+    parts = [lp] if not top else [lp, ids.numpy(), top_lp.numpy()]
+    if same:
+        parts = [part[:, :cut[0]] for part in parts]
+    else:
+        parts = [[part[i, :n] for i, n in enumerate(cut)] for part in parts]
+    return parts[0] if not top else tuple(parts)
+
+
+def windows(n: int, n_ctx: int, stride: int) -> list:
+    """The windows that score positions 1 .. n - 1 of an n-token sequence, each exactly once.
+
+    Window k scores positions [1 + k * stride, 1 + (k + 1) * stride) and sees the up
+    to n_ctx tokens ending at its last scored position, so each scored token has at
+    least n_ctx - stride tokens of context (or all before it). Returns
+    (start, end, first scored position) per window: tokens[start:end] is its input.
+    """
+    out = []
+    for first in range(1, n, stride):
+        end = min(first + stride, n)
+        out.append((max(0, end - n_ctx), end, first))
+    return out
+
+
+def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False, batch_size: int = 4,
+                     mode: str = 'xla', progress: Optional[Callable[[int], None]] = None,
+                     end_of_text: int = END_OF_TEXT) -> np.ndarray:
+    """log p of every token of ids from position 1 on (from 0 with bos), over the windows of `windows`.
+
+    bos prepends end_of_text (<|endoftext|>, 50256) as context, as GPT-2
+    evaluations do. progress, when given, is called with the number of windows
+    done after each batch of them.
+    """
+    hp = model.hparams
+    ids = validate.token_array(ids, name='ids')
+    if ids.ndim != 1:
+        raise ValueError(f'ids must be one sequence of token ids, got shape {list(ids.shape)}')
+    validate.check_token_ids(ids, hp.n_vocab)
+    if bos:
+        validate.check_token_ids([end_of_text], hp.n_vocab, name='end_of_text')
+        ids = np.concatenate([[end_of_text], ids]).astype(np.int64)
+    if len(ids) < 2:
+        raise ValueError(f'the text has {len(ids)} token(s): scoring needs at least 2 '
+                         f'(or 1 with bos=True)')
+    if not validate.is_int(stride) or not 1 <= stride <= hp.n_ctx - 1:
+        raise ValueError(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {stride!r}')
+    spans = windows(len(ids), hp.n_ctx, stride)
+    run = compiled.shared(_scored, hp, mode)
+    out = np.zeros(len(ids) - 1, np.float32)
+    for at in range(0, len(spans), batch_size):
+        group = spans[at:at + batch_size]
+        length = _bucket(max(end - start for start, end, _ in group), hp.n_ctx)
+        padded = np.zeros([len(group), length], np.int32)
+        first = np.zeros([len(group)], np.int32)
+        for i, (start, end, scored) in enumerate(group):
+            padded[i, :end - start] = ids[start:end]
+            first[i] = scored - 1 - start  # the position that predicts the first scored token
+        lp, _, _ = run(model, tf.constant(padded), tf.constant(first), count=min(stride, length - 1), top=0)
+        lp = lp.numpy()
+        for i, (start, end, scored) in enumerate(group):
+            out[scored - 1:end - 1] = lp[i, :end - scored]
+        if progress is not None:
+            progress(len(group))
+    return out
+
+
+def perplexity(model: Model, ids, *, stride: int = 512, bos: bool = False, **options) -> dict:
+    """Perplexity of one token sequence of any length: {'perplexity', 'nll', 'tokens'}.
+
+    nll is the mean negative log-likelihood in nats per scored token, over every
+    token from position 1 on (0 with bos=True); see window_log_probs for the
+    windows, and its options (batch_size, mode, progress, end_of_text).
+    """
+    lp = window_log_probs(model, ids, stride=stride, bos=bos, **options)
+    nll = float(-lp.astype(np.float64).mean())
+    return {'perplexity': float(np.exp(nll)), 'nll': nll, 'tokens': int(lp.size)}
+
+
+def score_completion(model: Model, prompt_ids, completion_ids, *, mode: str = 'xla') -> float:
+    """log p(completion | prompt), summed over the completion's tokens: the basis of ranking candidates."""
+    prompt_ids, completion_ids = list(prompt_ids), list(completion_ids)
+    if not prompt_ids or not completion_ids:
+        raise ValueError('score_completion needs a non-empty prompt and completion')
+    lp = score(model, [prompt_ids + completion_ids], mode=mode)[0]
+    return float(lp[len(prompt_ids) - 1:].astype(np.float64).sum())

@@ -1,0 +1,217 @@
+"""Hugging Face GPT-2 folders, both ways, verified against transformers' own GPT2LMHeadModel and tokenizer."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf import hf
+from gpt2_tf.encoder import encoder_for
+
+from conftest import FIXTURES, assert_close, require
+
+torch = require('torch')
+transformers = require('transformers')
+safetensors_numpy = require('safetensors.numpy')
+
+HF_CONFIG = dict(vocab_size=300, n_positions=40, n_embd=32, n_head=4, n_layer=2, bos_token_id=299, eos_token_id=299)
+
+
+def random_hf_model(seed=0, **config):
+    """A transformers GPT2LMHeadModel with every parameter random: gains off 1, biases off 0."""
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**HF_CONFIG, **config}))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.2 + (1.0 if name.endswith('ln_1.weight') or
+                                                                  name.endswith('ln_2.weight') or
+                                                                  name.endswith('ln_f.weight') else 0.0))
+    return model.eval()
+
+
+def torch_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope='module')
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp('hf')
+    model = random_hf_model()
+    model.save_pretrained(folder)  # safetensors
+    return folder, model
+
+
+def test_an_hf_folder_loads_with_the_logits_and_greedy_ids_of_transformers(hf_folder):
+    folder, reference = hf_folder
+    assert (folder / 'model.safetensors').exists()
+    model = gpt2_tf.load_model(folder)
+    tokens = np.random.default_rng(0).integers(0, 300, (3, 40), dtype=np.int32)
+    assert_close(model(tokens)['logits'], torch_logits(reference, tokens), 'logits vs transformers')
+    prompt = tokens[:, :6]
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=20, do_sample=False,
+                                    pad_token_id=0).numpy()
+    np.testing.assert_array_equal(gpt2_tf.sample_sequence(model, 20, context=prompt, top_k=1), theirs)
+
+
+def test_a_pytorch_bin_loads_the_same(tmp_path, hf_folder):
+    folder, reference = hf_folder
+    shutil.copy(folder / 'config.json', tmp_path)
+    torch.save(reference.state_dict(), tmp_path / 'pytorch_model.bin')  # transformers now writes safetensors only
+    model = gpt2_tf.load_model(tmp_path)
+    tokens = np.arange(40, dtype=np.int32)[None] % 300
+    assert_close(model(tokens)['logits'], torch_logits(reference, tokens), 'logits from .bin')
+
+
+def test_an_original_checkpoint_written_as_hf_loads_in_transformers(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot')
+    gpt2_tf.save_hf(model, tmp_path / 'hf')
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
+    tokens = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens']
+    assert_close(torch_logits(theirs, tokens), model(tokens)['logits'], 'transformers on our HF folder')
+
+
+def test_original_to_hf_to_original_is_byte_identical(tmp_path):
+    source = FIXTURES / 'tf1-tiny'
+    for argv in (['convert', str(source), str(tmp_path / 'hf'), '--to', 'hf'],
+                 ['convert', str(tmp_path / 'hf'), str(tmp_path / 'back'), '--to', 'original']):
+        done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', *argv], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+    first, back = gpt2_tf.load_model(source), gpt2_tf.load_model(tmp_path / 'back')
+    for name, variable in first.variables_by_name().items():
+        assert variable.numpy().tobytes() == back.variables_by_name()[name].numpy().tobytes(), name
+    assert (tmp_path / 'back' / 'encoder.json').read_bytes() == (tmp_path / 'hf' / 'vocab.json').read_bytes()
+
+
+def test_hf_tokenizer_files_written_here_give_our_ids(tmp_path):
+    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path)
+    theirs = transformers.GPT2TokenizerFast.from_pretrained(tmp_path)
+    ours = encoder_for(tmp_path)
+    cases = [json.loads(line) for line in (FIXTURES / 'bpe-cases.jsonl').read_text(encoding='utf-8').split('\n') if line]
+    for case in cases:
+        assert theirs(case['text'], split_special_tokens=True)['input_ids'] == ours.encode(case['text']) == case['ids']
+
+
+# --- the variants real folders have, and what is refused ---------------------------------------------
+
+def write_tensors(folder, tensors, config=None):
+    folder.mkdir(exist_ok=True)
+    (folder / 'config.json').write_text(json.dumps({**HF_CONFIG, **(config or {})}))
+    safetensors_numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                                str(folder / 'model.safetensors'))
+
+
+@pytest.fixture
+def state(hf_folder):
+    _, reference = hf_folder
+    return {k: v.numpy().copy() for k, v in reference.state_dict().items()}
+
+
+def test_names_with_or_without_the_transformer_prefix_and_mask_buffers(tmp_path, state, hf_folder):
+    bare = {k[len('transformer.'):]: v for k, v in state.items() if k != 'lm_head.weight'}
+    bare['h.0.attn.bias'] = np.tril(np.ones((40, 40), np.float32))[None, None]  # an old causal-mask buffer
+    bare['h.0.attn.masked_bias'] = np.array(-1e4, np.float32)
+    write_tensors(tmp_path / 'bare', bare)
+    tokens = np.arange(12, dtype=np.int32)[None]
+    assert_close(gpt2_tf.load_model(tmp_path / 'bare')(tokens)['logits'], torch_logits(hf_folder[1], tokens), 'bare')
+
+
+def test_sharded_safetensors_load(tmp_path, state, hf_folder):
+    folder = tmp_path / 'sharded'
+    folder.mkdir()
+    names = sorted(state)
+    halves = {'model-00001-of-00002.safetensors': names[:10], 'model-00002-of-00002.safetensors': names[10:]}
+    for shard, keys in halves.items():
+        safetensors_numpy.save_file({k: np.ascontiguousarray(state[k]) for k in keys}, str(folder / shard))
+    (folder / 'model.safetensors.index.json').write_text(json.dumps(
+        {'weight_map': {k: shard for shard, keys in halves.items() for k in keys}}))
+    (folder / 'config.json').write_text(json.dumps(HF_CONFIG))
+    tokens = np.arange(12, dtype=np.int32)[None]
+    assert_close(gpt2_tf.load_model(folder)(tokens)['logits'], torch_logits(hf_folder[1], tokens), 'sharded')
+
+
+def test_half_precision_tensors_are_upcast_with_a_note(tmp_path, state):
+    write_tensors(tmp_path / 'half', {k: v.astype(np.float16) for k, v in state.items()})
+    with pytest.warns(UserWarning, match='float16 tensors were upcast to float32'):
+        model = gpt2_tf.load_model(tmp_path / 'half')
+    np.testing.assert_array_equal(model.variables_by_name()['model/wte'].numpy(),
+                                  state['transformer.wte.weight'].astype(np.float16).astype(np.float32))
+
+
+def test_safetensors_wins_over_a_bin_in_the_same_folder(tmp_path, state):
+    write_tensors(tmp_path / 'both', state)
+    torch.save({k: torch.zeros_like(torch.from_numpy(v)) for k, v in state.items()}, tmp_path / 'both' / 'pytorch_model.bin')
+    wte = gpt2_tf.load_model(tmp_path / 'both').variables_by_name()['model/wte'].numpy()
+    np.testing.assert_array_equal(wte, state['transformer.wte.weight'])
+
+
+@pytest.mark.parametrize('change, message', [
+    (dict(drop='transformer.h.1.mlp.c_fc.bias'), r'model/h1/mlp/c_fc/b: missing from the checkpoint'),
+    (dict(add='transformer.h.0.attn.c_attn.lora'), "tensor\\(s\\) GPT-2 does not have: transformer.h.0.attn.c_attn.lora"),
+    (dict(untie=True), 'lm_head.weight differs from wte'),
+    (dict(config={'activation_function': 'relu'}), "activation_function='relu': GPT-2 uses the tanh GELU"),
+    (dict(config={'scale_attn_weights': False}), 'scale_attn_weights=False'),
+    (dict(config={'scale_attn_by_inverse_layer_idx': True}), 'scale_attn_by_inverse_layer_idx=True'),
+    (dict(config={'reorder_and_upcast_attn': True}), 'reorder_and_upcast_attn=True'),
+    (dict(config={'add_cross_attention': True}), 'add_cross_attention=True'),
+    (dict(config={'n_inner': 100}), 'n_inner=100: the MLP is 4 \\* n_embd = 128 wide'),
+    (dict(config={'layer_norm_epsilon': 1e-6}), 'layer_norm_epsilon=1e-06'),
+    (dict(config={'n_ctx': 64}), 'n_ctx=64: it differs from n_positions=40'),
+    (dict(config={'n_embd': 48}), r'model/wte: expected shape \[300, 48\], found \[300, 32\]'),
+])
+def test_what_the_original_graph_cannot_express_is_refused_by_name(tmp_path, state, change, message):
+    tensors = dict(state)
+    if 'drop' in change:
+        del tensors[change['drop']]
+    if 'add' in change:
+        tensors[change['add']] = np.zeros(3, np.float32)
+    tensors['lm_head.weight'] = tensors['transformer.wte.weight'] + (1 if change.get('untie') else 0)
+    write_tensors(tmp_path / 'bad', tensors, change.get('config'))
+    with pytest.raises(ValueError, match=message):
+        gpt2_tf.load_model(tmp_path / 'bad')
+
+
+def test_added_tokens_and_a_lone_tokenizer_json(tmp_path, state):
+    big = dict(state)
+    big['transformer.wte.weight'] = np.concatenate([state['transformer.wte.weight'], np.ones((3, 32), np.float32)])
+    big.pop('lm_head.weight', None)
+    write_tensors(tmp_path / 'added', big, {'vocab_size': 303})
+    (tmp_path / 'added' / 'added_tokens.json').write_text('{"<pad>": 300}')
+    assert gpt2_tf.load_model(tmp_path / 'added').hparams.n_vocab == 303  # the model loads either way
+    with pytest.raises(ValueError, match='added tokens, which this tokenizer does not read'):
+        encoder_for(tmp_path / 'added')
+    write_tensors(tmp_path / 'fast', state)
+    (tmp_path / 'fast' / 'tokenizer.json').write_text(json.dumps({'added_tokens': [{'content': '<|endoftext|>'}]}))
+    with pytest.raises(ValueError, match='has only a tokenizer.json'):
+        encoder_for(tmp_path / 'fast')
+
+
+def test_a_bin_without_torch_says_what_to_install(tmp_path, state, monkeypatch):
+    (tmp_path / 'config.json').write_text(json.dumps(HF_CONFIG))
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, tmp_path / 'pytorch_model.bin')
+    monkeypatch.setitem(sys.modules, 'torch', None)
+    with pytest.raises(ValueError, match='needs torch'):
+        gpt2_tf.load_model(tmp_path)
+
+
+def test_convert_refuses_to_overwrite(tmp_path):
+    (tmp_path / 'out').mkdir()
+    (tmp_path / 'out' / 'x').write_text('mine')
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'convert', str(FIXTURES / 'tf1-tiny'),
+                           str(tmp_path / 'out'), '--to', 'hf'], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and 'exists and is not empty' in done.stderr
+    assert os.listdir(tmp_path / 'out') == ['x']
+
+
+def test_no_warning_for_float32_folders(hf_folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        gpt2_tf.load_model(hf_folder[0])

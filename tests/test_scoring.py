@@ -1,0 +1,175 @@
+"""Scoring against the TF1 graph: log-probs, top-N, windowed perplexity, padded batches, bad input."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf import HParams, compiled, scoring
+from gpt2_tf.assets import bundled_checkpoint
+from gpt2_tf.tf1_reference import Reference
+
+from conftest import FIXTURES, assert_close
+
+
+def reference_log_probs(logits, tokens):
+    """float64 log-softmax of the reference logits, gathered at the next tokens: [batch, T - 1]."""
+    x = np.asarray(logits, np.float64)[:, :-1]
+    lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+    return np.take_along_axis(x, np.asarray(tokens)[:, 1:, None], -1)[..., 0] - lse
+
+
+@pytest.fixture(scope='module')
+def hot():
+    folder = FIXTURES / 'tf1-tiny-hot'
+    return gpt2_tf.load_model(folder), Reference(HParams.from_json(folder / 'hparams.json'), str(folder / 'model.ckpt'))
+
+
+def test_score_equals_the_log_softmax_of_the_original_logits(fixture_dir):
+    ref = np.load(fixture_dir / 'reference.npz')
+    lp = gpt2_tf.score(gpt2_tf.load_model(fixture_dir), ref['tokens'])
+    assert lp.dtype == np.float32 and lp.shape == (ref['tokens'].shape[0], ref['tokens'].shape[1] - 1)
+    assert_close(lp, reference_log_probs(ref['logits'], ref['tokens']), 'log-probs')
+
+
+@pytest.mark.parametrize('hparams', [
+    HParams(n_vocab=97, n_ctx=16, n_embd=24, n_head=3, n_layer=2),
+    HParams(n_vocab=301, n_ctx=40, n_embd=32, n_head=4, n_layer=3),
+], ids=['97-vocab', '301-vocab'])
+def test_score_and_top_match_tf1_on_random_checkpoints(random_checkpoint, hparams):
+    folder = random_checkpoint(hparams, scale=0.3)
+    model = gpt2_tf.load_model(folder)
+    graph = Reference(hparams, str(folder / 'model.ckpt'))
+    tokens = np.random.default_rng(3).integers(0, hparams.n_vocab, (3, hparams.n_ctx), dtype=np.int32)
+    logits = graph(tokens)['logits']
+    lp, ids, top_lp = gpt2_tf.score(model, tokens, top=5)
+    want = reference_log_probs(logits, tokens)
+    assert_close(lp, want, 'log-probs')
+    ordered = np.argsort(-logits[:, :-1], axis=-1, kind='stable')[..., :5]
+    np.testing.assert_array_equal(ids, ordered)  # random logits have no exact ties
+    full = reference_log_probs(logits, tokens)  # the top log-probs are log-softmax values too
+    assert_close(top_lp[..., 0], np.take_along_axis(
+        np.log(np.exp(logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)) /
+               np.exp(logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)).sum(-1, keepdims=True)),
+        ids[..., :1], -1)[..., 0], 'top log-probs')
+    assert full.shape == lp.shape
+
+
+def test_a_padded_batch_equals_rows_scored_alone(hot):
+    model, _ = hot
+    tokens = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens']
+    rows = [tokens[0, :5].tolist(), tokens[1, :33].tolist(), tokens[2].tolist()]
+    together = gpt2_tf.score(model, rows)
+    assert [len(r) for r in together] == [4, 32, 63]
+    for row, lp in zip(rows, together):
+        assert_close(lp, gpt2_tf.score(model, [row])[0], 'padded row')
+
+
+def test_windows_score_every_position_once_with_enough_context():
+    for n, n_ctx, stride in [(3000, 1024, 512), (100, 32, 1), (100, 32, 31), (33, 32, 31), (5, 32, 31)]:
+        seen = []
+        for start, end, first in scoring.windows(n, n_ctx, stride):
+            assert end - start <= n_ctx and first - start >= min(first, n_ctx - stride)
+            seen.extend(range(first, end))
+        assert seen == list(range(1, n))
+
+
+@pytest.mark.parametrize('stride, bos', [(63, False), (20, False), (1, True), (40, True)])
+def test_perplexity_equals_the_windows_computed_from_the_tf1_graph(hot, stride, bos):
+    model, graph = hot
+    n_ctx = model.hparams.n_ctx
+    ids = np.random.default_rng(5).integers(0, model.hparams.n_vocab, 3 * n_ctx, dtype=np.int32)
+    bos_token = model.hparams.n_vocab - 1  # this vocabulary's stand-in for <|endoftext|>
+    full = np.concatenate([[bos_token], ids]) if bos else ids
+    # By hand: each window through the TF1 graph, its log-softmax at the positions it scores.
+    expected = np.zeros(len(full) - 1)
+    for start, end, first in scoring.windows(len(full), n_ctx, stride):
+        window = full[start:end][None]
+        lp = reference_log_probs(graph(window)['logits'], window)[0]
+        expected[first - 1:end - 1] = lp[first - 1 - start:]
+    lp = scoring.window_log_probs(model, ids, stride=stride, bos=bos, end_of_text=bos_token)
+    assert_close(lp, expected, 'windowed log-probs')
+    result = gpt2_tf.perplexity(model, ids, stride=stride, bos=bos, end_of_text=bos_token)
+    assert result['tokens'] == len(full) - 1
+    assert result['nll'] == pytest.approx(-expected.mean(), rel=1e-5)
+    assert result['perplexity'] == pytest.approx(np.exp(-expected.mean()), rel=1e-5)
+
+
+def test_score_completion_is_the_sum_over_the_completion(hot):
+    model, _ = hot
+    prompt, completion = [5, 6, 7, 8], [9, 10, 11]
+    lp = gpt2_tf.score(model, [prompt + completion])[0]
+    assert gpt2_tf.score_completion(model, prompt, completion) == pytest.approx(float(lp[3:].sum()), rel=1e-6)
+
+
+def test_new_lengths_in_a_bucket_do_not_retrace(hot):
+    model, _ = hot
+    fn = compiled.shared(scoring._scored, model.hparams, 'xla')
+    gpt2_tf.score(model, [[1, 2, 3, 4, 5]])
+    before = fn.tracing_count
+    for n in (3, 6, 7, 8):  # all bucket to 8
+        gpt2_tf.score(model, [list(range(1, n + 1))])
+    assert fn.tracing_count == before
+
+
+@pytest.mark.parametrize('call, message', [
+    (lambda m: gpt2_tf.score(m, [[5]]), 'row 0 has 1 token'),
+    (lambda m: gpt2_tf.score(m, [[5, 300]]), r'row 0: token id 300 is outside the vocabulary \[0, 300\)'),
+    (lambda m: gpt2_tf.score(m, [[5] * 65]), 'sequence too long'),
+    (lambda m: gpt2_tf.score(m, [1, 2, 3]), r'tokens must be \[batch, T\]'),
+    (lambda m: gpt2_tf.score(m, [[1, 2]], top=51), r'top must be an integer in \[0, 50\]'),
+    (lambda m: gpt2_tf.perplexity(m, [7]), 'the text has 1 token'),
+    (lambda m: gpt2_tf.perplexity(m, []), 'the text has 0 token'),
+    (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=64), r'stride must be an integer in \[1, 63\]'),
+    (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=0), r'stride must be an integer in \[1, 63\]'),
+    (lambda m: gpt2_tf.perplexity(m, [1, 2, -3]), 'token id -3 is outside'),
+])
+def test_bad_input_fails_before_any_compute(hot, monkeypatch, call, message):
+    model, _ = hot
+    monkeypatch.setattr(compiled.Shared, '__call__', lambda *a, **k: pytest.fail('computed before checking'))
+    with pytest.raises(ValueError, match=message):
+        call(model)
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+def test_score_command_on_a_file_and_on_stdin(tmp_path):
+    text = tmp_path / 'text.txt'
+    text.write_text('The quick brown fox jumps over the lazy dog. ' * 10)
+    cmd = [sys.executable, '-m', 'gpt2_tf.cli', 'score', str(text), '-', '--stride', '50', '--json']
+    done = subprocess.run(cmd, input='Hello there, world.', capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r['file'] for r in reports] == [str(text), '-']
+    model = gpt2_tf.load_model(bundled_checkpoint())
+    ids = gpt2_tf.encode(text.read_text())
+    direct = gpt2_tf.perplexity(model, ids, stride=50)
+    assert reports[0]['tokens'] == direct['tokens'] == len(ids) - 1
+    assert reports[0]['nll'] == pytest.approx(direct['nll'], rel=1e-5)
+    assert reports[0]['perplexity'] == pytest.approx(direct['perplexity'], rel=1e-5)
+    pieces = reports[1]['token_pieces']
+    assert ''.join(p['text'] for p in pieces) == 'Hello there, world.'
+    assert pieces[0]['log_prob'] is None and all(isinstance(p['log_prob'], float) for p in pieces[1:])
+    plain = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'score', str(text)], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=300)
+    assert plain.returncode == 0 and 'perplexity' in plain.stdout
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['score', 'missing.txt'], 'missing.txt: no such file'),
+    (['score', 'empty.txt'], 'empty.txt: the text has 0 token'),
+    (['score', 'one.txt', '--stride', '128'], r'stride must be an integer in \[1, 127\]'),
+])
+def test_score_command_errors_are_one_line(tmp_path, argv, message):
+    (tmp_path / 'empty.txt').write_text('')
+    (tmp_path / 'one.txt').write_text('Hello world')
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', *argv], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if not line.startswith('gpt2-tf: no model')]
+    assert len(lines) == 1 and re.search(message, lines[0]), done.stderr
