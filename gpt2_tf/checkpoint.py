@@ -230,7 +230,7 @@ def checkpoint_state(model_dir: str) -> tuple:
     return current, names if current in names else names + [current] if current else names
 
 
-def _replace_atomically(path: str, text: str) -> None:
+def replace_atomically(path: str, text: str) -> None:
     temporary = f'{path}.tmp-{os.getpid()}'
     with open(temporary, 'w', encoding='utf-8') as f:
         f.write(text)
@@ -295,9 +295,9 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     prefix = os.path.join(model_dir, name)
     write_tensors(prefix, {n: v.read_value() for n, v in model.variables_by_name().items()})
     if not os.path.exists(hparams_path):
-        _replace_atomically(hparams_path, json.dumps(model.hparams.to_dict(), indent=2) + '\n')
+        replace_atomically(hparams_path, json.dumps(model.hparams.to_dict(), indent=2) + '\n')
     kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]
-    _replace_atomically(os.path.join(model_dir, 'checkpoint'),
+    replace_atomically(os.path.join(model_dir, 'checkpoint'),
                         f'model_checkpoint_path: "{name}"\n'
                         + ''.join(f'all_model_checkpoint_paths: "{n}"\n' for n in kept))
     for old in set(listed) - set(kept):  # only once the `checkpoint` file names the new one

@@ -4,6 +4,8 @@
     gpt2-tf generate              the interactive mode: prompts from the terminal
     gpt2-tf sample                unconditional samples, like generate_unconditional_samples.py
     gpt2-tf score FILE...         per-token log-probabilities and perplexity of text files
+    gpt2-tf finetune DATASET      fine-tuning, with gpt-2-simple's options and run folders
+    gpt2-tf encode DATASET OUT    a text dataset to an .npz of tokens
     gpt2-tf convert SRC DST --to hf|original   Hugging Face folders, both ways
     gpt2-tf inspect MODEL_DIR     parameter accounting, from hparams and from the checkpoint
     gpt2-tf compare MODEL_DIR     this port against the TF1 graph, block by block
@@ -259,6 +261,48 @@ def cmd_score(args):
         sys.stdout.flush()
 
 
+# --- fine-tuning ----------------------------------------------------------------------------------
+
+def cmd_finetune(args):
+    """gpt-2-simple's finetune, with its option names and defaults."""
+    for name in ('batch_size', 'accumulate_gradients', 'max_checkpoints', 'sample_num'):
+        if getattr(args, name) < 1:
+            raise CommandError(f'--{name} must be at least 1, got {getattr(args, name)}')
+    if not args.learning_rate > 0:
+        raise CommandError(f'--learning_rate must be > 0, got {args.learning_rate}')
+    folder, args.notice = model_dir(args)
+    from .encoder import encoder_for
+
+    encoder = encoder_for(folder)
+    from . import quiet
+
+    if args.notice:
+        print(args.notice, file=sys.stderr)
+    quiet.tensorflow(verbose=args.verbose)
+    from .train import finetune, load_dataset
+
+    chunks = load_dataset(args.dataset, encoder, args.combine)
+    val = load_dataset(args.val_dataset, encoder, args.combine) if args.val_dataset else None
+    finetune(folder, chunks, steps=args.steps, run_name=args.run_name, checkpoint_dir=args.checkpoint_dir,
+             learning_rate=args.learning_rate, batch_size=args.batch_size,
+             accumulate_gradients=args.accumulate_gradients, sample_every=args.sample_every,
+             sample_length=args.sample_length, sample_num=args.sample_num, save_every=args.save_every,
+             print_every=args.print_every, max_checkpoints=args.max_checkpoints, restore_from=args.restore_from,
+             only_train_transformer_layers=args.only_train_transformer_layers, optimizer=args.optimizer,
+             val_dataset=val, val_every=args.val_every, val_batch_size=args.val_batch_size,
+             val_batch_count=args.val_batch_count, combine=args.combine, recompute=args.recompute, seed=args.seed,
+             log=lambda line: print(line, flush=True))
+
+
+def cmd_encode(args):
+    """A text dataset to an .npz of token chunks, as gpt-2-simple's encode_dataset."""
+    from .encoder import get_encoder
+    from .train import encode_dataset
+
+    count = encode_dataset(args.dataset, args.out, get_encoder(), args.combine)
+    print(f'{args.out}: {count:,} tokens')
+
+
 # --- conversion ---------------------------------------------------------------------------------
 
 def cmd_convert(args):
@@ -407,6 +451,35 @@ def parser() -> argparse.ArgumentParser:
     score.add_argument('--quiet', action='store_true', help='no progress bar on stderr')
     _add_verbose(score)
     score.set_defaults(run=cmd_score)
+
+    finetune = commands.add_parser('finetune', help="fine-tune on a dataset, with gpt-2-simple's options")
+    finetune.add_argument('dataset', help='a text file, a folder or glob of .txt files, or an .npz of tokens')
+    _add_model_arguments(finetune)
+    for flag, kind, default, text in [
+            ('--run_name', str, 'run1', 'the run folder under checkpoint_dir'),
+            ('--checkpoint_dir', str, 'checkpoint', 'where run folders go'),
+            ('--steps', int, -1, 'updates to run (-1: until interrupted)'),
+            ('--learning_rate', float, 1e-4, None), ('--batch_size', int, 1, 'windows per micro-batch'),
+            ('--accumulate_gradients', int, 5, 'micro-batches per update'),
+            ('--sample_every', int, 100, None), ('--sample_length', int, 1023, None), ('--sample_num', int, 1, None),
+            ('--save_every', int, 1000, None), ('--print_every', int, 1, None), ('--max_checkpoints', int, 1, None),
+            ('--optimizer', str, 'adam', 'adam or sgd'), ('--val_dataset', str, None, None),
+            ('--val_every', int, 0, None), ('--val_batch_size', int, 2, None), ('--val_batch_count', int, 40, None),
+            ('--combine', int, 50000, 'characters of text per encoded chunk'),
+            ('--seed', int, None, 'fix to reproduce the windows and samples')]:
+        finetune.add_argument(flag, type=kind, default=default, help=text and f'{text} (default {default})')
+    finetune.add_argument('--restore_from', choices=['latest', 'fresh'], default='latest')
+    finetune.add_argument('--only_train_transformer_layers', action='store_true')
+    finetune.add_argument('--recompute', '--use_memory_saving_gradients', action='store_true',
+                          help="recompute each block's activations in the backward pass (less memory)")
+    _add_verbose(finetune)
+    finetune.set_defaults(run=cmd_finetune)
+
+    encode = commands.add_parser('encode', help="a text dataset to an .npz of tokens (gpt-2-simple's encode_dataset)")
+    encode.add_argument('dataset')
+    encode.add_argument('out', help='the .npz to write')
+    encode.add_argument('--combine', type=int, default=50000, help='characters of text per chunk (default 50000)')
+    encode.set_defaults(run=cmd_encode, verbose=False)
 
     convert = commands.add_parser('convert', help='an original-layout folder to a Hugging Face one, or back')
     convert.add_argument('source', metavar='SRC')

@@ -24,12 +24,24 @@ from .model import Model, positions_for
 END_OF_TEXT = 50256  # <|endoftext|>, the context GPT-2 evaluations put before a text
 
 
-def hidden(model: Model, X):
-    """The original model() up to ln_f: X [batch, T] -> h [batch, T, n_embd], without the logits."""
+def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
+    """The original model() up to ln_f: X [batch, T] -> h [batch, T, n_embd], without the logits.
+
+    wrap, when given, turns each block into the function h -> h that runs it
+    (training passes tf.recompute_grad this way, from outside the model).
+    """
     h = model.embed(X, positions_for(X, 0))
     for block in model.h:
-        h, _ = block(h)
+        h = wrap(block)(h) if wrap else block(h)[0]
     return model.ln_f(h)
+
+
+def mean_loss(model: Model, tokens, *, wrap: Optional[Callable] = None):
+    """The original training loss: mean over batch and positions of the cross-entropy of
+    logits[:, :-1] against tokens[:, 1:]. tokens [batch, T] -> float32 []."""
+    logits = model.logits(hidden(model, tokens, wrap=wrap)[:, :-1])
+    picked, _, _ = log_probs(logits, tokens[:, 1:])
+    return -tf.reduce_mean(picked)
 
 
 def log_probs(logits, targets, *, top: int = 0):

@@ -224,3 +224,43 @@ class Reference:
 
     def close(self):
         self.session.close()
+
+
+class ReferenceTrainer:
+    """The original fine-tuning step in a TF1 graph: the model graph, its training loss, a TF1 optimizer.
+
+    The loss is the mean softmax cross-entropy of logits[:, :-1] against
+    tokens[:, 1:], and the optimizer tf.compat.v1.train.AdamOptimizer (or plain
+    gradient descent), as nshepperd's train.py and gpt-2-simple set them up.
+    """
+
+    def __init__(self, hparams: HParams, checkpoint: str, *, learning_rate: float = 1e-4, optimizer: str = 'adam',
+                 only_train_transformer_layers: bool = False):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.tokens = v1.placeholder(tf.int32, [None, None], name='tokens')
+            out = gpt2_graph(hparams, self.tokens)
+            self.logits = out['logits']
+            self.loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=self.tokens[:, 1:], logits=self.logits[:, :-1]))
+            model_vars = [v for v in v1.trainable_variables() if 'model' in v.name]
+            train_vars = [v for v in model_vars if '/h' in v.name] if only_train_transformer_layers else model_vars
+            if optimizer == 'adam':
+                opt = v1.train.AdamOptimizer(learning_rate=learning_rate)
+            else:
+                opt = v1.train.GradientDescentOptimizer(learning_rate=learning_rate)
+            self.train_op = opt.minimize(self.loss, var_list=train_vars)
+            self.session = v1.Session(graph=self.graph)
+            self.session.run(v1.global_variables_initializer())
+            v1.train.Saver(var_list=model_vars).restore(self.session, checkpoint)
+
+    def step(self, tokens) -> float:
+        """One update; returns the batch's loss before it."""
+        loss, _ = self.session.run([self.loss, self.train_op], {self.tokens: tokens})
+        return float(loss)
+
+    def __call__(self, tokens):
+        return self.session.run(self.logits, {self.tokens: tokens})
+
+    def close(self):
+        self.session.close()

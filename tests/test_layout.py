@@ -11,7 +11,7 @@ LAYERS = [
     {'encoder', 'model'},
     {'decoding', 'compiled', 'tf1_reference', 'hf'},
     {'checkpoint', 'sample', 'scoring'},
-    {'text', 'diagnostics', 'download'},
+    {'text', 'diagnostics', 'download', 'train'},
     {'cli'},
     {'__main__'},
 ]

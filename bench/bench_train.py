@@ -1,0 +1,130 @@
+"""Fine-tuning speed and memory: gpt2_tf's Trainer against the TF1 reference training step, in one run.
+
+    python bench/bench_train.py [--steps 3] [--batch 1] [--length 1024]
+
+Each case runs in a fresh process on the 124M-shaped random checkpoint
+(bench/.cache/): load, one step (tracing and compilation), then --steps timed
+steps. Memory is read from /proc: the process's peak RSS over its whole run,
+RSS just before the first step, and the peak during that step (sampled every
+2 ms); activation memory is the last minus the one before.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+CASES = {
+    'tf1': 'TF1 graph, tf.compat.v1 Adam',
+    'ours': 'Trainer, Adam',
+    'ours-xla': 'Trainer, Adam, jit_compile=True',
+    'ours-recompute': 'Trainer, Adam, recompute=True',
+}
+
+
+def rss_mb() -> float:
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith('VmRSS'))
+
+
+def peak_mb() -> float:
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith('VmHWM'))
+
+
+class PeakDuring:
+    """The highest RSS seen while the block runs, sampled every 2 ms."""
+
+    def __enter__(self):
+        self.peak, self.running = rss_mb(), True
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self):
+        while self.running:
+            self.peak = max(self.peak, rss_mb())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+
+
+def child(case: str, steps: int, batch: int, length: int) -> dict:
+    import numpy as np
+
+    from bench_generate import checkpoint
+    folder = checkpoint()
+    tokens = np.random.default_rng(0).integers(0, 50257, (batch, length)).astype(np.int32)
+    if case == 'tf1':
+        from gpt2_tf import HParams
+        from gpt2_tf.tf1_reference import ReferenceTrainer
+
+        trainer = ReferenceTrainer(HParams.named('124M'), str(folder / 'model.ckpt'), learning_rate=1e-4)
+    else:
+        import gpt2_tf
+        from gpt2_tf.train import Trainer
+
+        trainer = Trainer(gpt2_tf.load_model(folder), 1e-4, recompute=case == 'ours-recompute',
+                          jit_compile=case == 'ours-xla')
+    before = rss_mb()
+    start = time.perf_counter()
+    with PeakDuring() as during:
+        trainer.step(tokens)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        trainer.step(tokens)
+        times.append(time.perf_counter() - start)
+    return {'first': first, 'step': statistics.median(times), 'before_mb': before, 'during_mb': during.peak,
+            'peak_mb': peak_mb()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--steps', type=int, default=3)
+    parser.add_argument('--batch', type=int, default=1)
+    parser.add_argument('--length', type=int, default=1024)
+    parser.add_argument('--cases', default=','.join(CASES))
+    parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.steps, args.batch, args.length)))
+        return
+    from bench_generate import checkpoint, cpu
+    checkpoint()  # written once, outside the timed processes
+    print(f'CPU: {cpu()}')
+    print(f'batch {args.batch}, T = {args.length}, median of {args.steps} steps after the first; one process per case')
+    print(f'{"case":<36}{"first s":>9}{"step s":>8}{"/TF1":>7}{"peak MB":>9}{"before":>8}{"during":>8}'
+          f'{"activ.":>8}')
+    results = {}
+    for case in args.cases.split(','):
+        done = subprocess.run([sys.executable, __file__, '--child', case, '--steps', str(args.steps),
+                               '--batch', str(args.batch), '--length', str(args.length)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            print(f'{CASES[case]:<36} failed: {done.stderr.strip().splitlines()[-1]}')
+            continue
+        r = results[case] = json.loads(done.stdout.strip().splitlines()[-1])
+        ratio = r['step'] / results['tf1']['step'] if 'tf1' in results else float('nan')
+        print(f'{CASES[case]:<36}{r["first"]:>9.2f}{r["step"]:>8.2f}{ratio:>7.2f}{r["peak_mb"]:>9.0f}'
+              f'{r["before_mb"]:>8.0f}{r["during_mb"]:>8.0f}{r["during_mb"] - r["before_mb"]:>8.0f}', flush=True)
+    if 'ours' in results and 'ours-recompute' in results:
+        plain, lean = results['ours'], results['ours-recompute']
+        print(f'recompute: peak RSS {lean["peak_mb"] / plain["peak_mb"]:.2f}x, activation memory '
+              f'{(lean["during_mb"] - lean["before_mb"]) / (plain["during_mb"] - plain["before_mb"]):.2f}x '
+              f'of the plain step')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,247 @@
+"""Fine-tuning against the original training graph (TF1 Adam and SGD), data, run folders, resumption."""
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gpt2_tf
+from gpt2_tf import HParams, train
+from gpt2_tf.assets import bundled_checkpoint
+from gpt2_tf.encoder import get_encoder
+from gpt2_tf.tf1_reference import Reference, ReferenceTrainer
+from gpt2_tf.train import Sampler, Trainer, finetune, load_dataset
+
+from conftest import FIXTURES, tolerance
+
+HOT = FIXTURES / 'tf1-tiny-hot'
+HPARAMS = HParams.from_json(HOT / 'hparams.json')
+
+
+def batches(n=6, batch=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, HPARAMS.n_vocab, (batch, HPARAMS.n_ctx)).astype(np.int32) for _ in range(n)]
+
+
+def assert_losses_match(ours, theirs):
+    # Both sides compute the same float32 sums in other orders: 1e-4 relative is far above that noise
+    # (measured: under 3e-6) and far below what a broken loss or update moves (>1e-2 by step 2).
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert abs(a - b) <= 1e-4 * abs(b), f'step {step}: loss {a} != reference {b}'
+
+
+@pytest.mark.parametrize('optimizer, accumulate, recompute, only_blocks', [
+    ('adam', 1, False, False), ('adam', 2, False, False), ('adam', 1, True, False), ('adam', 1, False, True),
+    ('sgd', 1, False, False), ('sgd', 2, True, True),
+], ids=['adam', 'adam-accumulate2', 'adam-recompute', 'adam-blocks-only', 'sgd', 'sgd-accumulate2-recompute-blocks'])
+def test_steps_equal_the_original_training_graph(optimizer, accumulate, recompute, only_blocks):
+    model = gpt2_tf.load_model(HOT)
+    trainer = Trainer(model, 1e-3, optimizer, accumulate, recompute, only_blocks)
+    reference = ReferenceTrainer(HPARAMS, str(HOT / 'model.ckpt'), learning_rate=1e-3, optimizer=optimizer,
+                                 only_train_transformer_layers=only_blocks)
+    data = batches()
+    # accumulate=2 takes two micro-batches per update; the reference takes the whole batch in one step.
+    assert_losses_match([trainer.step(b) for b in data], [reference.step(b) for b in data])
+    assert trainer.tracing_count == 1  # one compiled step, never retraced
+    held_out = batches(1, 2, seed=9)[0]
+    theirs = reference(held_out)
+    diff = np.abs(model(held_out)['logits'].numpy() - theirs).max()
+    # Not raw weights: Adam amplifies sign-flipping rounding noise on parameters whose gradient is
+    # zero (the attention key bias) without changing any output. The outputs must agree.
+    assert diff <= 1e-3 * max(1.0, float(np.abs(theirs).max())), diff
+    if only_blocks:
+        before = gpt2_tf.load_model(HOT)
+        for name in ('model/wte', 'model/wpe', 'model/ln_f/g'):
+            np.testing.assert_array_equal(model.variables_by_name()[name].numpy(),
+                                          before.variables_by_name()[name].numpy())
+
+
+def test_recompute_changes_nothing_but_memory():
+    runs = []
+    for recompute in (False, True):
+        model = gpt2_tf.load_model(HOT)
+        trainer = Trainer(model, 1e-2, 'sgd', recompute=recompute)
+        losses = [trainer.step(b) for b in batches(5)]
+        runs.append((losses, {n: v.numpy() for n, v in model.variables_by_name().items()}))
+    (plain, plain_weights), (recomputed, recomputed_weights) = runs
+    np.testing.assert_allclose(recomputed, plain, rtol=1e-6)
+    for name, value in plain_weights.items():
+        # Within 1e-6 of each tensor's largest weight: a few float32 roundings of the weights
+        # themselves (a recomputed activation may round differently), far below any real change.
+        np.testing.assert_allclose(recomputed_weights[name], value, rtol=0, atol=1e-6 * np.abs(value).max(),
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(optimizer='rmsprop'), "optimizer must be one of \\('adam', 'sgd'\\)"),
+    (dict(learning_rate=0), 'learning_rate must be > 0'),
+    (dict(accumulate_gradients=0), 'accumulate_gradients must be an integer >= 1'),
+])
+def test_bad_trainer_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(gpt2_tf.load_model(HOT), **kwargs)
+
+
+def test_a_batch_that_does_not_split_is_an_error():
+    trainer = Trainer(gpt2_tf.load_model(HOT), accumulate_gradients=3)
+    with pytest.raises(ValueError, match='batch of 4 rows does not split into accumulate_gradients=3'):
+        trainer.step(batches(1)[0])
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+def test_text_datasets_join_documents_with_the_end_of_text_token(tmp_path):
+    encoder = get_encoder()
+    (tmp_path / 'a.txt').write_text('First document.\n<|endoftext|>\nSecond one.\n')
+    (tmp_path / 'b.txt').write_text('Third, in another file.\n')
+    chunks = load_dataset(str(tmp_path), encoder, combine=10**9)
+    expected = (encoder.encode('First document.') + [50256] + encoder.encode('Second one.') + [50256]
+                + encoder.encode('Third, in another file.') + [50256])
+    assert len(chunks) == 1 and chunks[0].tolist() == expected
+    assert [c.tolist() for c in load_dataset(str(tmp_path / '*.txt'), encoder, combine=10**9)] == [expected]
+    several = load_dataset(str(tmp_path), encoder, combine=1)  # every document its own chunk
+    assert [c.tolist() for c in several][0] == encoder.encode('First document.') + [50256]
+
+
+def test_an_npz_of_tokens_loads_unchanged_and_encode_writes_one(tmp_path):
+    arrays = [np.arange(300, dtype=np.int32), np.arange(50, 120, dtype=np.int32)]
+    np.savez_compressed(tmp_path / 'gpt2-simple.npz', *arrays)  # gpt-2-simple's encode_dataset format
+    loaded = load_dataset(str(tmp_path / 'gpt2-simple.npz'), get_encoder())
+    assert [c.tolist() for c in loaded] == [a.tolist() for a in arrays]
+    (tmp_path / 'text.txt').write_text('Hello there. ' * 50)
+    count = train.encode_dataset(str(tmp_path / 'text.txt'), str(tmp_path / 'out.npz'), get_encoder())
+    again = load_dataset(str(tmp_path / 'out.npz'), get_encoder())
+    assert sum(c.size for c in again) == count == len(get_encoder().encode('Hello there. ' * 50)) + 1
+
+
+@pytest.mark.parametrize('setup, message', [
+    (lambda p: None, 'no dataset at'),
+    (lambda p: (p / 'data.txt').write_text('  \n'), 'is empty: no tokens'),
+    (lambda p: np.savez(p / 'data.npz', np.array([5, 60000])), 'dataset token id 60000 is outside the vocabulary'),
+])
+def test_bad_datasets(tmp_path, setup, message):
+    setup(tmp_path)
+    target = next(iter(sorted(tmp_path.iterdir())), tmp_path / 'missing.txt')
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        load_dataset(str(target), get_encoder())
+
+
+def test_windows_are_reproducible_and_stay_inside_a_chunk():
+    chunks = [np.arange(0, 100), np.arange(1000, 1010), np.arange(2000, 2040)]
+    a, b = Sampler(chunks, 32, seed=5), Sampler(chunks, 32, seed=5)
+    for _ in range(50):
+        batch = a.sample(3)
+        np.testing.assert_array_equal(batch, b.sample(3))
+        assert batch.shape == (3, 32) and (np.diff(batch, axis=1) == 1).all()  # contiguous: one chunk each
+    with pytest.raises(ValueError, match='shorter than one training window: its longest chunk has 10 tokens'):
+        Sampler([np.arange(10)], 32)
+
+
+# --- run folders ------------------------------------------------------------------------------------
+
+def test_save_restore_resumes_exactly(tmp_path):
+    data = batches(8)
+    whole = Trainer(gpt2_tf.load_model(HOT), 1e-3)
+    straight = [whole.step(b) for b in data]
+    first = Trainer(gpt2_tf.load_model(HOT), 1e-3)
+    losses = [first.step(b) for b in data[:4]]
+    first.save(str(tmp_path / 'run'))
+    assert sorted(os.listdir(tmp_path / 'run')) == [
+        'checkpoint', 'counter', 'encoder.json', 'hparams.json', 'model-4.data-00000-of-00001', 'model-4.index',
+        'optimizer-4.data-00000-of-00001', 'optimizer-4.index', 'vocab.bpe']
+    second = Trainer(gpt2_tf.load_model(HOT), 1e-3)
+    second.restore(str(tmp_path / 'run'))
+    assert second.steps == 4
+    losses += [second.step(b) for b in data[4:]]
+    np.testing.assert_allclose(losses, straight, rtol=1e-6)
+    # The model checkpoint alone loads strictly, and in the original graph with a Saver.
+    model = gpt2_tf.load_model(tmp_path / 'run')
+    ref = Reference(HPARAMS, str(tmp_path / 'run' / 'model-4'))
+    tokens = data[0][:1]
+    assert np.abs(model(tokens)['logits'].numpy() - ref(tokens)['logits']).max() <= tolerance(ref(tokens)['logits'])
+
+
+def test_a_gpt2_simple_run_folder_loads_and_training_continues(tmp_path):
+    run = tmp_path / 'checkpoint' / 'run1'
+    run.mkdir(parents=True)
+    for f in ('model.ckpt.data-00000-of-00001', 'model.ckpt.index'):
+        shutil.copy(HOT / f, run / f.replace('model.ckpt', 'model-42'))
+    shutil.copy(HOT / 'hparams.json', run)
+    (run / 'checkpoint').write_text('model_checkpoint_path: "/content/checkpoint/run1/model-42"\n'
+                                    'all_model_checkpoint_paths: "/content/checkpoint/run1/model-42"\n')
+    (run / 'counter').write_text('42')
+    assert gpt2_tf.load_model(run).hparams == HPARAMS  # loads unchanged
+    chunks = [np.random.default_rng(0).integers(0, HPARAMS.n_vocab, 500).astype(np.int32)]
+    lines = []
+    trainer = finetune(str(HOT), chunks, steps=2, checkpoint_dir=str(tmp_path / 'checkpoint'), batch_size=2,
+                       accumulate_gradients=1, sample_every=0, seed=1, log=lines.append)
+    assert trainer.steps == 44 and any('step 42' in line for line in lines)
+    assert (run / 'counter').read_text().strip() == '44' and (run / 'model-44.index').exists()
+
+
+def test_a_finetune_lowers_the_loss_survives_an_interruption_and_loads_everywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = tmp_path / 'corpus.txt'
+    text.write_text('The cat sat on the mat. The dog sat on the log. ' * 60)
+    lines = []
+
+    def interrupt_at_10(step):
+        if step == 10:
+            raise KeyboardInterrupt  # what Ctrl-C raises
+        return False
+
+    common = dict(checkpoint_dir='checkpoint', batch_size=2, accumulate_gradients=1, learning_rate=3e-3,
+                  sample_every=0, save_every=0, seed=3, log=lines.append)
+    first = finetune(bundled_checkpoint(), str(text), steps=20, stop=interrupt_at_10, **common)
+    assert first.steps == 10 and 'interrupted' in lines and (tmp_path / 'checkpoint/run1/model-10.index').exists()
+    second = finetune(bundled_checkpoint(), str(text), steps=10, **common)
+    assert second.steps == 20
+    losses = [float(line.split('loss=')[1].split()[0]) for line in lines if 'loss=' in line]
+    assert len(losses) == 20 and np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+    run = tmp_path / 'checkpoint' / 'run1'
+    gpt2_tf.load_model(run)
+    Reference(gpt2_tf.load_model(run).hparams, str(run / 'model-20'))  # the TF1 Saver restores it
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'generate', 'The cat', '--model_dir', str(run),
+                           '--length', '5', '--seed', '1'], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and 'SAMPLE 1' in done.stdout, done.stderr
+
+
+def test_a_full_disk_at_save_time_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = Trainer(gpt2_tf.load_model(HOT), 1e-3)
+    trainer.step(batches(1)[0])
+    trainer.save(str(tmp_path))
+    trainer.step(batches(1)[0])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+
+    monkeypatch.setattr(gpt2_tf.checkpoint, 'write_tensors', full)
+    with pytest.raises(OSError):
+        trainer.save(str(tmp_path))
+    monkeypatch.undo()
+    assert gpt2_tf.checkpoint.find_checkpoint(tmp_path).endswith('model-1')
+    gpt2_tf.load_model(tmp_path)
+
+
+def test_a_run_of_another_model_size_is_refused(tmp_path):
+    Trainer(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), 1e-3).save(str(tmp_path / 'run1'))
+    with pytest.raises(ValueError, match='holds a run of another model size'):
+        finetune(str(HOT), [np.arange(200, dtype=np.int32)], steps=1, checkpoint_dir=str(tmp_path), log=print)
+
+
+def test_finetune_command(tmp_path):
+    (tmp_path / 'corpus.txt').write_text('One two three four five six seven. ' * 40)
+    cmd = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--steps', '3', '--batch_size', '1',
+           '--accumulate_gradients', '2', '--sample_every', '3', '--sample_length', '8', '--seed', '1']
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert '[3 |' in done.stdout and 'loss=' in done.stdout and '======== SAMPLE ========' in done.stdout
+    assert (tmp_path / 'checkpoint' / 'run1' / 'model-3.index').exists()
+    assert (tmp_path / 'samples' / 'run1' / 'samples-3').exists()
+    bad = subprocess.run([*cmd[:4], 'missing.txt'], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert bad.returncode == 2 and 'no dataset at missing.txt' in bad.stderr.splitlines()[-1]
