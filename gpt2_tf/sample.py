@@ -73,6 +73,29 @@ def order_keys(x):
     return tf.cast(tf.where(bits < 0, tf.bitwise.bitwise_xor(bits, 0x7fffffff), bits), tf.int64)
 
 
+_BIG = 2**40  # beyond every order key (they fit in 32 bits)
+
+
+def _bisect(low, high, fits):
+    """Per row, the smallest integer t in [low, high] with fits(t), for fits false then true as t grows."""
+    def halve(low, high):
+        mid = (low + high) // 2
+        ok = fits(mid)
+        return [tf.where(ok, low, mid + 1), tf.where(ok, mid, high)]
+
+    low, _ = tf.while_loop(lambda low, high: tf.reduce_any(low < high), halve, [low, high], maximum_iterations=34)
+    return low
+
+
+def kth_largest(keys, k):
+    """keys int64 [batch, vocab], k int32 [batch] >= 1 -> the k-th largest key per row, ties counted:
+    what tf.math.top_k gives, for a k known only at run time (an exported signature's)."""
+    k = tf.cast(k, tf.float32)
+    fewer = lambda t: tf.reduce_sum(tf.cast(keys >= t[:, None], tf.float32), axis=-1) < k  # noqa: E731
+    first_below = _bisect(tf.reduce_min(keys, axis=-1), tf.reduce_max(keys, axis=-1) + 1, fewer)
+    return tf.reduce_max(tf.where(keys < first_below[:, None], keys, -_BIG), axis=-1)
+
+
 def nucleus_floor(keys, probs, target):
     """The original top-p cut as a threshold: keys, probs [batch, vocab], target [batch] -> floor key [batch].
 
@@ -81,43 +104,39 @@ def nucleus_floor(keys, probs, target):
     mass at or above it is <= target, found by bisection over the keys; then the
     next lower logit too when its first token still fits (ties share a logit).
     """
-    big = tf.constant(2**40, tf.int64)
-    low = tf.reduce_min(tf.where(probs > 0, keys, big), axis=-1)
-    high = tf.reduce_max(keys, axis=-1) + 1
-
     def mass(t):  # [batch] -> [batch]: probability of the tokens with key >= t
         return tf.reduce_sum(tf.where(keys >= t[:, None], probs, 0.0), axis=-1)
 
-    def halve(low, high):
-        mid = (low + high) // 2
-        fits = mass(mid) <= target
-        return [tf.where(fits, low, mid + 1), tf.where(fits, mid, high)]
-
-    low, _ = tf.while_loop(lambda low, high: tf.reduce_any(low < high), halve, [low, high],
-                           maximum_iterations=34)
-    t1 = tf.reduce_min(tf.where(keys >= low[:, None], keys, big), axis=-1)  # big: the top alone is over
-    t2 = tf.reduce_max(tf.where((keys < t1[:, None]) & (probs > 0), keys, -big), axis=-1)
+    low = tf.reduce_min(tf.where(probs > 0, keys, _BIG), axis=-1)
+    t = _bisect(low, tf.reduce_max(keys, axis=-1) + 1, lambda t: mass(t) <= target)
+    t1 = tf.reduce_min(tf.where(keys >= t[:, None], keys, _BIG), axis=-1)  # _BIG: the top alone is over
+    t2 = tf.reduce_max(tf.where((keys < t1[:, None]) & (probs > 0), keys, -_BIG), axis=-1)
     p2 = tf.reduce_max(tf.where(tf.equal(keys, t2[:, None]), probs, 0.0), axis=-1)
-    top = tf.reduce_max(keys, axis=-1)
-    floor = tf.where((t2 > -big) & (mass(t1) + p2 <= target), t2, t1)
-    return tf.minimum(floor, top)
+    floor = tf.where((t2 > -_BIG) & (mass(t1) + p2 <= target), t2, t1)
+    return tf.minimum(floor, tf.reduce_max(keys, axis=-1))
 
 
-def floors(logits, temperature, top_k, top_p, *, kmax: int):
+def floors(logits, temperature, top_k, top_p, *, kmax):
     """The kept set of top_p(top_k(logits / temperature)) as a threshold: keep order_keys(logits) >= floor.
 
     logits [batch, vocab]; temperature, top_p float32 [batch] (temperature > 0);
-    top_k int32 [batch], 0 for none; kmax (static) >= every top_k in use, 0 if none.
+    top_k int32 [batch], 0 for none; kmax (static) >= every top_k in use, 0 if
+    none, None when the top_k are known only at run time (then a bisection finds
+    the same k-th logit that tf.math.top_k does).
     Returns floor int64 [batch], and z = (logits - max) / temperature [batch, vocab].
     """
     vocab = logits.shape[-1]
     keys = order_keys(logits)
-    none = tf.fill(tf.shape(logits)[:1], tf.constant(-2**40, tf.int64))
+    none = tf.fill(tf.shape(logits)[:1], tf.constant(-_BIG, tf.int64))
+    truncating = (top_k > 0) & (top_k < vocab)
     floor_k = none
-    if kmax:
+    if kmax is None:
+        floor_k = tf.cond(tf.reduce_any(truncating),
+                          lambda: tf.where(truncating, kth_largest(keys, tf.maximum(top_k, 1)), none), lambda: none)
+    elif kmax:
         values, _ = tf.math.top_k(logits, k=min(kmax, vocab))
         kth = tf.gather(values, tf.maximum(tf.minimum(top_k, values.shape[-1]) - 1, 0), batch_dims=1)
-        floor_k = tf.where((top_k > 0) & (top_k < vocab), order_keys(kth), none)
+        floor_k = tf.where(truncating, order_keys(kth), none)
     z = (logits - tf.reduce_max(logits, axis=-1, keepdims=True)) / temperature[:, None]
 
     def nucleus():
@@ -201,29 +220,49 @@ def _start(model: Model, context, pads, *, size: int):
 
 
 def _advance(model: Model, logits, caches, pads, prompt, step0, length, temperature, top_k, top_p, keys, *,
-             chunk: int, greedy: bool, kmax: int):
+             chunk, greedy: bool, kmax, logprobs=None):
     """Chooses tokens step0 .. step0 + chunk - 1 (fewer at the end) -> tokens [batch, chunk], logits, caches.
 
     Token i goes in cache slot prompt + i (the padded prompt fills the first
-    slots). Each chosen token is fed back except the sequence's last, as in the original.
+    slots). Each chosen token is fed back except the sequence's last, as in the
+    original. With logprobs=N (static), also the chosen tokens' log-probs
+    [batch, chunk] and the N likeliest tokens' ids and log-probs [batch, chunk, N],
+    from the model's raw distribution at each step.
     """
     options = dict(kmax=kmax, greedy=greedy)
-    out = tf.zeros([chunk, tf.shape(logits)[0]], tf.int32)
+    batch = tf.shape(logits)[0]
+    top = logprobs or 0
+    out = {'tokens': tf.zeros([chunk, batch], tf.int32), 'log_probs': tf.zeros([chunk, batch]),
+           'top_ids': tf.zeros([chunk, batch, top], tf.int32), 'top_log_probs': tf.zeros([chunk, batch, top])}
+
+    def pick(logits, i, out, at, write=None):  # write: a bool tensor; where False the slot keeps its value
+        token = choose(logits, temperature, top_k, top_p, keys, tf.cast(i, tf.int64), **options)
+        found = {'tokens': token}
+        if logprobs is not None:
+            lp = tf.nn.log_softmax(logits)  # float32, stable: logits minus their logsumexp
+            found['log_probs'] = tf.gather(lp, token, batch_dims=1)
+            found['top_log_probs'], found['top_ids'] = tf.math.top_k(lp, k=top)
+        for name, value in found.items():
+            if write is not None:
+                value = tf.where(write, value, out[name][at])
+            out[name] = tf.tensor_scatter_nd_update(out[name], [[at]], value[None])
+        return token, out
+
     fed = tf.minimum(chunk, length - 1 - step0)  # steps in this chunk whose token is fed back
 
     def body(j, logits, caches, out):
-        i = tf.cast(step0 + j, tf.int64)
-        token = choose(logits, temperature, top_k, top_p, keys, i, **options)
+        token, out = pick(logits, step0 + j, out, j)
         logits, caches = decode(model, token[:, None], pads=pads, caches=caches, index=prompt + step0 + j)
-        return j + 1, logits, caches, tf.tensor_scatter_nd_update(out, [[j]], token[None])
+        return j + 1, logits, caches, out
 
     _, logits, caches, out = tf.while_loop(lambda j, *_: j < fed, body, [tf.constant(0), logits, caches, out])
     # The sequence's last token, when it falls in this chunk: chosen, never fed.
-    last = choose(logits, temperature, top_k, top_p, keys, tf.cast(step0 + fed, tf.int64), **options)
-    ends_here = fed < chunk
-    out = tf.tensor_scatter_nd_update(out, [[tf.minimum(fed, chunk - 1)]],
-                                      tf.where(ends_here, last, out[tf.minimum(fed, chunk - 1)])[None])
-    return tf.transpose(out), logits, caches
+    _, out = pick(logits, step0 + fed, out, tf.minimum(fed, chunk - 1), write=fed < chunk)
+    result = {'tokens': tf.transpose(out['tokens'])}
+    if logprobs is not None:
+        result.update(log_probs=tf.transpose(out['log_probs']), top_ids=tf.transpose(out['top_ids'], [1, 0, 2]),
+                      top_log_probs=tf.transpose(out['top_log_probs'], [1, 0, 2]))
+    return result, logits, caches
 
 
 def bucket(n: int) -> int:
@@ -287,7 +326,7 @@ class Request:
     """A checked sampling request: padded prompts, per-row options and keys, ready for the loop."""
 
     def __init__(self, model: Model, length, context, start_token, batch_size, temperature, top_k, top_p,
-                 seed, mode: str, chunk: Optional[int]):
+                 seed, mode: str, chunk: Optional[int], logprobs: Optional[int] = None):
         hp = model.hparams
         self.rows = _prompts(context, start_token, batch_size)
         batch = len(self.rows)
@@ -303,7 +342,9 @@ class Request:
             raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
         if chunk is not None and (not validate.is_int(chunk) or chunk < 1):
             raise ValueError(f'chunk must be a positive integer, got {chunk!r}')
-        self.length, self.mode = length, mode
+        if logprobs is not None and (not validate.is_int(logprobs) or not 0 <= logprobs <= 20):
+            raise ValueError(f'logprobs must be an integer in [0, 20], got {logprobs!r}')
+        self.length, self.mode, self.logprobs = length, mode, logprobs
         self.chunk = min(chunk or DEFAULT_CHUNK, bucket(length))
         self.greedy = bool(np.all((self.temperature == 0) | (self.top_k == 1)))
         self.kmax = 0 if self.greedy else top_k_size(self.top_k, hp.n_vocab)
@@ -327,24 +368,31 @@ def _run(model: Model, request: Request) -> Iterator[np.ndarray]:
     length = tf.constant(request.length, tf.int32)
     step = 0
     while step < request.length:
-        tokens, logits, caches = advance(model, logits, caches, pads, prompt, tf.constant(step, tf.int32), length,
-                                         *options, chunk=request.chunk, greedy=request.greedy, kmax=request.kmax)
+        out, logits, caches = advance(model, logits, caches, pads, prompt, tf.constant(step, tf.int32), length,
+                                      *options, chunk=request.chunk, greedy=request.greedy, kmax=request.kmax,
+                                      logprobs=request.logprobs)
         n = min(request.chunk, request.length - step)
-        yield tokens.numpy()[:, :n]
+        if request.logprobs is None:
+            yield out['tokens'].numpy()[:, :n]
+        else:
+            yield {name: value.numpy()[:, :n] for name, value in out.items()}
         step += n
 
 
 def sample_chunks(model: Model, length: int, context=None, start_token: Optional[int] = None,
                   batch_size: Optional[int] = None, temperature=1, top_k=0, top_p=1, seed=None, *,
-                  mode: str = 'xla', chunk: Optional[int] = None) -> Iterator[np.ndarray]:
+                  mode: str = 'xla', chunk: Optional[int] = None, logprobs: Optional[int] = None) -> Iterator:
     """sample_sequence as a generator: yields the new tokens, int32 [batch, n], chunk by chunk.
 
     Each chunk is one compiled call of `chunk` tokens (DEFAULT_CHUNK by default;
-    the last may be shorter). Stop iterating to stop generating.
+    the last may be shorter). Stop iterating to stop generating. With
+    logprobs=N, yields dicts instead: 'tokens', 'log_probs' [batch, n] (the chosen
+    tokens' log-probs under the model's raw distribution) and 'top_ids',
+    'top_log_probs' [batch, n, N] (the N likeliest tokens at each step).
     Every argument is checked before anything runs.
     """
     request = Request(model, length, context, start_token, batch_size, temperature, top_k, top_p, seed, mode,
-                      chunk)
+                      chunk, logprobs)
     return _run(model, request)
 
 

@@ -38,10 +38,14 @@ def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
 
 def mean_loss(model: Model, tokens, *, wrap: Optional[Callable] = None):
     """The original training loss: mean over batch and positions of the cross-entropy of
-    logits[:, :-1] against tokens[:, 1:]. tokens [batch, T] -> float32 []."""
+    logits[:, :-1] against tokens[:, 1:]. tokens [batch, T] -> float32 [].
+
+    Through the original's own fused op, whose backward pass (softmax minus the
+    one-hot) needs no second [batch, T, vocab] tensor; it equals the mean of
+    -log_probs to float32 rounding (the validation loss uses log_probs).
+    """
     logits = model.logits(hidden(model, tokens, wrap=wrap)[:, :-1])
-    picked, _, _ = log_probs(logits, tokens[:, 1:])
-    return -tf.reduce_mean(picked)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tokens[:, 1:], logits=logits))
 
 
 def log_probs(logits, targets, *, top: int = 0):

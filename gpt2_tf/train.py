@@ -168,6 +168,10 @@ class Trainer:
         """tokens [batch, T] -> (mean loss, mean gradients) over `accumulate` micro-batches, one at a time."""
         wrap = (lambda block: tf.recompute_grad(lambda h: block(h)[0])) if self.recompute else None
         k = self.accumulate
+        if k == 1:
+            with tf.GradientTape() as tape:
+                loss = mean_loss(self.model, tokens, wrap=wrap)
+            return loss, tape.gradient(loss, self.variables)
         micro = tf.reshape(tokens, [k, -1, tf.shape(tokens)[1]])  # [k, batch / k, T]
 
         def one(i, loss, grads):

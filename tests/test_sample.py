@@ -269,3 +269,28 @@ def test_soak_models_are_freed_and_nothing_recompiles():
     # RSS after the first cycle and after the first call stays within 25 MB (measured: under 2 MB).
     assert max(report['cycles'][1:]) - report['cycles'][0] < 25, report['cycles']
     assert max(report['calls'][1:]) - report['calls'][0] < 25, report['calls'][::20]
+
+
+def test_a_run_time_top_k_finds_the_same_kth_logit_as_tf_top_k():
+    rng = np.random.default_rng(4)
+    logits = tf.constant(np.round(rng.standard_normal((6, 500)) * 3, 1).astype(np.float32))  # many ties
+    k = tf.constant([1, 2, 7, 40, 499, 500], tf.int32)
+    keys = sample.order_keys(logits)
+    values = tf.sort(logits, direction='DESCENDING')
+    expected = sample.order_keys(tf.gather(values, k - 1, batch_dims=1))
+    np.testing.assert_array_equal(sample.kth_largest(keys, k), expected)
+
+
+def test_the_loops_log_probs_are_the_models_raw_distribution(models):
+    model = models['tf1-tiny-hot']
+    prompt = [5, 6, 7, 8]
+    chunks = list(sample_chunks(model, 10, context=prompt, seed=3, top_k=20, temperature=0.7, logprobs=4, chunk=4))
+    tokens = np.concatenate([c['tokens'] for c in chunks], axis=1)[0]
+    lp = np.concatenate([c['log_probs'] for c in chunks], axis=1)[0]
+    top_ids = np.concatenate([c['top_ids'] for c in chunks], axis=1)[0]
+    full = np.concatenate([prompt, tokens])
+    scored, ids, top_lp = gpt2_tf.score(model, [full.tolist()], top=4)
+    np.testing.assert_allclose(lp, scored[0][len(prompt) - 1:], atol=1e-4)  # no temperature, no filters
+    np.testing.assert_array_equal(top_ids, ids[0][len(prompt) - 1:])
+    np.testing.assert_array_equal(tokens, sample_sequence(model, 10, context=prompt, seed=3, top_k=20,
+                                                          temperature=0.7)[0, 4:])
