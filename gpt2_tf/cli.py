@@ -6,6 +6,8 @@
     gpt2-tf score FILE...         per-token log-probabilities and perplexity of text files
     gpt2-tf finetune DATASET      fine-tuning, with gpt-2-simple's options and run folders
     gpt2-tf encode DATASET OUT    a text dataset to an .npz of tokens
+    gpt2-tf export MODEL_DIR OUT  a SavedModel for TensorFlow Serving
+    gpt2-tf serve                 an OpenAI-compatible completions server
     gpt2-tf convert SRC DST --to hf|original   Hugging Face folders, both ways
     gpt2-tf inspect MODEL_DIR     parameter accounting, from hparams and from the checkpoint
     gpt2-tf compare MODEL_DIR     this port against the TF1 graph, block by block
@@ -303,6 +305,24 @@ def cmd_encode(args):
     print(f'{args.out}: {count:,} tokens')
 
 
+# --- deployment ----------------------------------------------------------------------------------
+
+def cmd_export(args):
+    """A SavedModel with serving_default, generate and score signatures."""
+    from . import quiet
+
+    folder = _model_folder_argument(args.model_dir)
+    if os.path.exists(args.out_dir) and os.listdir(args.out_dir):
+        raise CommandError(f'{args.out_dir} exists and is not empty: export into a new folder')
+    quiet.tensorflow(verbose=args.verbose)
+    from .checkpoint import load_model
+    from .export import export_saved_model
+
+    export_saved_model(load_model(folder, device='/CPU:0'), args.out_dir, xla=args.xla)
+    print(f'{args.out_dir}: SavedModel written (signatures serving_default, generate, score'
+          f'{"; XLA-compiled" if args.xla else ""})')
+
+
 # --- conversion ---------------------------------------------------------------------------------
 
 def cmd_convert(args):
@@ -480,6 +500,14 @@ def parser() -> argparse.ArgumentParser:
     encode.add_argument('out', help='the .npz to write')
     encode.add_argument('--combine', type=int, default=50000, help='characters of text per chunk (default 50000)')
     encode.set_defaults(run=cmd_encode, verbose=False)
+
+    export = commands.add_parser('export', help='a SavedModel for TensorFlow Serving')
+    export.add_argument('model_dir', metavar='MODEL_DIR')
+    export.add_argument('out_dir', metavar='OUT_DIR', help='a new folder')
+    export.add_argument('--xla', action='store_true',
+                        help='XLA-compile the signatures (TF Serving then needs --xla_cpu_compilation_enabled on CPU)')
+    _add_verbose(export)
+    export.set_defaults(run=cmd_export)
 
     convert = commands.add_parser('convert', help='an original-layout folder to a Hugging Face one, or back')
     convert.add_argument('source', metavar='SRC')

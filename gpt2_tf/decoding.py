@@ -52,7 +52,7 @@ def cached_block(block, x, cache, index, mask):
 
 def decode(model: Model, X, *, pads, caches, index):
     """X [batch, n] at slots index .. index + n - 1 -> the last token's logits [batch, n_vocab], updated caches."""
-    size = caches[0].shape[3]
+    size = shape_list(caches[0])[3]  # static in the compiled loop, dynamic in an exported signature
     queries = index + tf.range(tf.shape(X)[1])
     mask = cache_mask(pads, queries, size)
     h = model.embed(X, positions(pads, queries))

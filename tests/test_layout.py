@@ -12,6 +12,7 @@ LAYERS = [
     {'decoding', 'compiled', 'tf1_reference', 'hf'},
     {'checkpoint', 'sample', 'scoring'},
     {'text', 'diagnostics', 'download', 'train'},
+    {'export'},
     {'cli'},
     {'__main__'},
 ]
