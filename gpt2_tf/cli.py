@@ -323,6 +323,34 @@ def cmd_export(args):
           f'{"; XLA-compiled" if args.xla else ""})')
 
 
+def cmd_serve(args):
+    """An OpenAI-compatible completions server."""
+    from . import quiet
+
+    folder, notice = model_dir(args)
+    if not 1 <= args.port <= 65535:
+        raise CommandError(f'--port must be in 1..65535, got {args.port}')
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise CommandError("serving needs the server extra: pip install -e '.[serve]'") from None
+    from .encoder import encoder_for
+
+    encoder = encoder_for(folder)
+    if notice:
+        print(notice, file=sys.stderr)
+    quiet.tensorflow(verbose=args.verbose)
+    quiet.check_device(args.device)
+    from .checkpoint import load_model
+    from .serve import serve
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(folder))
+    print(f'gpt2-tf: serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)', file=sys.stderr)
+    serve(load_model(folder, device=args.device), encoder, model_id=name, host=args.host, port=args.port,
+          api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode)
+
+
 # --- conversion ---------------------------------------------------------------------------------
 
 def cmd_convert(args):
@@ -508,6 +536,20 @@ def parser() -> argparse.ArgumentParser:
                         help='XLA-compile the signatures (TF Serving then needs --xla_cpu_compilation_enabled on CPU)')
     _add_verbose(export)
     export.set_defaults(run=cmd_export)
+
+    serve = commands.add_parser('serve', help='an OpenAI-compatible completions server')
+    _add_model_arguments(serve)
+    serve.add_argument('--host', default='127.0.0.1', help='address to listen on (default 127.0.0.1)')
+    serve.add_argument('--port', type=int, default=8000)
+    serve.add_argument('--api-key', '--api_key', default=None, help='require "Authorization: Bearer KEY"')
+    serve.add_argument('--served-model-name', '--served_model_name', default=None,
+                       help="the model id clients send (default: the model folder's name)")
+    serve.add_argument('--max-batch', '--max_batch', type=int, default=16, help='rows per decode call (default 16)')
+    serve.add_argument('--queue-size', '--queue_size', type=int, default=256,
+                       help='rows waiting before new requests get 503 (default 256)')
+    serve.add_argument('--mode', choices=['xla', 'function', 'eager'], default='xla')
+    _add_verbose(serve)
+    serve.set_defaults(run=cmd_serve)
 
     convert = commands.add_parser('convert', help='an original-layout folder to a Hugging Face one, or back')
     convert.add_argument('source', metavar='SRC')

@@ -12,7 +12,7 @@ LAYERS = [
     {'decoding', 'compiled', 'tf1_reference', 'hf'},
     {'checkpoint', 'sample', 'scoring'},
     {'text', 'diagnostics', 'download', 'train'},
-    {'export'},
+    {'export', 'serve'},
     {'cli'},
     {'__main__'},
 ]

@@ -1,0 +1,214 @@
+"""The completions server, started on 127.0.0.1 in a subprocess and spoken to through the official openai client."""
+
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf.assets import bundled_checkpoint
+
+from conftest import require
+
+openai = require('openai')
+require('fastapi')
+require('uvicorn')
+
+KEY = 'test-key'
+MODEL = 'test-checkpoint'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp('serve') / 'server.log'
+    with open(log, 'w') as out:
+        process = subprocess.Popen([sys.executable, '-m', 'gpt2_tf.cli', 'serve', '--model_dir', bundled_checkpoint(),
+                                    '--port', str(port), '--api-key', KEY, '--max-batch', '8', '--queue-size', '24'],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    url = f'http://127.0.0.1:{port}'
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(('127.0.0.1', port), timeout=1):
+                break
+        except OSError:
+            assert process.poll() is None, log.read_text()
+            time.sleep(0.3)
+    yield url, process
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope='module')
+def client(server):
+    return openai.OpenAI(base_url=server[0] + '/v1', api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope='module')
+def model():
+    return gpt2_tf.load_model(bundled_checkpoint())
+
+
+def test_greedy_completion_equals_the_librarys_greedy_text(client, model):
+    done = client.completions.create(model=MODEL, prompt='Hello there', max_tokens=12, temperature=0)
+    ids = gpt2_tf.encode('Hello there')
+    tokens = gpt2_tf.sample_sequence(model, 12, context=ids, temperature=0)[0, len(ids):]
+    expected = gpt2_tf.decode(tokens[:list(tokens).index(50256)] if 50256 in tokens else tokens)
+    assert done.choices[0].text == expected
+    assert done.choices[0].finish_reason in ('length', 'stop')
+    assert done.usage.prompt_tokens == len(ids) and done.model == MODEL
+
+
+def test_streaming_gives_the_same_text_and_the_first_chunk_early(client):
+    whole = client.completions.create(model=MODEL, prompt='Once upon', max_tokens=64, temperature=0).choices[0].text
+    start = time.monotonic()
+    first, pieces, finish = None, [], None
+    for chunk in client.completions.create(model=MODEL, prompt='Once upon', max_tokens=64, temperature=0, stream=True):
+        if first is None:
+            first = time.monotonic() - start
+        pieces.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    total = time.monotonic() - start
+    assert ''.join(pieces) == whole and finish is not None
+    assert first < total / 2, (first, total)
+
+
+def test_n_choices_are_ordered_prompt_major_and_seeded(client):
+    done = client.completions.create(model=MODEL, prompt=['A', 'B'], max_tokens=6, n=3, seed=5)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3, 4, 5]
+    again = client.completions.create(model=MODEL, prompt=['A', 'B'], max_tokens=6, n=3, seed=5)
+    assert [c.text for c in done.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in done.choices[:3]}) > 1  # the three choices of one prompt differ
+
+
+def test_a_seeded_request_is_the_same_alone_and_among_concurrent_ones(client):
+    alone = client.completions.create(model=MODEL, prompt='The sea', max_tokens=16, seed=42).choices[0].text
+
+    def request(i):
+        if i == 3:
+            return client.completions.create(model=MODEL, prompt='The sea', max_tokens=16, seed=42).choices[0].text
+        return client.completions.create(model=MODEL, prompt=f'Noise {i} ' * (i + 1), max_tokens=8 + i,
+                                         temperature=0.7, seed=i, extra_body={'top_k': 10 + i}).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(request, range(8)))
+    assert texts[3] == alone
+
+
+def test_top_k_goes_through_extra_body(client, model):
+    done = client.completions.create(model=MODEL, prompt='Hi', max_tokens=5, seed=3, extra_body={'top_k': 1})
+    greedy = client.completions.create(model=MODEL, prompt='Hi', max_tokens=5, temperature=0)
+    assert done.choices[0].text == greedy.choices[0].text  # top_k=1 is greedy
+
+
+def test_echo_logprobs_with_no_new_tokens_equals_score(client, model):
+    text = 'The quick brown fox jumps over the lazy dog'
+    done = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=3)
+    choice = done.choices[0]
+    assert choice.text == text
+    ids = gpt2_tf.encode(text)
+    expected = gpt2_tf.score(model, [ids])[0]
+    got = choice.logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(ids)
+    np.testing.assert_allclose(got[1:], expected, atol=1e-4)
+    assert ''.join(choice.logprobs.tokens) == text
+    assert all(len(top) == 3 for top in choice.logprobs.top_logprobs[1:])
+
+
+def test_generated_logprobs_come_from_the_models_distribution(client, model):
+    done = client.completions.create(model=MODEL, prompt='Hello', max_tokens=6, logprobs=2, seed=9, temperature=0.8)
+    lp = done.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) and all(len(t) == 2 for t in lp.top_logprobs)
+    full = gpt2_tf.encode('Hello' + ''.join(lp.tokens))
+    scored = gpt2_tf.score(model, [full])[0][-len(lp.tokens):]
+    np.testing.assert_allclose(lp.token_logprobs, scored, atol=1e-3)
+
+
+def test_stop_strings_end_a_choice(client):
+    whole = client.completions.create(model=MODEL, prompt='One', max_tokens=30, temperature=0).choices[0].text
+    if len(whole) < 6:
+        pytest.skip('the greedy text is too short to cut')
+    stop = whole[3:6]
+    done = client.completions.create(model=MODEL, prompt='One', max_tokens=30, temperature=0, stop=[stop])
+    assert done.choices[0].text == whole[:whole.find(stop)] and done.choices[0].finish_reason == 'stop'
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    import urllib.request
+
+    with urllib.request.urlopen(server[0] + '/health', timeout=10) as response:
+        assert response.status == 200
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    (dict(model='gpt-4'), 'NotFoundError', "model 'gpt-4' is not served here"),
+    (dict(max_tokens=200), 'BadRequestError', 'token\\(s\\) over the window'),
+    (dict(temperature=3), 'BadRequestError', 'temperature'),
+    (dict(best_of=2), 'BadRequestError', 'best_of is not supported'),
+    (dict(logit_bias={'50256': -100}), 'BadRequestError', 'logit_bias is not supported'),
+    (dict(presence_penalty=0.5), 'BadRequestError', 'presence_penalty is not supported'),
+    (dict(suffix='x'), 'BadRequestError', 'suffix is not supported'),
+    (dict(prompt=[[1, 60000]]), 'BadRequestError', 'token id 60000 is outside the vocabulary'),
+    (dict(logprobs=9), 'BadRequestError', 'logprobs'),
+])
+def test_errors_arrive_as_the_clients_own_exceptions(client, kwargs, error, message):
+    options = {**dict(model=MODEL, prompt='Hi', max_tokens=4), **kwargs}
+    with pytest.raises(getattr(openai, error), match=message) as raised:
+        client.completions.create(**options)
+    assert raised.value.status_code in (400, 404)
+
+
+def test_a_wrong_key_is_401(server):
+    bad = openai.OpenAI(base_url=server[0] + '/v1', api_key='nope', max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt='Hi', max_tokens=2)
+
+
+def test_a_body_over_the_limit_is_413(server):
+    import urllib.error
+    import urllib.request
+
+    body = b'{"prompt": "' + b'x' * (1 << 21) + b'"}'
+    request = urllib.request.Request(server[0] + '/v1/completions', data=body, method='POST',
+                                     headers={'Authorization': f'Bearer {KEY}', 'Content-Type': 'application/json'})
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=30)
+    assert raised.value.code == 413
+
+
+def test_a_full_queue_is_503_with_retry_after_and_the_server_survives(client, server):
+    slow = dict(model=MODEL, prompt='Busy', max_tokens=100, n=8)  # 8 rows each; the queue holds 24
+
+    def request(_):
+        try:
+            client.completions.create(**slow)
+            return 200
+        except openai.APIStatusError as e:
+            return (e.status_code, e.response.headers.get('retry-after'))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(request, range(8)))
+    assert (503, '1') in results and 200 in results
+    assert client.completions.create(model=MODEL, prompt='Hi', max_tokens=2).choices  # still serving
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_place(client, server):
+    stream = client.completions.create(model=MODEL, prompt='Long', max_tokens=120, stream=True)
+    next(iter(stream))
+    stream.close()  # hang up after the first chunk
+    done = client.completions.create(model=MODEL, prompt='Hi', max_tokens=3, temperature=0)
+    assert done.choices[0].finish_reason in ('length', 'stop')
+    assert server[1].poll() is None
