@@ -20,6 +20,7 @@ _EXPORTS = {
     'load_model': 'checkpoint',
     'save_checkpoint': 'checkpoint',
     'save_hf': 'hf',
+    'export_saved_model': 'export',
     'sample_sequence': 'sample',
     'top_k_logits': 'sample',
     'top_p_logits': 'sample',
@@ -35,6 +36,7 @@ _EXPORTS = {
     'trace': 'diagnostics',
     'parameter_table': 'diagnostics',
     'compare': 'diagnostics',
+    'explore': 'explorer',
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,6 +10,7 @@
     gpt2-tf serve                 an OpenAI-compatible completions server
     gpt2-tf convert SRC DST --to hf|original   Hugging Face folders, both ways
     gpt2-tf inspect MODEL_DIR     parameter accounting, from hparams and from the checkpoint
+    gpt2-tf explore MODEL_DIR     an HTML page of the block, with the logit lens
     gpt2-tf compare MODEL_DIR     this port against the TF1 graph, block by block
 
 Every argument is checked before TensorFlow loads (it takes seconds, the model
@@ -351,6 +352,31 @@ def cmd_serve(args):
           api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode)
 
 
+def cmd_explore(args):
+    """One self-contained HTML page of the block, for a checkpoint and a prompt."""
+    from . import quiet
+    from .encoder import encoder_for
+    from .hparams import HParams
+
+    folder = _model_folder_argument(args.model_dir)
+    hparams = HParams.from_json(os.path.join(folder, 'hparams.json'))
+    encoder = encoder_for(folder)
+    tokens = encoder.encode(args.prompt)
+    if not tokens:
+        raise CommandError('--prompt is empty: give some text')
+    if len(tokens) > hparams.n_ctx:
+        raise CommandError(f'--prompt has {len(tokens)} tokens, more than n_ctx = {hparams.n_ctx}')
+    out = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(out)) or not os.access(os.path.dirname(out), os.W_OK):
+        raise CommandError(f'cannot write {args.output}: {os.path.dirname(out)} is not a writable folder')
+    quiet.tensorflow(verbose=args.verbose)
+    from .checkpoint import load_model
+    from .explorer import write_report
+
+    write_report(load_model(folder), encoder, args.prompt, out, model_dir=folder)
+    print(f'{args.output}: written ({len(tokens)} tokens, {hparams.n_layer} blocks)')
+
+
 # --- conversion ---------------------------------------------------------------------------------
 
 def cmd_convert(args):
@@ -550,6 +576,13 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument('--mode', choices=['xla', 'function', 'eager'], default='xla')
     _add_verbose(serve)
     serve.set_defaults(run=cmd_serve)
+
+    explore = commands.add_parser('explore', help='an HTML page of the block: attention, the logit lens, ...')
+    explore.add_argument('model_dir', metavar='MODEL_DIR')
+    explore.add_argument('--prompt', required=True)
+    explore.add_argument('-o', '--output', default='report.html', help='the HTML file (default report.html)')
+    _add_verbose(explore)
+    explore.set_defaults(run=cmd_explore)
 
     convert = commands.add_parser('convert', help='an original-layout folder to a Hugging Face one, or back')
     convert.add_argument('source', metavar='SRC')
