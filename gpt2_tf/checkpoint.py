@@ -7,6 +7,7 @@ A model folder holds `checkpoint`, `hparams.json`, `model.ckpt.index`,
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -182,7 +183,7 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> No
 
 
 def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True,
-               jit_compile: bool = False) -> Model:
+               jit_compile: bool = False, strategy=None) -> Model:
     """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint), or from a
     Hugging Face GPT-2 folder (config.json with model.safetensors or pytorch_model.bin; see gpt2_tf.hf).
     A folder with both an hparams.json and a config.json loads as the original layout.
@@ -190,17 +191,22 @@ def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, st
     device pins the variables and the computation ('/GPU:0', '/CPU:0'); by default
     TensorFlow places them, on a GPU when it sees one. strict=False ignores
     checkpoint variables the model does not use (optimizer slots). jit_compile=True
-    XLA-compiles model calls (see Model).
+    XLA-compiles model calls (see Model). strategy, a tf.distribute strategy, creates
+    the variables under its scope (mirrored on its devices), for data-parallel
+    training with gpt2_tf.train.Trainer.
     """
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f'no model folder at {model_dir}')
-    if hf.is_hf_folder(model_dir):
-        return _load_hf(model_dir, device=device, jit_compile=jit_compile)
-    hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
-    prefix = find_checkpoint(model_dir)
-    model = Model(hparams, device=device, jit_compile=jit_compile)
-    restore(model, prefix, strict=strict)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        if hf.is_hf_folder(model_dir):
+            model = _load_hf(model_dir, device=device, jit_compile=jit_compile)
+        else:
+            hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
+            prefix = find_checkpoint(model_dir)
+            model = Model(hparams, device=device, jit_compile=jit_compile)
+            restore(model, prefix, strict=strict)
+    model.strategy = strategy
     return model
 
 

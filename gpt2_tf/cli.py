@@ -284,6 +284,9 @@ def cmd_finetune(args):
     quiet.tensorflow(verbose=args.verbose)
     from .train import finetune, load_dataset
 
+    from .train import make_strategy
+
+    strategy = make_strategy(args.strategy, timeout=args.collective_timeout) if args.strategy else None
     chunks = load_dataset(args.dataset, encoder, args.combine)
     val = load_dataset(args.val_dataset, encoder, args.combine) if args.val_dataset else None
     finetune(folder, chunks, steps=args.steps, run_name=args.run_name, checkpoint_dir=args.checkpoint_dir,
@@ -294,7 +297,7 @@ def cmd_finetune(args):
              only_train_transformer_layers=args.only_train_transformer_layers, optimizer=args.optimizer,
              val_dataset=val, val_every=args.val_every, val_batch_size=args.val_batch_size,
              val_batch_count=args.val_batch_count, combine=args.combine, recompute=args.recompute, seed=args.seed,
-             log=lambda line: print(line, flush=True))
+             log=lambda line: print(line, flush=True), strategy=strategy)
 
 
 def cmd_encode(args):
@@ -543,6 +546,10 @@ def parser() -> argparse.ArgumentParser:
             ('--seed', int, None, 'fix to reproduce the windows and samples')]:
         finetune.add_argument(flag, type=kind, default=default, help=text and f'{text} (default {default})')
     finetune.add_argument('--restore_from', choices=['latest', 'fresh'], default='latest')
+    finetune.add_argument('--strategy', choices=['mirrored', 'multiworker'], default=None,
+                          help="data-parallel: this host's devices, or the hosts in TF_CONFIG")
+    finetune.add_argument('--collective_timeout', type=float, default=300.0,
+                          help='seconds before a silent worker stops the run (default 300)')
     finetune.add_argument('--only_train_transformer_layers', action='store_true')
     finetune.add_argument('--recompute', '--use_memory_saving_gradients', action='store_true',
                           help="recompute each block's activations in the backward pass (less memory)")
@@ -614,7 +621,7 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except (CommandError, ValueError, OSError) as e:  # CheckpointError is a ValueError
+    except (CommandError, ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError
         message = (getattr(e, 'message', None) or str(e) or type(e).__name__).strip().splitlines()[0]
         print(f'gpt2-tf: error: {message}', file=sys.stderr)
         return 2

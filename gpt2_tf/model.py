@@ -192,11 +192,12 @@ class Model(tf.Module):
     retrace; jit_compile=True XLA-compiles them (anew for each input shape).
     """
 
+    strategy = None  # a tf.distribute strategy, when load_model created the variables under one
+
     def __init__(self, hparams: HParams, scope: str = 'model', *, device: Optional[str] = None,
                  jit_compile: bool = False):
         super().__init__(name=scope)
-        # Names come from this scope alone, whatever name scope the caller is in.
-        self._name_scope = tf.name_scope(scope + '/')
+        self._name_scope = tf.name_scope(scope + '/')  # names from this scope alone, not the caller's
         self.hparams = hparams
         self.device = device
         with self.on_device(), self.name_scope:

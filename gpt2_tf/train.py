@@ -9,6 +9,7 @@ layout), and the loop that logs, samples, validates and saves (finetune).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import glob
 import os
 import shutil
@@ -154,10 +155,11 @@ class Trainer:
         by_name = model.variables_by_name()
         self.variables = [by_name[n] for n in self.names]
         self.steps = 0  # updates applied, the run's counter
+        self.strategy = model.strategy  # data-parallel when load_model created the model under a strategy
         # Optimizer state, named after the variables it shadows, as TF1's Adam names its slots.
         self.slots = {}
         if optimizer == 'adam':
-            with model.on_device():
+            with model.on_device(), self.strategy.scope() if self.strategy else contextlib.nullcontext():
                 self.slots = {f'{n}/{slot}': tf.Variable(tf.zeros_like(v), trainable=False, name=f'{n}/{slot}')
                               for n, v in zip(self.names, self.variables) for slot in ('Adam', 'Adam_1')}
                 self.slots['beta1_power'] = tf.Variable(BETA1, trainable=False, name='beta1_power')
@@ -185,32 +187,50 @@ class Trainer:
                                        parallel_iterations=1)  # one micro-batch's activations at a time
         return loss / k, [g / k for g in grads]
 
-    def _update(self, tokens):
-        loss, grads = self._gradients(tokens)
+    def _apply(self, grads) -> None:
+        """One update of every trained variable (of this replica's copy, under a strategy) by raw kernels."""
         lr = tf.constant(self.learning_rate)
         if self.optimizer == 'sgd':
             for v, g in zip(self.variables, grads):
                 tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=lr, delta=g)
-            return loss
+            return
         b1, b2 = self.slots['beta1_power'], self.slots['beta2_power']
-        for name, v, g in zip(self.names, self.variables, grads):
-            tf.raw_ops.ResourceApplyAdam(var=v.handle, m=self.slots[f'{name}/Adam'].handle,
-                                         v=self.slots[f'{name}/Adam_1'].handle, beta1_power=b1.read_value(),
-                                         beta2_power=b2.read_value(), lr=lr, beta1=BETA1, beta2=BETA2,
-                                         epsilon=EPSILON, grad=g)
-        with tf.control_dependencies([loss]):
-            b1.assign(b1 * BETA1)  # after every variable's update, as TF1's Adam does in _finish
-            b2.assign(b2 * BETA2)
-        return loss
+        powers = [tf.raw_ops.ReadVariableOp(resource=b.handle, dtype=tf.float32) for b in (b1, b2)]
+        updates = [tf.raw_ops.ResourceApplyAdam(
+            var=v.handle, m=self.slots[f'{name}/Adam'].handle, v=self.slots[f'{name}/Adam_1'].handle,
+            beta1_power=powers[0], beta2_power=powers[1], lr=lr, beta1=BETA1, beta2=BETA2, epsilon=EPSILON, grad=g)
+            for name, v, g in zip(self.names, self.variables, grads)]
+        with tf.control_dependencies(updates):  # after every variable's update, as TF1's Adam does in _finish
+            for b, power, beta in ((b1, powers[0], BETA1), (b2, powers[1], BETA2)):
+                tf.raw_ops.AssignVariableOp(resource=b.handle, value=power * beta)
+
+    def _update(self, tokens):
+        if self.strategy is None:
+            loss, grads = self._gradients(tokens)
+            self._apply(grads)
+            return loss
+
+        def replica(tokens):  # every replica sees the global batch and takes its own slice of it
+            context = tf.distribute.get_replica_context()
+            rows = tf.shape(tokens)[0] // context.num_replicas_in_sync
+            start = tf.cast(context.replica_id_in_sync_group, tf.int32) * rows
+            loss, grads = self._gradients(tokens[start:start + rows])
+            reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [loss] + grads)  # equal slices: the batch's mean
+            self._apply(reduced[1:])
+            return reduced[0]
+
+        return self.strategy.experimental_local_results(self.strategy.run(replica, args=(tokens,)))[0]
 
     def step(self, tokens) -> float:
         """ONE optimizer update on tokens int32 [batch, T]; returns the batch's mean loss before it."""
         tokens = self.model.check_inputs(tokens)
         if tokens.shape[1] < 2:
             raise ValueError(f'training needs at least 2 tokens per row, got {tokens.shape[1]}')
-        if tokens.shape[0] % self.accumulate:
+        replicas = self.strategy.num_replicas_in_sync if self.strategy else 1
+        if tokens.shape[0] % (self.accumulate * replicas):
             raise ValueError(f'batch of {tokens.shape[0]} rows does not split into accumulate_gradients='
-                             f'{self.accumulate} equal micro-batches')
+                             f'{self.accumulate} equal micro-batches' + (f' on each of {replicas} replicas'
+                                                                         if replicas > 1 else ''))
         with self.model.on_device():
             loss = float(self._step(tf.constant(tokens, tf.int32)))
         self.steps += 1
@@ -270,6 +290,41 @@ class Trainer:
                 variable.assign(tf.zeros_like(variable) if fresh is None else fresh)
 
 
+# --- several devices or hosts ----------------------------------------------------------------------
+
+STRATEGIES = ('mirrored', 'multiworker')
+
+
+def make_strategy(kind: str, *, timeout: float = 300.0):
+    """A tf.distribute strategy for Trainer: 'mirrored' over this host's GPUs (or its logical CPUs when it
+    has none), 'multiworker' over the hosts that TF_CONFIG names.
+
+    timeout bounds every collective (seconds): a worker that dies or never starts
+    is noticed after that long, instead of after TensorFlow's default of never.
+    """
+    if kind not in STRATEGIES:
+        raise ValueError(f'strategy must be one of {STRATEGIES}, got {kind!r}')
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+    if kind == 'multiworker':
+        if not os.environ.get('TF_CONFIG'):
+            raise ValueError('--strategy multiworker needs TF_CONFIG: the cluster and this worker\'s place in it')
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    devices = [d.name for d in tf.config.list_logical_devices('GPU')] or \
+        [d.name for d in tf.config.list_logical_devices('CPU')]
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def is_chief(strategy) -> bool:
+    """Whether this process writes checkpoints and samples: always without a cluster, else the chief
+    (or worker 0 when the cluster has no chief)."""
+    resolver = getattr(strategy, 'cluster_resolver', None)
+    cluster = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not cluster:
+        return True
+    return resolver.task_type == 'chief' or (resolver.task_type == 'worker' and resolver.task_id == 0
+                                              and 'chief' not in cluster)
+
+
 # --- the loop ------------------------------------------------------------------------------------
 
 def validation_loss(model: Model, batches: list) -> float:
@@ -285,7 +340,8 @@ def finetune(model_dir: str, dataset, *, steps: int = -1, run_name: str = 'run1'
              only_train_transformer_layers: bool = False, optimizer: str = 'adam', val_dataset=None,
              val_every: int = 0, val_batch_size: int = 2, val_batch_count: int = 40, combine: int = 50000,
              recompute: bool = False, seed: Optional[int] = None, sample_dir: str = 'samples',
-             log: Callable[[str], None] = print, stop: Optional[Callable[[int], bool]] = None) -> Trainer:
+             log: Callable[[str], None] = print, stop: Optional[Callable[[int], bool]] = None,
+             strategy=None) -> Trainer:
     """Fine-tunes the model in model_dir on dataset; checkpoints go to checkpoint_dir/run_name.
 
     The options are gpt-2-simple's, with its defaults. batch_size is the
@@ -294,6 +350,10 @@ def finetune(model_dir: str, dataset, *, steps: int = -1, run_name: str = 'run1'
     resumes the run folder when it has a checkpoint (else starts from
     model_dir); 'fresh' starts from model_dir. Ctrl-C saves and returns. stop,
     when given, is asked after each step whether to stop there (tests use it).
+    strategy (make_strategy) trains data-parallel: every worker draws the same
+    seeded global batch and its replicas take their slices; only the chief logs,
+    samples and writes checkpoints (on several hosts, checkpoint_dir must be
+    shared storage for restore_from='latest' to find them).
     """
     from .encoder import encoder_for
     from .sample import sample_sequence
@@ -306,7 +366,10 @@ def finetune(model_dir: str, dataset, *, steps: int = -1, run_name: str = 'run1'
         raise ValueError(f"restore_from must be 'latest' or 'fresh', got {restore_from!r}")
     run_dir = os.path.join(checkpoint_dir, run_name)
     resume = restore_from == 'latest' and os.path.exists(os.path.join(run_dir, 'checkpoint'))
-    base = checkpoint.load_model(model_dir)
+    chief = strategy is None or is_chief(strategy)
+    if not chief:
+        log = lambda line: None  # noqa: E731  (the chief speaks for the cluster)
+    base = checkpoint.load_model(model_dir, strategy=strategy)
     if resume:
         run_hparams = HParams.from_json(os.path.join(run_dir, 'hparams.json'))
         if run_hparams != base.hparams:
@@ -329,6 +392,8 @@ def finetune(model_dir: str, dataset, *, steps: int = -1, run_name: str = 'run1'
     vocabulary = vocabulary if all(map(os.path.exists, vocabulary)) else None
 
     def save():
+        if not chief:
+            return
         try:
             prefix = trainer.save(run_dir, max_checkpoints=max_checkpoints, vocabulary=vocabulary)
         except OSError as e:
@@ -338,6 +403,8 @@ def finetune(model_dir: str, dataset, *, steps: int = -1, run_name: str = 'run1'
         log(f'Saving {prefix}')
 
     def generate_samples():
+        if not chief:
+            return
         length = min(sample_length, n_ctx)
         out = sample_sequence(base, length, start_token=encoder.encoder[END_OF_TEXT], batch_size=sample_num,
                               seed=None if seed is None else (seed, trainer.steps))
@@ -356,7 +423,15 @@ def finetune(model_dir: str, dataset, *, steps: int = -1, run_name: str = 'run1'
             if val_every > 0 and validation and trainer.steps % val_every == 0:
                 log(f'[{trainer.steps} | {time.time() - start:.2f}] validation loss = '
                     f'{validation_loss(base, validation):.4f}')
-            loss = trainer.step(sampler.sample(batch_size * accumulate_gradients))
+            try:
+                loss = trainer.step(sampler.sample(batch_size * accumulate_gradients))
+            except tf.errors.OpError as e:
+                if strategy is None:
+                    raise
+                raise RuntimeError(
+                    f'step {trainer.steps + 1}: the cluster stopped answering ({type(e).__name__}: '
+                    f'{e.message.strip().splitlines()[0][:200]}); rerun every worker with --restore_from latest '
+                    f'to resume from the chief\'s last checkpoint') from None
             average = loss if average is None else 0.99 * average + 0.01 * loss
             if trainer.steps % print_every == 0:
                 log(f'[{trainer.steps} | {time.time() - start:.2f}] loss={loss:.4f} avg={average:.4f}')

@@ -12,7 +12,7 @@ LAYERS = [
     {'decoding', 'compiled', 'tf1_reference', 'hf'},
     {'checkpoint', 'sample', 'scoring'},
     {'text', 'diagnostics', 'download', 'train'},
-    {'export', 'serve', 'explorer'},
+    {'export', 'serve', 'explorer', 'beam'},
     {'cli'},
     {'__main__'},
 ]

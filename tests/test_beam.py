@@ -1,0 +1,88 @@
+"""The Beam pipeline on the DirectRunner with 2 worker processes: one result per input, equal to the library's."""
+
+import glob
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+import gpt2_tf.scoring
+from gpt2_tf.assets import bundled_checkpoint
+
+from conftest import require
+
+require('apache_beam')
+
+from gpt2_tf.beam import element_seed  # noqa: E402
+
+
+def inputs(tmp_path, n=200):
+    rng = np.random.default_rng(0)
+    words = 'the a cat dog sat ran on under mat log and then quietly very far home'.split()
+    lines = [' '.join(rng.choice(words, rng.integers(1, 30))) for _ in range(n)]
+    lines[3] = ''  # empty: an error record, not a crash
+    lines[7] = 'word ' * 300  # longer than n_ctx = 128: windows for score, an error for generate
+    path = tmp_path / 'texts.txt'
+    path.write_text('\n'.join(lines) + '\n')
+    return path, lines
+
+
+def run(task, tmp_path, path, *extra):
+    out = tmp_path / task
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.beam', task, '--model_dir', bundled_checkpoint(),
+                           '--input', str(path), '--output', str(out / 'part'), '--runner', 'DirectRunner',
+                           '--direct_running_mode', 'multi_processing', '--direct_num_workers', '2', *extra],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for f in sorted(glob.glob(str(out / 'part*.jsonl'))) for line in open(f)]
+    return {r['key']: r for r in records}, records
+
+
+@pytest.fixture(scope='module')
+def model():
+    return gpt2_tf.load_model(bundled_checkpoint())
+
+
+def test_score_pipeline_gives_one_result_per_input_equal_to_the_library(tmp_path, model):
+    path, lines = inputs(tmp_path)
+    by_key, records = run('score', tmp_path, path)
+    assert len(records) == len(lines) == len(by_key)  # exactly one each, none lost
+    for number, line in enumerate(lines, start=1):
+        record = by_key[f'{path}:{number}']
+        ids = gpt2_tf.encode(line)
+        if len(ids) < 2:
+            assert 'error' in record and 'scoring needs 2' in record['error']
+            continue
+        expected = (gpt2_tf.score(model, [ids])[0] if len(ids) <= 128
+                    else gpt2_tf.scoring.window_log_probs(model, ids, stride=64))
+        lp = np.array(record['log_probs'])
+        assert record['tokens'] == len(ids) - 1
+        assert np.abs(lp - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+        assert record['nll'] == pytest.approx(-expected.mean(), rel=1e-5)
+
+
+def test_generate_pipeline_is_seeded_per_key_whatever_the_batching(tmp_path, model):
+    path, lines = inputs(tmp_path, n=120)
+    by_key, records = run('generate', tmp_path, path, '--length', '10', '--seed', '7', '--top_k', '40')
+    assert len(records) == len(lines)
+    for number, line in enumerate(lines, start=1):
+        key = f'{path}:{number}'
+        record = by_key[key]
+        ids = gpt2_tf.encode(line)
+        if not ids or len(ids) + 9 > 128:
+            assert 'error' in record
+            continue
+        alone = gpt2_tf.sample_sequence(model, 10, context=ids, top_k=40,
+                                        seed=np.array([element_seed(7, key)], np.int64))[0, len(ids):]
+        assert record['tokens'] == alone.tolist(), key
+        assert record['text'] == gpt2_tf.decode(alone)
+
+
+def test_jsonl_input_keeps_its_keys(tmp_path):
+    path = tmp_path / 'in.jsonl'
+    path.write_text('\n'.join(json.dumps({'key': f'doc-{i}', 'text': f'Hello number {i}'}) for i in range(5)) + '\n')
+    by_key, _ = run('score', tmp_path, path)
+    assert sorted(by_key) == [f'doc-{i}' for i in range(5)]

@@ -1,0 +1,161 @@
+"""Data-parallel fine-tuning: MirroredStrategy over 2 logical CPUs, and a real 2-worker gRPC cluster on 127.0.0.1.
+
+Each case runs in subprocesses (logical devices and TF_CONFIG must be set before
+TensorFlow starts), and every wait is bounded: collective timeouts in the
+strategy, and a timeout on every subprocess.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gpt2_tf.assets import bundled_checkpoint
+
+from conftest import FIXTURES
+
+HOT = FIXTURES / 'tf1-tiny-hot'
+STEPS, BATCH = 5, 4
+
+MIRRORED = '''
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices('CPU')[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import numpy as np
+import gpt2_tf
+from gpt2_tf.train import Trainer, make_strategy
+folder, optimizer, data = sys.argv[1:4]
+batches, held_out = np.load(data)['batches'], np.load(data)['held_out']
+results = {}
+for name, strategy in (('two', make_strategy('mirrored')), ('one', None)):
+    model = gpt2_tf.load_model(folder, strategy=strategy)
+    trainer = Trainer(model, 1e-2 if optimizer == 'sgd' else 1e-3, optimizer, accumulate_gradients=2)
+    results[name] = {'losses': [trainer.step(b) for b in batches],
+                     'logits': model(held_out)['logits'].numpy().tolist(),
+                     'replicas': strategy.num_replicas_in_sync if strategy else 1,
+                     'weights': {n: v.numpy().tolist() for n, v in model.variables_by_name().items()
+                                 if n in ('model/wte', 'model/h1/mlp/c_fc/w', 'model/ln_f/g')}}
+print(json.dumps(results))
+'''
+
+WORKER = '''
+import json, sys
+import numpy as np
+import gpt2_tf
+from gpt2_tf.train import Trainer, make_strategy
+folder, data = sys.argv[1:3]
+strategy = make_strategy('multiworker', timeout=60)
+model = gpt2_tf.load_model(folder, strategy=strategy)
+trainer = Trainer(model, 1e-3, 'adam')
+print(json.dumps({'losses': [trainer.step(b) for b in np.load(data)['batches']],
+                  'replicas': strategy.num_replicas_in_sync}))
+'''
+
+
+def data(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / 'data.npz'
+    np.savez(path, batches=rng.integers(0, 300, (STEPS, BATCH, 64)).astype(np.int32),
+             held_out=rng.integers(0, 300, (2, 64)).astype(np.int32))
+    return path
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(('127.0.0.1', 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.parametrize('optimizer', ['adam', 'sgd'])
+def test_mirrored_over_two_devices_equals_one_device(tmp_path, optimizer):
+    done = subprocess.run([sys.executable, '-c', MIRRORED, str(HOT), optimizer, str(data(tmp_path))],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    two, one = result['two'], result['one']
+    assert two['replicas'] == 2
+    np.testing.assert_allclose(two['losses'], one['losses'], rtol=1e-4)  # float32 sums in another order
+    reference = np.array(one['logits'])
+    assert np.abs(np.array(two['logits']) - reference).max() <= 1e-3 * max(1.0, np.abs(reference).max())
+    if optimizer == 'sgd':  # without Adam's amplified rounding noise, the weights themselves agree
+        for name, value in one['weights'].items():
+            np.testing.assert_allclose(two['weights'][name], value, rtol=1e-5, atol=1e-5 * np.abs(value).max(),
+                                       err_msg=name)
+
+
+def cluster_env(ports, index):
+    config = {'cluster': {'worker': [f'127.0.0.1:{p}' for p in ports]}, 'task': {'type': 'worker', 'index': index}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL='3')
+    return env
+
+
+def test_two_worker_processes_equal_one_process(tmp_path):
+    path = data(tmp_path)
+    ports = free_ports(2)
+    workers = [subprocess.Popen([sys.executable, '-c', WORKER, str(HOT), str(path)], env=cluster_env(ports, i),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outputs = [w.communicate(timeout=600) for w in workers]  # the watchdog: no run waits longer
+    finally:
+        for w in workers:
+            w.kill()
+    for w, (out, err) in zip(workers, outputs):
+        assert w.returncode == 0, err[-3000:]
+    results = [json.loads(out.splitlines()[-1]) for out, _ in outputs]
+    assert [r['replicas'] for r in results] == [2, 2]
+    single = subprocess.run([sys.executable, '-c', WORKER.replace("make_strategy('multiworker', timeout=60)", 'None')
+                             .replace('strategy.num_replicas_in_sync', '1'), str(HOT), str(path)],
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    alone = json.loads(single.stdout.splitlines()[-1])['losses']
+    for r in results:
+        np.testing.assert_allclose(r['losses'], alone, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_stops_the_others_clearly_and_the_run_resumes(tmp_path):
+    (tmp_path / 'corpus.txt').write_text('alpha beta gamma delta epsilon zeta eta theta. ' * 200)
+    ports = free_ports(2)
+    command = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--model_dir', bundled_checkpoint(),
+               '--steps', '400', '--batch_size', '2',
+               '--accumulate_gradients', '1', '--save_every', '2', '--sample_every', '0', '--seed', '1',
+               '--strategy', 'multiworker', '--collective_timeout', '15']
+    logs = [open(tmp_path / f'worker{i}.log', 'w') for i in range(2)]
+    workers = [subprocess.Popen(command, env=cluster_env(ports, i), cwd=tmp_path, stdout=logs[i],
+                                stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while '[4 |' not in (tmp_path / 'worker0.log').read_text():
+            assert time.monotonic() < deadline and workers[0].poll() is None, (tmp_path / 'worker0.log').read_text()
+            time.sleep(0.5)
+        workers[1].kill()
+        killed_at = time.monotonic()
+        code = workers[0].wait(timeout=180)
+        noticed = time.monotonic() - killed_at
+    finally:
+        for w in workers:
+            w.kill()
+        for log in logs:
+            log.close()
+    chief = (tmp_path / 'worker0.log').read_text()
+    assert code != 0
+    assert 'the cluster stopped answering' in chief and 'resume' in chief, chief[-2000:]
+    print(f'\nthe chief noticed the killed worker after {noticed:.1f} s')
+    assert noticed < 120, noticed  # the collective timeout (15 s) bounds it, plus the step in flight
+    saved = int((tmp_path / 'checkpoint' / 'run1' / 'counter').read_text())
+    assert saved >= 4
+    # Resume from the chief's last checkpoint (here on one process).
+    resumed = subprocess.run([*command[:command.index('--strategy')], '--steps', '2'] , cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f'(step {saved})' in resumed.stdout and f'[{saved + 2} |' in resumed.stdout
