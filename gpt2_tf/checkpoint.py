@@ -179,11 +179,11 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> No
                 f'checkpoint {prefix}: cannot read {name} ({_first_line(e)}); '
                 f'the .data file is corrupt or truncated') from None
     for name, variable in variables.items():
-        variable.assign(values[name])
+        variable.assign(tf.cast(values[name], variable.dtype))  # float32 on disk, the model's dtype in memory
 
 
 def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True,
-               jit_compile: bool = False, strategy=None) -> Model:
+               jit_compile: bool = False, strategy=None, dtype: str = 'float32') -> Model:
     """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint), or from a
     Hugging Face GPT-2 folder (config.json with model.safetensors or pytorch_model.bin; see gpt2_tf.hf).
     A folder with both an hparams.json and a config.json loads as the original layout.
@@ -193,18 +193,20 @@ def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, st
     checkpoint variables the model does not use (optimizer slots). jit_compile=True
     XLA-compiles model calls (see Model). strategy, a tf.distribute strategy, creates
     the variables under its scope (mirrored on its devices), for data-parallel
-    training with gpt2_tf.train.Trainer.
+    training with gpt2_tf.train.Trainer. dtype holds the weights in 'float32'
+    (the default, exact), 'bfloat16' or 'float16' (see gpt2_tf.precision); the
+    checkpoint's float32 values are rounded to it once, at load.
     """
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f'no model folder at {model_dir}')
     with strategy.scope() if strategy else contextlib.nullcontext():
         if hf.is_hf_folder(model_dir):
-            model = _load_hf(model_dir, device=device, jit_compile=jit_compile)
+            model = _load_hf(model_dir, device=device, jit_compile=jit_compile, dtype=dtype)
         else:
             hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
             prefix = find_checkpoint(model_dir)
-            model = Model(hparams, device=device, jit_compile=jit_compile)
+            model = Model(hparams, device=device, jit_compile=jit_compile, dtype=dtype)
             restore(model, prefix, strict=strict)
     model.strategy = strategy
     return model
@@ -218,7 +220,7 @@ def _load_hf(model_dir: str, **options) -> Model:
            source=model_dir, settings='config.json')
     model = Model(hparams, **options)
     for name, variable in model.variables_by_name().items():
-        variable.assign(tensors[name])
+        variable.assign(tf.cast(tensors[name], variable.dtype))
     return model
 
 
@@ -299,7 +301,7 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
             number += 1
             name = f'{CHECKPOINT_PREFIX}-{number}'
     prefix = os.path.join(model_dir, name)
-    write_tensors(prefix, {n: v.read_value() for n, v in model.variables_by_name().items()})
+    write_tensors(prefix, {n: tf.cast(v, tf.float32) for n, v in model.variables_by_name().items()})  # always float32
     if not os.path.exists(hparams_path):
         replace_atomically(hparams_path, json.dumps(model.hparams.to_dict(), indent=2) + '\n')
     kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]

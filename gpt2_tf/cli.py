@@ -136,7 +136,7 @@ def _load(args, folder: str):
     quiet.check_device(args.device)
     from .checkpoint import load_model
 
-    return load_model(folder, device=args.device)
+    return load_model(folder, device=args.device, dtype=getattr(args, 'dtype', 'float32'))
 
 
 def _run_samples(model, encoder, prompt, length: int, args, options: dict, nsamples: Optional[int]) -> None:
@@ -322,7 +322,7 @@ def cmd_export(args):
     from .checkpoint import load_model
     from .export import export_saved_model
 
-    export_saved_model(load_model(folder, device='/CPU:0'), args.out_dir, xla=args.xla)
+    export_saved_model(load_model(folder, device='/CPU:0', dtype=args.dtype), args.out_dir, xla=args.xla)
     print(f'{args.out_dir}: SavedModel written (signatures serving_default, generate, score'
           f'{"; XLA-compiled" if args.xla else ""})')
 
@@ -351,7 +351,7 @@ def cmd_serve(args):
 
     name = args.served_model_name or os.path.basename(os.path.normpath(folder))
     print(f'gpt2-tf: serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)', file=sys.stderr)
-    serve(load_model(folder, device=args.device), encoder, model_id=name, host=args.host, port=args.port,
+    serve(load_model(folder, device=args.device, dtype=args.dtype), encoder, model_id=name, host=args.host, port=args.port,
           api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode)
 
 
@@ -376,7 +376,7 @@ def cmd_explore(args):
     from .checkpoint import load_model
     from .explorer import write_report
 
-    write_report(load_model(folder), encoder, args.prompt, out, model_dir=folder)
+    write_report(load_model(folder, dtype=args.dtype), encoder, args.prompt, out, model_dir=folder)
     print(f'{args.output}: written ({len(tokens)} tokens, {hparams.n_layer} blocks)')
 
 
@@ -496,6 +496,11 @@ def _add_sampling_arguments(parser, *, nsamples):
     parser.add_argument('--quiet', action='store_true', help='no progress bar on stderr')
 
 
+def _add_dtype(parser):
+    parser.add_argument('--dtype', choices=['float32', 'bfloat16', 'float16'], default='float32',
+                        help='the weights\' precision (default float32, exact; see the README for speed and fidelity)')
+
+
 def _add_verbose(parser):
     parser.add_argument('--verbose', action='store_true', help="show TensorFlow's start-up messages")
 
@@ -507,12 +512,14 @@ def parser() -> argparse.ArgumentParser:
     generate = commands.add_parser('generate', help='samples after a prompt; without one, read prompts interactively')
     generate.add_argument('prompt', nargs='?', default=None, help='the prompt text (omit for the interactive mode)')
     _add_model_arguments(generate)
+    _add_dtype(generate)
     _add_sampling_arguments(generate, nsamples=1)
     _add_verbose(generate)
     generate.set_defaults(run=cmd_generate)
 
     sample = commands.add_parser('sample', help='unconditional samples')
     _add_model_arguments(sample)
+    _add_dtype(sample)
     _add_sampling_arguments(sample, nsamples=0)
     _add_verbose(sample)
     sample.set_defaults(run=cmd_sample)
@@ -520,6 +527,7 @@ def parser() -> argparse.ArgumentParser:
     score = commands.add_parser('score', help='per-token log-probabilities and perplexity of text files')
     score.add_argument('files', nargs='+', metavar='FILE', help='UTF-8 text files; - reads stdin')
     _add_model_arguments(score)
+    _add_dtype(score)
     score.add_argument('--stride', type=int, default=None,
                        help='new tokens scored per window of n_ctx tokens (default n_ctx // 2, 512 for '
                             'GPT-2): each token is scored once, with at least n_ctx - stride tokens of context')
@@ -565,6 +573,7 @@ def parser() -> argparse.ArgumentParser:
     export = commands.add_parser('export', help='a SavedModel for TensorFlow Serving')
     export.add_argument('model_dir', metavar='MODEL_DIR')
     export.add_argument('out_dir', metavar='OUT_DIR', help='a new folder')
+    _add_dtype(export)
     export.add_argument('--xla', action='store_true',
                         help='XLA-compile the signatures (TF Serving then needs --xla_cpu_compilation_enabled on CPU)')
     _add_verbose(export)
@@ -572,6 +581,7 @@ def parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser('serve', help='an OpenAI-compatible completions server')
     _add_model_arguments(serve)
+    _add_dtype(serve)
     serve.add_argument('--host', default='127.0.0.1', help='address to listen on (default 127.0.0.1)')
     serve.add_argument('--port', type=int, default=8000)
     serve.add_argument('--api-key', '--api_key', default=None, help='require "Authorization: Bearer KEY"')
@@ -588,6 +598,7 @@ def parser() -> argparse.ArgumentParser:
     explore.add_argument('model_dir', metavar='MODEL_DIR')
     explore.add_argument('--prompt', required=True)
     explore.add_argument('-o', '--output', default='report.html', help='the HTML file (default report.html)')
+    _add_dtype(explore)
     _add_verbose(explore)
     explore.set_defaults(run=cmd_explore)
 

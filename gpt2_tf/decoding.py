@@ -13,12 +13,13 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .model import Model, multihead_attn, shape_list
+from .precision import f32
 
 
 def empty_cache(model: Model, batch, size: int) -> list:
-    """One zeroed cache [batch, 2, n_head, size, head_size] per layer."""
+    """One zeroed cache [batch, 2, n_head, size, head_size] per layer, in the dtype of the model's weights."""
     hp = model.hparams
-    return [tf.zeros([batch, 2, hp.n_head, size, hp.head_size]) for _ in range(hp.n_layer)]
+    return [tf.zeros([batch, 2, hp.n_head, size, hp.head_size], model.wte.dtype) for _ in range(hp.n_layer)]
 
 
 def write_cache(cache, kv, index):
@@ -43,8 +44,8 @@ def positions(pads, queries):
 def cached_block(block, x, cache, index, mask):
     """The original block over a cache: x [batch, n, nx] at slots index.. -> x [batch, n, nx], cache."""
     q, k, v = block.attn.qkv(block.ln_1(x))
-    cache = write_cache(cache, tf.stack([k, v], axis=1), index)
-    k, v = tf.unstack(cache, axis=1)  # [batch, heads, S, f] each
+    cache = write_cache(cache, tf.cast(tf.stack([k, v], axis=1), cache.dtype), index)
+    k, v = tf.unstack(f32(cache), axis=1)  # [batch, heads, S, f] each; attention itself stays float32
     x = x + block.attn.project(multihead_attn(q, k, v, mask))
     x = x + block.mlp(block.ln_2(x))
     return x, cache

@@ -2,20 +2,20 @@
 
 Variables are created under the original scopes, so a variable's name is its
 checkpoint name (model/h0/attn/c_attn/w). The numerics are the original's: the
-tanh GELU, LayerNorm epsilon 1e-5, the -1e10 attention mask. Cached decoding,
-scoring and training build on these modules in modules of their own.
+tanh GELU, LayerNorm epsilon 1e-5, the -1e10 attention mask. Weights may be held
+in bfloat16 or float16 (gpt2_tf.precision): only the matrix products change.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 
 from . import validate
 from .hparams import HParams
+from .precision import f32, product, weight, weights_in
 
 
 def shape_list(x):
@@ -44,15 +44,15 @@ class Norm(tf.Module):
         self.axis = axis
         self.epsilon = epsilon  # 1e-5, not a library default
         with self.name_scope:
-            self.g = tf.Variable(tf.ones([n_state]), name='g')
-            self.b = tf.Variable(tf.zeros([n_state]), name='b')
+            self.g = weight(tf.ones([n_state]), name='g')
+            self.b = weight(tf.zeros([n_state]), name='b')
 
     def __call__(self, x):  # [..., n_state] -> [..., n_state]
         u = tf.reduce_mean(x, axis=self.axis, keepdims=True)
         n = x - u
         s = tf.reduce_mean(tf.square(n), axis=self.axis, keepdims=True)
         x = n * tf.math.rsqrt(s + self.epsilon)
-        return x * self.g + self.b
+        return x * f32(self.g) + f32(self.b)
 
 
 def split_states(x, n):
@@ -73,13 +73,13 @@ class Conv1D(tf.Module):
     def __init__(self, nx: int, scope: str, nf: int):
         super().__init__(name=scope)
         with self.name_scope:
-            self.w = tf.Variable(tf.zeros([1, nx, nf]), name='w')
-            self.b = tf.Variable(tf.zeros([nf]), name='b')
+            self.w = weight(tf.zeros([1, nx, nf]), name='w')
+            self.b = weight(tf.zeros([nf]), name='b')
 
     def __call__(self, x):  # [..., nx] -> [..., nf]
         *start, nx = shape_list(x)
         nf = self.w.shape[-1]
-        c = tf.matmul(tf.reshape(x, [-1, nx]), tf.reshape(self.w, [-1, nf])) + self.b  # [rows, nx] @ [nx, nf]
+        c = product(tf.reshape(x, [-1, nx]), tf.reshape(self.w, [-1, nf])) + f32(self.b)  # [rows, nx] @ [nx, nf]
         return tf.reshape(c, start + [nf])
 
 
@@ -187,22 +187,22 @@ def positions_for(tokens, past_length):  # [batch, sequence] -> [batch, sequence
 class Model(tf.Module):
     """GPT-2: model(tokens [batch, sequence], past=None) -> {'logits': [batch, sequence, n_vocab],
     'present': [batch, n_layer, 2, n_head, sequence, head_size]}; with past, positions start at its length.
-
-    Calls run as tf.functions with an input_signature, so new shapes do not
-    retrace; jit_compile=True XLA-compiles them (anew for each input shape).
+    Calls run as tf.functions with an input signature (new shapes do not retrace); jit_compile=True
+    XLA-compiles them, anew for each input shape. dtype: the weights' (gpt2_tf.precision).
     """
 
     strategy = None  # a tf.distribute strategy, when load_model created the variables under one
 
-    def __init__(self, hparams: HParams, scope: str = 'model', *, device: Optional[str] = None,
-                 jit_compile: bool = False):
+    def __init__(self, hparams: HParams, scope: str = 'model', *, device: str | None = None,
+                 jit_compile: bool = False, dtype: str = 'float32'):
         super().__init__(name=scope)
         self._name_scope = tf.name_scope(scope + '/')  # names from this scope alone, not the caller's
         self.hparams = hparams
         self.device = device
-        with self.on_device(), self.name_scope:
-            self.wpe = tf.Variable(tf.zeros([hparams.n_ctx, hparams.n_embd]), name='wpe')
-            self.wte = tf.Variable(tf.zeros([hparams.n_vocab, hparams.n_embd]), name='wte')
+        self.dtype = dtype
+        with self.on_device(), self.name_scope, weights_in(dtype):
+            self.wpe = weight(tf.zeros([hparams.n_ctx, hparams.n_embd]), name='wpe')
+            self.wte = weight(tf.zeros([hparams.n_vocab, hparams.n_embd]), name='wte')
             self.h = [Block(hparams.n_embd, 'h%d' % layer, hparams=hparams) for layer in range(hparams.n_layer)]
             self.ln_f = Norm(hparams.n_embd, 'ln_f')
         tokens = tf.TensorSpec([None, None], tf.int32, name='tokens')
@@ -217,11 +217,11 @@ class Model(tf.Module):
         # Gather from dense reads: tf.gather on the variable itself puts it in copy-on-read
         # mode, and every later read of wte (the logits) would then copy all 154 MB of it.
         wte, wpe = tf.convert_to_tensor(self.wte), tf.convert_to_tensor(self.wpe)
-        return tf.gather(wte, X) + tf.gather(wpe, positions)
+        return f32(tf.gather(wte, X)) + f32(tf.gather(wpe, positions))
 
     def logits(self, h):  # [batch, sequence, n_embd] -> [batch, sequence, n_vocab]
         batch, sequence, n_embd = shape_list(h)
-        logits = tf.matmul(tf.reshape(h, [batch * sequence, n_embd]), self.wte, transpose_b=True)
+        logits = product(tf.reshape(h, [batch * sequence, n_embd]), self.wte, transpose_b=True)
         return tf.reshape(logits, [batch, sequence, self.hparams.n_vocab])
 
     def forward(self, X, past=None):
@@ -238,7 +238,7 @@ class Model(tf.Module):
 
     def __call__(self, tokens, past=None):
         if past is not None:
-            past = tf.convert_to_tensor(past, tf.float32)
+            past = f32(past)
         if tf.executing_eagerly():
             tokens = self.check_inputs(tokens, past)
         tokens = tf.cast(tokens, tf.int32)

@@ -1,4 +1,5 @@
-"""TensorFlow without its start-up noise, for the command-line tools.
+"""TensorFlow without its start-up noise, for the command-line tools, with XLA's compiled code kept
+across processes (see use_xla_cache).
 
 Importing TensorFlow and initialising its devices prints 6-8 lines from C++
 (absl's "All log messages before absl::InitializeLog()", the oneDNN notice,
@@ -16,8 +17,65 @@ import contextlib
 import os
 import sys
 import tempfile
+from typing import Optional
 
 _captured = ''
+XLA_CACHE_ENV = 'GPT2_TF_XLA_CACHE'  # a folder for compiled XLA code, or 'off'
+XLA_CACHE_LIMIT = 1 << 30  # bytes kept in the cache folder; the oldest files go first
+CPU_FLAGS = ('avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')
+
+
+def xla_cache_folder() -> Optional[str]:
+    """Where compiled XLA code persists across processes, or None when turned off.
+
+    $GPT2_TF_XLA_CACHE, else ~/.cache/gpt2_tf/xla (under $XDG_CACHE_HOME when
+    set), in a subfolder named by the TensorFlow version and the CPU's vector
+    flags: compiled code is specific to both, and the cache's file names encode
+    neither (the project's machines change CPU class).
+    """
+    chosen = os.environ.get(XLA_CACHE_ENV)
+    if chosen and chosen.lower() in ('off', 'none', '0', 'false'):
+        return None
+    base = chosen or os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'gpt2_tf',
+                                  'xla')
+    try:
+        from importlib.metadata import version
+        tf_version = version('tensorflow')
+    except Exception:
+        tf_version = 'unknown'
+    try:
+        with open('/proc/cpuinfo', encoding='utf-8') as f:
+            flags = set(next((line.split(':', 1)[1].split() for line in f if line.startswith('flags')), []))
+    except OSError:
+        flags = set()
+    machine = '-'.join(flag for flag in CPU_FLAGS if flag in flags) or 'cpu'
+    return os.path.join(base, f'tf{tf_version}-{machine}')
+
+
+def use_xla_cache() -> Optional[str]:
+    """Points TensorFlow's persistent XLA cache at xla_cache_folder(), before TensorFlow reads its flags.
+
+    Keeps the folder under XLA_CACHE_LIMIT by removing the oldest files. A
+    --tf_xla_persistent_cache_directory already in TF_XLA_FLAGS wins.
+    """
+    if 'tensorflow' in sys.modules or 'tf_xla_persistent_cache_directory' in os.environ.get('TF_XLA_FLAGS', ''):
+        return None
+    folder = xla_cache_folder()
+    if folder is None:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        files = sorted((os.path.join(folder, f) for f in os.listdir(folder)), key=os.path.getmtime, reverse=True)
+        total = 0
+        for path in files:
+            total += os.path.getsize(path)
+            if total > XLA_CACHE_LIMIT:
+                os.remove(path)
+    except OSError:
+        return None  # an unwritable cache only costs compile time
+    os.environ['TF_XLA_FLAGS'] = (os.environ.get('TF_XLA_FLAGS', '') +
+                                  f' --tf_xla_persistent_cache_directory={folder}').strip()
+    return folder
 
 
 @contextlib.contextmanager
@@ -42,6 +100,7 @@ def tensorflow(*, verbose: bool = False):
     global _captured
     if 'tensorflow' in sys.modules:
         return sys.modules['tensorflow']
+    use_xla_cache()
     # The C++ log lines after start-up too (oneDNN's fallback notices come as errors); --verbose shows them.
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '0' if verbose else '3')
     read = None

@@ -145,6 +145,9 @@ class Trainer:
             raise ValueError(f'learning_rate must be > 0, got {learning_rate!r}')
         if not validate.is_int(accumulate_gradients) or accumulate_gradients < 1:
             raise ValueError(f'accumulate_gradients must be an integer >= 1, got {accumulate_gradients!r}')
+        if model.dtype != 'float32':
+            raise ValueError(f'fine-tuning needs float32 weights; this model holds {model.dtype} '
+                             f'(load it with dtype="float32")')
         self.model = model
         self.learning_rate = float(learning_rate)
         self.optimizer = optimizer

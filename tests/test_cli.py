@@ -197,3 +197,12 @@ def test_progress_shows_tokens_per_second_on_a_terminal(tmp_path):
     quiet_out = terminal_session([*GPT2_TF, 'generate', 'Hello', '--length', '64', '--seed', '1', '--quiet',
                                   '--mode', 'function'], [], tmp_path)
     assert 'tok/s' not in quiet_out
+
+
+def test_generate_and_score_in_bfloat16(capsys, monkeypatch, tmp_path):
+    code, out, _ = run(capsys, monkeypatch, tmp_path, 'generate', 'Hello', '--length', '4', '--dtype', 'bfloat16',
+                       *FAST)
+    assert code == 0 and out.count('SAMPLE') == 1
+    (tmp_path / 'text.txt').write_text('Hello there, how are you today?')
+    code, out, _ = run(capsys, monkeypatch, tmp_path, 'score', 'text.txt', '--dtype', 'bfloat16', '--quiet')
+    assert code == 0 and 'perplexity' in out

@@ -7,7 +7,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / 'gpt2_tf'
 
 # Bottom to top. A module may import modules of lower layers only (lazy imports inside functions too).
 LAYERS = [
-    {'hparams', 'validate', 'assets', 'quiet'},
+    {'hparams', 'validate', 'assets', 'quiet', 'precision'},
     {'encoder', 'model'},
     {'decoding', 'compiled', 'tf1_reference', 'hf'},
     {'checkpoint', 'sample', 'scoring'},
@@ -58,3 +58,8 @@ def test_no_submodule_shadows_an_exported_name():
 
     modules = {p.stem for p in PACKAGE.glob('*.py')}
     assert modules & set(gpt2_tf.__all__) == set()
+
+
+def test_model_py_stays_close_to_the_originals_length():
+    # openai/gpt-2 src/model.py at revision 9b63575 has 174 lines.
+    assert len((PACKAGE / 'model.py').read_text().splitlines()) <= 1.5 * 174

@@ -1,0 +1,46 @@
+"""The one place that decides the dtype of the weights, and so of the matrix products.
+
+The model holds its weights in float32 (the default, and exact), bfloat16 or
+float16. In the reduced dtypes, matrix products take reduced inputs and the
+kernels accumulate in float32; the residual stream, LayerNorm statistics,
+attention scores with their mask and softmax, and the logits stay float32,
+because reduced precision there costs accuracy for no speed (they are small,
+or sums whose rounding compounds). For float32 weights every cast here is a
+no-op, so the float32 graph is the original's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+DTYPES = ('float32', 'bfloat16', 'float16')
+_creating = ['float32']  # the dtype new weights are created in, set while a model builds
+
+
+@contextlib.contextmanager
+def weights_in(dtype: str):
+    """Within the block, weight() creates variables in dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f'dtype must be one of {DTYPES}, got {dtype!r}')
+    _creating.append(dtype)
+    try:
+        yield
+    finally:
+        _creating.pop()
+
+
+def weight(value, name: str) -> tf.Variable:
+    """A model variable, in the dtype of the model being built."""
+    return tf.Variable(tf.cast(value, _creating[-1]), name=name)
+
+
+def f32(v):
+    """A weight or activation read as float32, where it meets the float32 computation."""
+    return tf.cast(v, tf.float32)
+
+
+def product(x, w, **options):
+    """float32 x times w, in w's dtype -> float32: reduced inputs, float32 accumulation and result."""
+    return f32(tf.matmul(tf.cast(x, w.dtype), w, **options))
