@@ -65,7 +65,31 @@ def row(case, first, seconds, tokens, ratio=None, note=''):
     print(f'{case:<44}{first:>9.2f}{seconds * 1e3:>10.1f}{tokens / seconds:>10.1f}{ratio_text}  {note}', flush=True)
 
 
-def sampling(model, reference, hparams, args, rng):
+def hf_model(folder):
+    """The same weights in transformers' GPT2LMHeadModel (sdpa attention), or None without torch/transformers."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    hf_dir = folder.parent / (folder.name + '-hf')
+    if not (hf_dir / 'model.safetensors').exists():
+        gpt2_tf.save_hf(gpt2_tf.load_model(folder), hf_dir)
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation='sdpa').eval()
+    print(f'HF PyTorch: torch {torch.__version__}, transformers {transformers.__version__}, '
+          f'{torch.get_num_threads()} threads')
+    return model
+
+
+def hf_generate(model, prompt, new, **options):
+    import torch
+
+    with torch.inference_mode():
+        return model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
+                              pad_token_id=0, **options)
+
+
+def sampling(model, reference, hparams, args, rng, hf=None):
     settings = [('greedy', dict(top_k=1), dict(top_k=1, top_p=None)),
                 ('top_k=40', dict(top_k=40), dict(top_k=40, top_p=None)),
                 ('top_p=0.9', dict(top_p=0.9), dict(top_k=0, top_p=0.9))]
@@ -83,6 +107,11 @@ def sampling(model, reference, hparams, args, rng):
                 if name == 'greedy':
                     note = 'same tokens' if np.array_equal(run(), sampler(prompt)) else 'TOKENS DIFFER'
                 row(f'{name}, {args.new} new, B={batch}: ours {mode}', first, ours, new_tokens, ours / tf1, note)
+            if hf is not None:
+                options = dict(do_sample=False) if name == 'greedy' else dict(
+                    do_sample=True, top_k=ours_options.get('top_k', 0), top_p=ours_options.get('top_p', 1.0))
+                first, theirs = timed(lambda: hf_generate(hf, prompt, args.new, **options), args.reps)
+                row(f'{name}, {args.new} new, B={batch}: HF PyTorch', first, theirs, new_tokens, theirs / tf1)
 
 
 def chunks(model, hparams, args, rng):
@@ -123,7 +152,7 @@ def step_choice(hparams, args, rng):
             print(f'{f"choose, {name}, B={batch}":<44}{ours * 1e3:>9.2f} ms  {note}', flush=True)
 
 
-def forward(model, model_xla, reference, hparams, args, rng):
+def forward(model, model_xla, reference, hparams, args, rng, hf=None):
     for batch, length in ((1, 1024), (8, 128)):
         tokens = rng.integers(0, hparams.n_vocab, size=(batch, length), dtype=np.int32)
         tf1_first, tf1 = timed(lambda: reference(tokens), args.reps)
@@ -132,13 +161,48 @@ def forward(model, model_xla, reference, hparams, args, rng):
         for name, ours_model in (('ours', model), ('ours jit_compile', model_xla)):
             first, ours = timed(lambda: ours_model(tokens)['logits'].numpy(), args.reps)
             row(f'forward B={batch} T={length}: {name}', first, ours, n, ours / tf1)
+        if hf is not None:
+            import torch
+
+            def run():
+                with torch.inference_mode():
+                    return hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+            first, theirs = timed(run, args.reps)
+            row(f'forward B={batch} T={length}: HF PyTorch', first, theirs, n, theirs / tf1)
+
+
+def decode_bound(model, hparams, args, rng):
+    """Batch-1 decoding against the weight-streaming bound measured in the same run."""
+    import tensorflow as tf
+
+    big = tf.ones([2**28], tf.float32)  # 1 GiB: far beyond the caches
+    reduce = tf.function(tf.reduce_sum)  # TensorFlow's reduction runs on every core
+    context = 16 + 136
+    weights = sum(v.shape.num_elements() for n, v in model.variables_by_name().items() if n != 'model/wpe') * 4
+    cache = hparams.n_layer * 2 * context * hparams.n_embd * 4  # keys and values read back, per token
+    prompt = rng.integers(0, hparams.n_vocab, size=(1, 16), dtype=np.int32)
+    # The machine is shared: interleave the measurements and keep the best of each, what the machine can do.
+    seconds, per_token = [], []
+    for _ in range(max(args.reps, 5)):
+        seconds.append(timed(lambda: reduce(big).numpy(), 1)[1])
+        short = timed(lambda: sample_sequence(model, 8, context=prompt, top_k=1), 1)[1]
+        long = timed(lambda: sample_sequence(model, 136, context=prompt, top_k=1), 1)[1]
+        per_token.append((long - short) / 128)  # the prefill and the calls' fixed costs cancel
+    bandwidth = big.shape.num_elements() * 4 / min(seconds)
+    per_token = min(per_token)
+    bound = (weights + cache) / bandwidth
+    print(f'read-only bandwidth (TF reduce_sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s; bytes per token: '
+          f'{(weights + cache) / 1e6:.0f} MB -> bound {bound * 1e3:.2f} ms/token')
+    print(f'batch-1 greedy decoding: {per_token * 1e3:.2f} ms/token = {per_token / bound:.2f}x the bound')
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--reps', type=int, default=5)
     parser.add_argument('--modes', default='xla', help='our decode loop modes to time (xla,function,eager)')
-    parser.add_argument('--sections', default='sampling,choose,chunks,forward')
+    parser.add_argument('--sections', default='sampling,bound,choose,chunks,forward')
+    parser.add_argument('--peers', default='hf', help="'hf': add HF PyTorch rows when torch and transformers are "
+                                                       "installed; '' for none")
     parser.add_argument('--prompt', type=int, default=16)
     parser.add_argument('--new', type=int, default=64)
     args = parser.parse_args()
@@ -150,16 +214,19 @@ def main():
     rng = np.random.default_rng(0)
     print(f'CPU: {cpu()}')
     print(f'TensorFlow {tf.__version__}; {args.reps} timed calls after a first one')
+    hf = hf_model(folder) if 'hf' in args.peers.split(',') else None
     print(f'{"case":<44}{"first s":>9}{"ms/call":>10}{"tokens/s":>10}{"ours/TF1":>10}')
     sections = args.sections.split(',')
     if 'sampling' in sections:
-        sampling(model, reference, hparams, args, rng)
+        sampling(model, reference, hparams, args, rng, hf)
+    if 'bound' in sections:
+        decode_bound(model, hparams, args, rng)
     if 'choose' in sections:
         step_choice(hparams, args, rng)
     if 'chunks' in sections:
         chunks(model, hparams, args, rng)
     if 'forward' in sections:
-        forward(model, gpt2_tf.load_model(folder, jit_compile=True), reference, hparams, args, rng)
+        forward(model, gpt2_tf.load_model(folder, jit_compile=True), reference, hparams, args, rng, hf)
 
 
 if __name__ == '__main__':

@@ -61,7 +61,8 @@ class Shared:
         self.mode = mode
         self._model = threading.local()
         if mode != 'eager':
-            self._compiled = tf.function(self._traced, jit_compile=(mode == 'xla'))
+            # The code uses tf.while_loop and tf.cond itself: AutoGraph's conversion would only cost seconds.
+            self._compiled = tf.function(self._traced, jit_compile=(mode == 'xla'), autograph=False)
 
     def _traced(self, tensors, *args, **static):
         with _tracing, bound(self._model.value, tensors) as model:

@@ -40,9 +40,9 @@ class Servable(tf.Module):
         self.model = model
         tokens = tf.TensorSpec([None, None], tf.int32, name='tokens')
         scalar = lambda dtype, name: tf.TensorSpec([], dtype, name=name)  # noqa: E731
-        self.serving_default = tf.function(self._logits, input_signature=[tokens], jit_compile=xla)
-        self.score = tf.function(self._score, input_signature=[tokens], jit_compile=xla)
-        self.generate = tf.function(self._generate, jit_compile=xla, input_signature=[
+        self.serving_default = tf.function(self._logits, input_signature=[tokens], jit_compile=xla, autograph=False)
+        self.score = tf.function(self._score, input_signature=[tokens], jit_compile=xla, autograph=False)
+        self.generate = tf.function(self._generate, jit_compile=xla, autograph=False, input_signature=[
             tokens, scalar(tf.int32, 'length'), scalar(tf.float32, 'temperature'), scalar(tf.int32, 'top_k'),
             scalar(tf.float32, 'top_p'), tf.TensorSpec([2], tf.int64, name='seed')])
 

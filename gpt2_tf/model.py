@@ -134,7 +134,7 @@ class Attn(tf.Module):
         return self.c_proj(self.merge_heads(a))
 
     def __call__(self, x, *, past=None):
-        """x [batch, dst, nx], past [batch, 2, heads, src, f] -> a [batch, dst, n_state], present [batch, 2, heads, dst, f]"""
+        """x [batch, dst, nx], past [batch, 2, heads, src, f] -> a [batch, dst, n_state], present [.., dst, f]"""
         q, k, v = self.qkv(x)
         present = tf.stack([k, v], axis=1)
         if past is not None:
@@ -205,10 +205,10 @@ class Model(tf.Module):
             self.wte = weight(tf.zeros([hparams.n_vocab, hparams.n_embd]), name='wte')
             self.h = [Block(hparams.n_embd, 'h%d' % layer, hparams=hparams) for layer in range(hparams.n_layer)]
             self.ln_f = Norm(hparams.n_embd, 'ln_f')
-        tokens = tf.TensorSpec([None, None], tf.int32, name='tokens')
-        past = tf.TensorSpec(past_shape(hparams=hparams), tf.float32, name='past')
-        self._forward = tf.function(lambda X: self.forward(X), input_signature=[tokens], jit_compile=jit_compile)
-        self._forward_past = tf.function(self.forward, input_signature=[tokens, past], jit_compile=jit_compile)
+        tokens, past = tf.TensorSpec([None, None], tf.int32), tf.TensorSpec(past_shape(hparams=hparams), tf.float32)
+        options = dict(jit_compile=jit_compile, autograph=False)  # explicit control flow: AutoGraph only costs time
+        self._forward = tf.function(lambda X: self.forward(X), input_signature=[tokens], **options)
+        self._forward_past = tf.function(self.forward, input_signature=[tokens, past], **options)
 
     def on_device(self):
         return tf.device(self.device) if self.device else contextlib.nullcontext()
@@ -250,7 +250,7 @@ class Model(tf.Module):
     def check_inputs(self, tokens, past=None) -> np.ndarray:
         """tokens as a checked integer array (see validate.check_model_inputs)."""
         hp = self.hparams
-        return validate.check_model_inputs(tokens, past, past_shape=past_shape(hparams=hp), n_vocab=hp.n_vocab, n_ctx=hp.n_ctx)
+        return validate.check_model_inputs(tokens, past, past_shape(hparams=hp), n_vocab=hp.n_vocab, n_ctx=hp.n_ctx)
 
     @property
     def tracing_count(self) -> int:

@@ -167,7 +167,7 @@ class Trainer:
                               for n, v in zip(self.names, self.variables) for slot in ('Adam', 'Adam_1')}
                 self.slots['beta1_power'] = tf.Variable(BETA1, trainable=False, name='beta1_power')
                 self.slots['beta2_power'] = tf.Variable(BETA2, trainable=False, name='beta2_power')
-        self._step = tf.function(self._update, jit_compile=jit_compile)
+        self._step = tf.function(self._update, jit_compile=jit_compile, autograph=False)
 
     def _gradients(self, tokens):
         """tokens [batch, T] -> (mean loss, mean gradients) over `accumulate` micro-batches, one at a time."""

@@ -57,7 +57,7 @@ def check_sequence(past_length: int, new: int, n_ctx: int) -> None:
         raise ValueError(f'sequence too long: {past_length} past + {new} new tokens > n_ctx = {n_ctx}')
 
 
-def check_model_inputs(tokens, past, *, past_shape: list, n_vocab: int, n_ctx: int) -> np.ndarray:
+def check_model_inputs(tokens, past, past_shape: list, *, n_vocab: int, n_ctx: int) -> np.ndarray:
     """tokens [batch, sequence] as a checked integer array; past, when given, must have past_shape
     (whose None entries are the batch, which must be tokens', and the past length).
 
