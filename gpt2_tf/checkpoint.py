@@ -164,22 +164,31 @@ def check_folder(model_dir: str | os.PathLike, *, strict: bool = True) -> HParam
     return hparams
 
 
-def restore(model: Model, path: str | os.PathLike, *, strict: bool = True) -> None:
-    """Assigns a checkpoint (folder or prefix) to the model, after checking every name and shape."""
+def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_or_nothing: bool = True) -> None:
+    """Assigns a checkpoint (folder or prefix) to the model, after checking every name and shape.
+
+    all_or_nothing reads every value before it assigns any, so a damaged file
+    leaves the model as it was; load_model, whose fresh model is dropped on
+    failure, turns it off and assigns value by value: the peak is then the model
+    plus one tensor, not twice the model.
+    """
     prefix = find_checkpoint(path)
     variables = model.variables_by_name()
     expected = {name: tuple(v.shape.as_list()) for name, v in variables.items()}
     reader = _checked_reader(prefix, expected, model.hparams, strict=strict)
-    values = {}
-    for name in variables:  # every value is read before any is assigned
+
+    def read(name):
         try:
-            values[name] = reader.get_tensor(name)
+            return reader.get_tensor(name)
         except Exception as e:  # OpError for a bad checksum; IndexError and others for other damage
             raise CheckpointError(
                 f'checkpoint {prefix}: cannot read {name} ({_first_line(e)}); '
                 f'the .data file is corrupt or truncated') from None
+
+    values = {name: read(name) for name in variables} if all_or_nothing else None
     for name, variable in variables.items():
-        variable.assign(tf.cast(values[name], variable.dtype))  # float32 on disk, the model's dtype in memory
+        value = values.pop(name) if values is not None else read(name)
+        variable.assign(tf.cast(value, variable.dtype))  # float32 on disk, the model's dtype in memory
 
 
 def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True,
@@ -207,7 +216,7 @@ def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, st
             hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
             prefix = find_checkpoint(model_dir)
             model = Model(hparams, device=device, jit_compile=jit_compile, dtype=dtype)
-            restore(model, prefix, strict=strict)
+            restore(model, prefix, strict=strict, all_or_nothing=False)
     model.strategy = strategy
     return model
 

@@ -489,8 +489,8 @@ def _add_sampling_arguments(parser, *, nsamples):
     parser.add_argument('--temperature', type=float, default=1.0, help='in [0, 2]; 0 is greedy (default 1)')
     parser.add_argument('--top_k', '--top-k', type=int, default=0, help='0: no truncation (default 0)')
     parser.add_argument('--top_p', '--top-p', type=float, default=1.0, help='nucleus sampling (default 1: off)')
-    parser.add_argument('--mode', choices=['xla', 'function', 'eager'], default='xla',
-                        help='how the decode loop runs (default xla)')
+    parser.add_argument('--mode', choices=['xla', 'function', 'eager'], default=None,
+                        help='how the decode loop runs (default: xla for float32 weights, function for reduced)')
     parser.add_argument('--chunk', type=int, default=None,
                         help='tokens per compiled call of the decode loop (default 32)')
     parser.add_argument('--quiet', action='store_true', help='no progress bar on stderr')
@@ -590,7 +590,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument('--max-batch', '--max_batch', type=int, default=16, help='rows per decode call (default 16)')
     serve.add_argument('--queue-size', '--queue_size', type=int, default=256,
                        help='rows waiting before new requests get 503 (default 256)')
-    serve.add_argument('--mode', choices=['xla', 'function', 'eager'], default='xla')
+    serve.add_argument('--mode', choices=['xla', 'function', 'eager'], default=None)
     _add_verbose(serve)
     serve.set_defaults(run=cmd_serve)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -83,9 +83,21 @@ class Shared:
         return 0 if self.mode == 'eager' else self._compiled.experimental_get_tracing_count()
 
 
-def shared(fn: Callable, hparams, mode: str, dtype: str = 'float32') -> Shared:
-    """The one Shared for (fn, hparams, mode, dtype): every model of that shape uses it."""
-    key = (fn, hparams, mode, dtype)
+MODES = ('xla', 'function', 'eager')
+
+
+def default_mode(model) -> str:
+    """XLA for float32 weights. For reduced ones, a plain tf.function: XLA on CPU upcasts bfloat16 and
+    float16 weights into float32 copies (twice the memory, no speed gained), TensorFlow's kernels do not."""
+    return 'xla' if model.dtype == 'float32' else 'function'
+
+
+def shared(fn: Callable, model, mode: Optional[str] = None) -> Shared:
+    """The one Shared for (fn, the model's shape and dtype, mode): every such model uses it."""
+    mode = mode or default_mode(model)
+    if mode not in MODES:
+        raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+    key = (fn, model.hparams, model.dtype, mode)
     if key not in _functions:
         _functions[key] = Shared(fn, mode)
     return _functions[key]

@@ -44,8 +44,8 @@ class Norm(tf.Module):
         self.axis = axis
         self.epsilon = epsilon  # 1e-5, not a library default
         with self.name_scope:
-            self.g = weight(tf.ones([n_state]), name='g')
-            self.b = weight(tf.zeros([n_state]), name='b')
+            self.g = weight([n_state], 'g', ones=True)
+            self.b = weight([n_state], 'b')
 
     def __call__(self, x):  # [..., n_state] -> [..., n_state]
         u = tf.reduce_mean(x, axis=self.axis, keepdims=True)
@@ -73,8 +73,8 @@ class Conv1D(tf.Module):
     def __init__(self, nx: int, scope: str, nf: int):
         super().__init__(name=scope)
         with self.name_scope:
-            self.w = weight(tf.zeros([1, nx, nf]), name='w')
-            self.b = weight(tf.zeros([nf]), name='b')
+            self.w = weight([1, nx, nf], 'w')
+            self.b = weight([nf], 'b')
 
     def __call__(self, x):  # [..., nx] -> [..., nf]
         *start, nx = shape_list(x)
@@ -201,8 +201,8 @@ class Model(tf.Module):
         self.device = device
         self.dtype = dtype
         with self.on_device(), self.name_scope, weights_in(dtype):
-            self.wpe = weight(tf.zeros([hparams.n_ctx, hparams.n_embd]), name='wpe')
-            self.wte = weight(tf.zeros([hparams.n_vocab, hparams.n_embd]), name='wte')
+            self.wpe = weight([hparams.n_ctx, hparams.n_embd], 'wpe')
+            self.wte = weight([hparams.n_vocab, hparams.n_embd], 'wte')
             self.h = [Block(hparams.n_embd, 'h%d' % layer, hparams=hparams) for layer in range(hparams.n_layer)]
             self.ln_f = Norm(hparams.n_embd, 'ln_f')
         tokens, past = tf.TensorSpec([None, None], tf.int32), tf.TensorSpec(past_shape(hparams=hparams), tf.float32)

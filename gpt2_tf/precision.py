@@ -31,9 +31,9 @@ def weights_in(dtype: str):
         _creating.pop()
 
 
-def weight(value, name: str) -> tf.Variable:
-    """A model variable, in the dtype of the model being built."""
-    return tf.Variable(tf.cast(value, _creating[-1]), name=name)
+def weight(shape: list, name: str, *, ones: bool = False) -> tf.Variable:
+    """A model variable of zeros (or ones), made directly in the dtype of the model being built."""
+    return tf.Variable((tf.ones if ones else tf.zeros)(shape, _creating[-1]), name=name)
 
 
 def f32(v):

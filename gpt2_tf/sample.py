@@ -28,7 +28,7 @@ from . import compiled, validate
 from .decoding import decode, empty_cache
 from .model import Model
 
-MODES = ('xla', 'function', 'eager')
+MODES = compiled.MODES
 DEFAULT_CHUNK = 32  # tokens per compiled call; see BENCHMARKS.md for the overhead against one call
 UNIFORM_BITS = 23  # u = (b + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24]
 TOP_P_MARGIN = 8e-6  # a token whose cumulative probability is this close below top_p is dropped
@@ -338,6 +338,7 @@ class Request:
             validate.check_window(len(row), length, hp.n_ctx, what=f'prompt {i}')
         self.temperature, self.top_k, self.top_p = validate.check_sampling(temperature, top_k, top_p, batch)
         self.keys = row_keys(seed, batch)
+        mode = mode or compiled.default_mode(model)
         if mode not in MODES:
             raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
         if chunk is not None and (not validate.is_int(chunk) or chunk < 1):
@@ -358,8 +359,8 @@ class Request:
 
 
 def _run(model: Model, request: Request) -> Iterator[np.ndarray]:
-    start = compiled.shared(_start, model.hparams, request.mode)
-    advance = compiled.shared(_advance, model.hparams, request.mode)
+    start = compiled.shared(_start, model, request.mode)
+    advance = compiled.shared(_advance, model, request.mode)
     pads = tf.constant(request.pads)
     logits, caches = start(model, tf.constant(request.context), pads, size=request.size)
     options = [tf.constant(request.temperature), tf.constant(request.top_k), tf.constant(request.top_p),
@@ -381,7 +382,7 @@ def _run(model: Model, request: Request) -> Iterator[np.ndarray]:
 
 def sample_chunks(model: Model, length: int, context=None, start_token: Optional[int] = None,
                   batch_size: Optional[int] = None, temperature=1, top_k=0, top_p=1, seed=None, *,
-                  mode: str = 'xla', chunk: Optional[int] = None, logprobs: Optional[int] = None) -> Iterator:
+                  mode: Optional[str] = None, chunk: Optional[int] = None, logprobs: Optional[int] = None) -> Iterator:
     """sample_sequence as a generator: yields the new tokens, int32 [batch, n], chunk by chunk.
 
     Each chunk is one compiled call of `chunk` tokens (DEFAULT_CHUNK by default;
@@ -398,7 +399,7 @@ def sample_chunks(model: Model, length: int, context=None, start_token: Optional
 
 def sample_sequence(model: Model, length: int, context=None, start_token: Optional[int] = None,
                     batch_size: Optional[int] = None, temperature=1, top_k=0, top_p=1, seed=None, *,
-                    mode: str = 'xla', chunk: Optional[int] = None):
+                    mode: Optional[str] = None, chunk: Optional[int] = None):
     """Generates `length` tokens after each prompt, as the original sample_sequence does.
 
     Give exactly one of context (token ids: one prompt, a [batch, T] array, or a
@@ -410,8 +411,9 @@ def sample_sequence(model: Model, length: int, context=None, start_token: Option
     (1: none) are numbers, or one per row. seed: an int, a pair of ints, or one
     pair per row [batch, 2]; a pair p gives row i the key fold_in(p, i), and a row
     draws the same tokens as its key given alone as a one-row seed. None draws a
-    random seed. mode: 'xla' (default), 'function' or 'eager'; all three draw the
-    same tokens. chunk: tokens per compiled call (see sample_chunks).
+    random seed. mode: 'xla' (the default for float32 weights), 'function' (the
+    default for reduced ones, see compiled.default_mode) or 'eager'; all three
+    draw the same tokens. chunk: tokens per compiled call (see sample_chunks).
     """
     request = Request(model, length, context, start_token, batch_size, temperature, top_k, top_p, seed, mode,
                       chunk)

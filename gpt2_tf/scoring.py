@@ -94,7 +94,7 @@ def _rows(tokens, n_vocab: int, n_ctx: int) -> list:
     return [row.tolist() for row in rows]
 
 
-def score(model: Model, tokens, *, top: int = 0, mode: str = 'xla'):
+def score(model: Model, tokens, *, top: int = 0, mode: Optional[str] = None):
     """Per-token log-probabilities: int [batch, T] (T <= n_ctx) -> float32 [batch, T - 1].
 
     lp[b, i] = log p(tokens[b, i + 1] | tokens[b, :i + 1]). With top=N (1..50),
@@ -110,7 +110,7 @@ def score(model: Model, tokens, *, top: int = 0, mode: str = 'xla'):
     padded = np.zeros([len(rows), length], np.int32)
     for i, row in enumerate(rows):
         padded[i, :len(row)] = row
-    run = compiled.shared(_scored, hp, mode)
+    run = compiled.shared(_scored, model, mode)
     lp, ids, top_lp = run(model, tf.constant(padded), tf.zeros([len(rows)], tf.int32), count=length - 1, top=top)
     lp = lp.numpy()
     cut = [len(row) - 1 for row in rows]
@@ -139,7 +139,7 @@ def windows(n: int, n_ctx: int, stride: int) -> list:
 
 
 def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False, batch_size: int = 4,
-                     mode: str = 'xla', progress: Optional[Callable[[int], None]] = None,
+                     mode: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
                      end_of_text: int = END_OF_TEXT) -> np.ndarray:
     """log p of every token of ids from position 1 on (from 0 with bos), over the windows of `windows`.
 
@@ -161,7 +161,7 @@ def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False,
     if not validate.is_int(stride) or not 1 <= stride <= hp.n_ctx - 1:
         raise ValueError(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {stride!r}')
     spans = windows(len(ids), hp.n_ctx, stride)
-    run = compiled.shared(_scored, hp, mode)
+    run = compiled.shared(_scored, model, mode)
     out = np.zeros(len(ids) - 1, np.float32)
     for at in range(0, len(spans), batch_size):
         group = spans[at:at + batch_size]
@@ -192,7 +192,7 @@ def perplexity(model: Model, ids, *, stride: int = 512, bos: bool = False, **opt
     return {'perplexity': float(np.exp(nll)), 'nll': nll, 'tokens': int(lp.size)}
 
 
-def score_completion(model: Model, prompt_ids, completion_ids, *, mode: str = 'xla') -> float:
+def score_completion(model: Model, prompt_ids, completion_ids, *, mode: Optional[str] = None) -> float:
     """log p(completion | prompt), summed over the completion's tokens: the basis of ranking candidates."""
     prompt_ids, completion_ids = list(prompt_ids), list(completion_ids)
     if not prompt_ids or not completion_ids:

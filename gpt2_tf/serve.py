@@ -140,7 +140,7 @@ class Batcher:
     """
 
     def __init__(self, model: Model, *, capacity: int = 16, queue_size: int = 256, chunk: int = STREAM_CHUNK,
-                 mode: str = 'xla'):
+                 mode: Optional[str] = None):
         self.model, self.capacity, self.queue_size, self.chunk, self.mode = model, capacity, queue_size, chunk, mode
         self.pending: List[Row] = []
         self.lock = threading.Condition()
@@ -328,7 +328,7 @@ def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dic
 # --- the app ------------------------------------------------------------------------------------
 
 def create_app(model: Model, encoder: Encoder, *, model_id: str, api_key: Optional[str] = None,
-               capacity: int = 16, queue_size: int = 256, mode: str = 'xla'):
+               capacity: int = 16, queue_size: int = 256, mode: Optional[str] = None):
     """The FastAPI app. Handlers check, enqueue rows with the Batcher, and collect or stream."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -493,7 +493,7 @@ def create_app(model: Model, encoder: Encoder, *, model_id: str, api_key: Option
 
 
 def serve(model: Model, encoder: Encoder, *, model_id: str, host: str = '127.0.0.1', port: int = 8000,
-          api_key: Optional[str] = None, capacity: int = 16, queue_size: int = 256, mode: str = 'xla') -> None:
+          api_key: Optional[str] = None, capacity: int = 16, queue_size: int = 256, mode: Optional[str] = None) -> None:
     """Runs the server with uvicorn until interrupted."""
     import uvicorn
 

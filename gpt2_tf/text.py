@@ -15,7 +15,7 @@ from .validate import default_length
 
 def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[int] = None, *,
                  nsamples: Optional[int] = 1, batch_size: int = 1, encoder: Optional[Encoder] = None,
-                 temperature=1, top_k=0, top_p=1, seed: Optional[int] = None, mode: str = 'xla',
+                 temperature=1, top_k=0, top_p=1, seed: Optional[int] = None, mode: Optional[str] = None,
                  chunk: Optional[int] = None, progress: Optional[Callable[[int], None]] = None) -> Iterator[str]:
     """Yields generated texts (the continuation only), batch_size at a time.
 

@@ -66,7 +66,7 @@ def test_mixed_length_batch_equals_row_by_row(models):
 
 
 def traces(model, mode='xla') -> int:
-    return sum(compiled.shared(fn, model.hparams, mode).tracing_count for fn in (sample._start, sample._advance))
+    return sum(compiled.shared(fn, model, mode).tracing_count for fn in (sample._start, sample._advance))
 
 
 def test_new_prompt_length_in_a_bucket_does_not_retrace():
@@ -118,6 +118,7 @@ class CountingModel:
     """A fake model: the next token is (position + 1) % vocab, so the loop's bookkeeping shows."""
 
     hparams = HParams(n_vocab=50, n_ctx=40, n_embd=4, n_head=1, n_layer=1)
+    dtype = 'float32'
 
     def on_device(self):
         return tf.device('/CPU:0')
@@ -227,7 +228,7 @@ def test_the_length_rule_allows_the_whole_window(models):
 
 
 SOAK = '''
-import gc, json, sys, weakref
+import gc, json, sys, types, weakref
 import gpt2_tf
 from gpt2_tf import compiled, sample
 
@@ -245,13 +246,14 @@ for i in range(20):  # build, sample from and drop 20 models of one shape
     gc.collect()
     cycles.append(rss_mb())
 hp = gpt2_tf.HParams.from_json(fixture + '/hparams.json')
-shared_traces = [compiled.shared(f, hp, 'xla').tracing_count for f in (sample._start, sample._advance)]
+shape = types.SimpleNamespace(hparams=hp, dtype='float32')  # the models are gone; their shape stays
+shared_traces = [compiled.shared(f, shape, 'xla').tracing_count for f in (sample._start, sample._advance)]
 model = gpt2_tf.load_model(bundled)
 calls = []
 for i in range(200):
     gpt2_tf.generate(model, 'Hello there', 12, seed=i, top_k=40)
     calls.append(rss_mb())
-traces = [compiled.shared(f, model.hparams, 'xla').tracing_count for f in (sample._start, sample._advance)]
+traces = [compiled.shared(f, model, 'xla').tracing_count for f in (sample._start, sample._advance)]
 print(json.dumps(dict(alive=sum(r() is not None for r in alive), cycles=cycles, calls=calls,
                       shared_traces=shared_traces, traces=traces)))
 '''

@@ -108,7 +108,7 @@ def test_score_completion_is_the_sum_over_the_completion(hot):
 
 def test_new_lengths_in_a_bucket_do_not_retrace(hot):
     model, _ = hot
-    fn = compiled.shared(scoring._scored, model.hparams, 'xla')
+    fn = compiled.shared(scoring._scored, model, 'xla')
     gpt2_tf.score(model, [[1, 2, 3, 4, 5]])
     before = fn.tracing_count
     for n in (3, 6, 7, 8):  # all bucket to 8
