@@ -501,6 +501,14 @@ def _add_dtype(parser):
                         help='the weights\' precision (default float32, exact; see the README for speed and fidelity)')
 
 
+def _add_generation_arguments(parser, *, nsamples):
+    """What generate and sample share: the model, its dtype, the sampling options."""
+    _add_model_arguments(parser)
+    _add_dtype(parser)
+    _add_sampling_arguments(parser, nsamples=nsamples)
+    _add_verbose(parser)
+
+
 def _add_verbose(parser):
     parser.add_argument('--verbose', action='store_true', help="show TensorFlow's start-up messages")
 
@@ -511,17 +519,11 @@ def parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser('generate', help='samples after a prompt; without one, read prompts interactively')
     generate.add_argument('prompt', nargs='?', default=None, help='the prompt text (omit for the interactive mode)')
-    _add_model_arguments(generate)
-    _add_dtype(generate)
-    _add_sampling_arguments(generate, nsamples=1)
-    _add_verbose(generate)
+    _add_generation_arguments(generate, nsamples=1)
     generate.set_defaults(run=cmd_generate)
 
     sample = commands.add_parser('sample', help='unconditional samples')
-    _add_model_arguments(sample)
-    _add_dtype(sample)
-    _add_sampling_arguments(sample, nsamples=0)
-    _add_verbose(sample)
+    _add_generation_arguments(sample, nsamples=0)
     sample.set_defaults(run=cmd_sample)
 
     score = commands.add_parser('score', help='per-token log-probabilities and perplexity of text files')
