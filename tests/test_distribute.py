@@ -7,6 +7,7 @@ strategy, and a timeout on every subprocess.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -159,3 +160,16 @@ def test_a_killed_worker_stops_the_others_clearly_and_the_run_resumes(tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f'(step {saved})' in resumed.stdout and f'[{saved + 2} |' in resumed.stdout
+
+
+def test_a_worker_whose_peer_never_starts_gives_up_clearly(tmp_path):
+    (tmp_path / 'corpus.txt').write_text('alpha beta gamma delta. ' * 100)
+    command = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--model_dir', bundled_checkpoint(),
+               '--steps', '2', '--strategy', 'multiworker', '--collective_timeout', '10']
+    start = time.monotonic()
+    done = subprocess.run(command, env=cluster_env(free_ports(2), 0), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180)  # the watchdog
+    waited = time.monotonic() - start
+    print(f'\nthe lone worker gave up after {waited:.1f} s')
+    assert done.returncode == -signal.SIGKILL
+    assert 'did not come together within 10 s' in done.stderr.strip().splitlines()[-1]
