@@ -8,9 +8,9 @@ with the original filters' semantics. How it is drawn differs:
   bisection over the logit values (exact, no sort). The draw is Gumbel-max over
   the kept set only, so a removed token has probability exactly 0 at any
   temperature.
-- Noise comes from stateless Philox integers keyed by each row's own seed and
-  the step, so a row draws the same tokens whatever else is in the batch, and
-  in every mode.
+- Noise comes from integer hashing (SplitMix64) of each row's own key, the
+  step and the token id, so a row draws the same tokens whatever else is in
+  the batch, and in every mode.
 - The loop runs as compiled chunks of `chunk` tokens over a preallocated KV
   cache (gpt2_tf.decoding); the compiled code is shared by every model of a
   shape (gpt2_tf.compiled), and callers get tokens chunk by chunk.
@@ -160,18 +160,22 @@ def _mix64(z):
     return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(31, tf.uint64)))
 
 
-def uniform_bits(keys, step, vocab: int):
-    """[batch, vocab] integers in [0, 2**UNIFORM_BITS): row i's from its own key and the step alone.
+def uniform_bits(keys, step, tokens):
+    """Integers in [0, 2**UNIFORM_BITS), one per (row, token): row i's from its own key and the step alone.
 
+    tokens: the vocabulary size V (every token: [batch, V]) or token ids int32
+    [batch, n] (those tokens' integers, the same as in the full row).
     Each (row key, step) seeds a SplitMix64 stream (the generator behind Java's
     SplittableRandom), and token j takes the stream's j-th output. It is integer
     arithmetic only, so XLA, tf.function and eager give the same bits, and one
     op covers the whole batch (a per-row stateless Philox call costs 6x more at batch 8).
     """
+    if isinstance(tokens, int):
+        tokens = tf.range(tokens)[None]
     keys = tf.bitcast(tf.cast(keys, tf.int64), tf.uint64)  # [batch, 2]
     state = _mix64(_mix64(_mix64(keys[:, 0] + _GOLDEN) + keys[:, 1]) + tf.bitcast(tf.cast(step, tf.int64), tf.uint64))
-    counter = tf.cast(tf.range(1, vocab + 1), tf.uint64)
-    out = _mix64(state[:, None] + counter[None, :] * _GOLDEN)
+    counter = tf.cast(tokens, tf.uint64) + 1
+    out = _mix64(state[:, None] + counter * _GOLDEN)
     return tf.cast(tf.bitwise.right_shift(out, tf.constant(64 - UNIFORM_BITS, tf.uint64)), tf.int32)
 
 
@@ -180,9 +184,9 @@ def uniform(bits):
     return (tf.cast(bits, tf.float32) + 0.5) / (1 << UNIFORM_BITS)
 
 
-def gumbel(keys, step, vocab: int):
-    """Gumbel noise [batch, vocab] from uniform_bits: in [-2.81, 16.64], never infinite."""
-    return -tf.math.log(-tf.math.log(uniform(uniform_bits(keys, step, vocab))))
+def gumbel(keys, step, tokens):
+    """Gumbel noise from uniform_bits (same `tokens`): in [-2.81, 16.64], never infinite."""
+    return -tf.math.log(-tf.math.log(uniform(uniform_bits(keys, step, tokens))))
 
 
 def first_argmax(x):
@@ -196,20 +200,37 @@ def first_argmax(x):
     return tf.reduce_min(tf.where(x >= top, ids, x.shape[-1]), axis=-1)
 
 
-def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: bool = False):
+def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: bool = False,
+           among_top: bool = False):
     """One step's tokens: logits [batch, vocab] -> int32 [batch].
 
     Per row: temperature, top_p float32 [batch], top_k int32 [batch], keys int64
     [batch, 2]; step int64 []. A row with temperature 0 or top_k 1 takes the
     argmax (the lowest id among exact ties); greedy=True (static) says every row does.
+    among_top=True (static) says every other row has 0 < top_k <= kmax: the draw
+    then runs over tf.math.top_k's candidates only, each with the noise it has in
+    the full row, so it picks the same token for a fraction of the cost.
     """
     best = first_argmax(logits)
     if greedy:
         return best
     is_greedy = tf.equal(temperature, 0) | tf.equal(top_k, 1)
     floor, z = floors(logits, tf.where(is_greedy, 1.0, temperature), top_k, top_p, kmax=kmax)
-    noisy = tf.where(order_keys(logits) >= floor[:, None], z + gumbel(keys, step, logits.shape[-1]), -np.inf)
-    return tf.where(is_greedy, best, first_argmax(noisy))
+    if among_top:
+        values, tokens = tf.math.top_k(logits, k=min(kmax, logits.shape[-1]))  # [batch, k]
+        z = tf.gather(z, tokens, batch_dims=1)
+    else:
+        values, tokens = logits, logits.shape[-1]
+    noisy = tf.where(order_keys(values) >= floor[:, None], z + gumbel(keys, step, tokens), -np.inf)
+    return tf.where(is_greedy, best, _first_best(noisy, tokens))
+
+
+def _first_best(noisy, tokens):
+    """The first_argmax of noisy [batch, n], as a token id: tokens is the vocabulary size (n) or ids [batch, n]."""
+    if isinstance(tokens, int):
+        return first_argmax(noisy)
+    top = tf.reduce_max(noisy, axis=-1, keepdims=True)
+    return tf.reduce_min(tf.where(noisy >= top, tokens, tf.int32.max), axis=-1)  # exact ties: the lowest id
 
 
 # --- the compiled loop -----------------------------------------------------------------------
@@ -220,7 +241,7 @@ def _start(model: Model, context, pads, *, size: int):
 
 
 def _advance(model: Model, logits, caches, pads, prompt, step0, length, temperature, top_k, top_p, keys, *,
-             chunk, greedy: bool, kmax, logprobs=None):
+             chunk, greedy: bool, kmax, among_top: bool = False, logprobs=None):
     """Chooses tokens step0 .. step0 + chunk - 1 (fewer at the end) -> tokens [batch, chunk], logits, caches.
 
     Token i goes in cache slot prompt + i (the padded prompt fills the first
@@ -229,7 +250,7 @@ def _advance(model: Model, logits, caches, pads, prompt, step0, length, temperat
     [batch, chunk] and the N likeliest tokens' ids and log-probs [batch, chunk, N],
     from the model's raw distribution at each step.
     """
-    options = dict(kmax=kmax, greedy=greedy)
+    options = dict(kmax=kmax, greedy=greedy, among_top=among_top)
     batch = tf.shape(logits)[0]
     top = logprobs or 0
     out = {'tokens': tf.zeros([chunk, batch], tf.int32), 'log_probs': tf.zeros([chunk, batch]),
@@ -278,6 +299,12 @@ def top_k_size(top_k: np.ndarray, vocab: int) -> int:
     if not largest:
         return 0
     return next((size for size in _TOP_K_SIZES if size >= largest), vocab)
+
+
+def truncating(temperature: np.ndarray, top_k: np.ndarray, vocab: int) -> bool:
+    """Whether every row that draws at random keeps at most its top_k tokens (choose's among_top)."""
+    drawing = (temperature > 0) & (top_k != 1)
+    return bool(np.all(~drawing | ((top_k > 0) & (top_k < vocab))))
 
 
 def row_keys(seed, batch: int) -> np.ndarray:
@@ -349,6 +376,7 @@ class Request:
         self.chunk = min(chunk or DEFAULT_CHUNK, bucket(length))
         self.greedy = bool(np.all((self.temperature == 0) | (self.top_k == 1)))
         self.kmax = 0 if self.greedy else top_k_size(self.top_k, hp.n_vocab)
+        self.among_top = truncating(self.temperature, self.top_k, hp.n_vocab)
         prompt = bucket(max(len(row) for row in self.rows))
         self.context = np.zeros([batch, prompt], np.int32)
         self.pads = np.array([prompt - len(row) for row in self.rows], np.int32)
@@ -371,6 +399,7 @@ def _run(model: Model, request: Request) -> Iterator[np.ndarray]:
     while step < request.length:
         out, logits, caches = advance(model, logits, caches, pads, prompt, tf.constant(step, tf.int32), length,
                                       *options, chunk=request.chunk, greedy=request.greedy, kmax=request.kmax,
+                                      among_top=request.among_top,
                                       logprobs=request.logprobs)
         n = min(request.chunk, request.length - step)
         if request.logprobs is None:

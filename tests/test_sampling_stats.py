@@ -47,14 +47,16 @@ _choose = tf.function(choose, jit_compile=True)
 
 
 def draw(row, temperature, top_k, top_p, *, rows: int, steps: int, seed: int) -> np.ndarray:
-    """Token counts [vocab] over rows x steps draws from `choose`, all on the same logits."""
+    """Token counts [vocab] over rows x steps draws from `choose`, all on the same logits, with the
+    options the decode loop would pass."""
     logits = tf.constant(np.tile(row, [rows, 1]))
     options = [tf.fill([rows], np.float32(temperature)), tf.fill([rows], np.int32(top_k)),
                tf.fill([rows], np.float32(top_p)), tf.constant(sample.row_keys(seed, rows))]
     kmax = sample.top_k_size(np.array([top_k]), row.shape[-1])
+    among_top = sample.truncating(np.array([temperature]), np.array([top_k]), row.shape[-1])
     counts = np.zeros(row.shape[-1], np.int64)
     for step in range(steps):
-        ids = _choose(logits, *options, tf.constant(step, tf.int64), kmax=kmax).numpy()
+        ids = _choose(logits, *options, tf.constant(step, tf.int64), kmax=kmax, among_top=among_top).numpy()
         np.add.at(counts, ids, 1)
     return counts
 
@@ -119,6 +121,20 @@ def test_kept_set_equals_the_original_float32_filter():
             np.put_along_axis(doubtful, order, (np.abs(cum32 - top_p) < 1e-5) | (np.abs(cum64 - top_p) < 1e-5), -1)
             assert not (ours & ~theirs & ~doubtful).any(), 'kept a token the original drops'
             assert not (theirs & ~ours & ~doubtful).any(), 'dropped a token the original keeps'
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 40, 1.0), (0.7, 40, 0.9), (1.3, 200, 1.0),
+                                                      (2.0, 5, 0.5), (0.01, 3, 1.0)])
+def test_drawing_among_the_top_k_picks_what_the_full_row_picks(temperature, top_k, top_p):
+    rng = np.random.default_rng(8)
+    logits = tf.constant((rng.standard_normal((8, V)) * 2).astype(np.float32))
+    options = [tf.fill([8], np.float32(temperature)), tf.fill([8], np.int32(top_k)), tf.fill([8], np.float32(top_p)),
+               tf.constant(sample.row_keys(9, 8))]
+    kmax = sample.top_k_size(np.array([top_k]), V)
+    for step in range(100):
+        full, top = (_choose(logits, *options, tf.constant(step, tf.int64), kmax=kmax, among_top=flag).numpy()
+                     for flag in (False, True))
+        np.testing.assert_array_equal(top, full, err_msg=f'step {step}')
 
 
 # --- goodness of fit ----------------------------------------------------------------------------------
