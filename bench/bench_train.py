@@ -1,12 +1,14 @@
 """Fine-tuning speed and memory: gpt2_tf's Trainer against the TF1 reference training step, in one run.
 
-    python bench/bench_train.py [--steps 3] [--batch 1] [--length 1024]
+    python bench/bench_train.py [--steps 3] [--batch 1] [--length 1024] [--bounds]
 
 Each case runs in a fresh process on the 124M-shaped random checkpoint
 (bench/.cache/): load, one step (tracing and compilation), then --steps timed
 steps. Memory is read from /proc: the process's peak RSS over its whole run,
 RSS just before the first step, and the peak during that step (sampled every
-2 ms); activation memory is the last minus the one before.
+2 ms); activation memory is the last minus the one before. --bounds also
+measures what bounds the step: the matrix products' floor at this machine's
+matrix-product rate, and one layer's attention forward and backward.
 """
 
 import argparse
@@ -90,12 +92,64 @@ def child(case: str, steps: int, batch: int, length: int) -> dict:
             'peak_mb': peak_mb()}
 
 
+def best_of(fn, reps=5) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bounds(batch: int, length: int):
+    """The step's matrix-product floor, and the attention's share of the step."""
+    import tensorflow as tf
+
+    from gpt2_tf import HParams
+    from gpt2_tf import model as original
+
+    hp = HParams.named('124M')
+    rows = batch * length
+    rates = []
+    for k, n in ((hp.n_embd, 3 * hp.n_embd), (hp.n_embd, 4 * hp.n_embd), (4 * hp.n_embd, hp.n_embd)):
+        a, b = tf.random.normal([rows, k]), tf.random.normal([k, n])
+        product = tf.function(tf.matmul)
+        rates.append(2 * rows * k * n / best_of(lambda: product(a, b).numpy()))
+    rate = statistics.median(rates)
+    per_token = 2 * (12 * hp.n_layer * hp.n_embd ** 2 + hp.n_vocab * hp.n_embd)  # the blocks' weights, the logits
+    attention = 4 * hp.n_layer * length * length * hp.n_embd / 2  # q.k and w.v, causal: counted as half
+    flops = 3 * (rows * per_token + batch * attention)  # forward, and twice that backward
+    print(f'matrix products: {rate / 1e9:.0f} GFLOP/s (TF, {rows} rows); the step\'s {flops / 1e12:.2f} TFLOP '
+          f'take at least {flops / rate:.2f} s at that rate')
+    shape = [batch, hp.n_head, length, hp.head_size]
+    q, k, v = (tf.random.normal(shape) for _ in range(3))
+    mask = original.attention_mask(length, length, dtype=tf.float32)
+    fused = tf.function(lambda w: original.softmax(original.mask_attn_weights(w * tf.math.rsqrt(
+        float(hp.head_size)), mask)), jit_compile=True)
+    variants = {'as the original': lambda q, k, v: original.multihead_attn(q, k, v, mask),
+                'mask and softmax fused by XLA': lambda q, k, v: tf.matmul(fused(tf.matmul(q, k, transpose_b=True)), v)}
+    for name, attend in variants.items():
+        @tf.function
+        def both(q, k, v):
+            with tf.GradientTape() as tape:
+                tape.watch([q, k, v])
+                out = attend(q, k, v)
+            return tape.gradient(out, [q, k, v], output_gradients=tf.ones_like(out))
+
+        seconds = best_of(lambda: [g.numpy() for g in both(q, k, v)])
+        print(f'one layer\'s attention, forward and backward, {name}: {seconds * 1e3:.1f} ms '
+              f'({hp.n_layer * seconds:.2f} s for {hp.n_layer} layers)', flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--steps', type=int, default=3)
     parser.add_argument('--batch', type=int, default=1)
     parser.add_argument('--length', type=int, default=1024)
     parser.add_argument('--cases', default=','.join(CASES))
+    parser.add_argument('--bounds', action='store_true', help="also measure what bounds the step")
     parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -124,6 +178,8 @@ def main():
         print(f'recompute: peak RSS {lean["peak_mb"] / plain["peak_mb"]:.2f}x, activation memory '
               f'{(lean["during_mb"] - lean["before_mb"]) / (plain["during_mb"] - plain["before_mb"]):.2f}x '
               f'of the plain step')
+    if args.bounds:
+        bounds(args.batch, args.length)
 
 
 if __name__ == '__main__':
