@@ -26,9 +26,9 @@ def shape_list(x):
 
 
 def softmax(x, axis=-1):
-    x = x - tf.reduce_max(x, axis=axis, keepdims=True)
-    ex = tf.exp(x)
-    return ex / tf.reduce_sum(ex, axis=axis, keepdims=True)
+    # The original's formula, exp(x - max) / sum, as TF's one fused kernel: within a few ulps of the
+    # five separate ops (identical under XLA), and half the attention's time in training.
+    return tf.nn.softmax(x, axis=axis)
 
 
 def gelu(x):

@@ -117,9 +117,10 @@ def test_eager_equals_tf_function():
     assert tf.executing_eagerly()
     eager = model.forward(tf.constant(ref['tokens']))
     compiled = model(ref['tokens'])
-    # Same ops; only graph rewrites may reassociate float32 sums.
-    np.testing.assert_allclose(eager['logits'], compiled['logits'], rtol=0, atol=1e-5)
-    np.testing.assert_allclose(eager['present'], compiled['present'], rtol=0, atol=1e-5)
+    # Same ops; only graph rewrites (oneDNN's softmax among them) may round float32 differently.
+    for name in ('logits', 'present'):
+        scale = max(1.0, float(np.abs(ref[name]).max()))
+        np.testing.assert_allclose(eager[name], compiled[name], rtol=0, atol=3e-6 * scale)
 
 
 def test_new_batch_sequence_and_past_do_not_retrace():
