@@ -92,20 +92,10 @@ def child(case: str, steps: int, batch: int, length: int) -> dict:
             'peak_mb': peak_mb()}
 
 
-def best_of(fn, reps=5) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def bounds(batch: int, length: int):
     """The step's matrix-product floor, and the attention's share of the step."""
     import tensorflow as tf
+    from bench_generate import timed
 
     from gpt2_tf import HParams
     from gpt2_tf import model as original
@@ -116,7 +106,7 @@ def bounds(batch: int, length: int):
     for k, n in ((hp.n_embd, 3 * hp.n_embd), (hp.n_embd, 4 * hp.n_embd), (4 * hp.n_embd, hp.n_embd)):
         a, b = tf.random.normal([rows, k]), tf.random.normal([k, n])
         product = tf.function(tf.matmul)
-        rates.append(2 * rows * k * n / best_of(lambda: product(a, b).numpy()))
+        rates.append(2 * rows * k * n / timed(lambda: product(a, b).numpy(), 5)[1])
     rate = statistics.median(rates)
     per_token = 2 * (12 * hp.n_layer * hp.n_embd ** 2 + hp.n_vocab * hp.n_embd)  # the blocks' weights, the logits
     attention = 4 * hp.n_layer * length * length * hp.n_embd / 2  # q.k and w.v, causal: counted as half
@@ -134,7 +124,7 @@ def bounds(batch: int, length: int):
             out = original.multihead_attn(q, k, v, mask)
         return tape.gradient(out, [q, k, v], output_gradients=tf.ones_like(out))
 
-    seconds = best_of(lambda: [g.numpy() for g in both(q, k, v)])
+    seconds = timed(lambda: [g.numpy() for g in both(q, k, v)], 5)[1]
     print(f'one layer\'s attention, forward and backward: {seconds * 1e3:.1f} ms '
           f'({hp.n_layer * seconds:.2f} s for {hp.n_layer} layers)', flush=True)
 
