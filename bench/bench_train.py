@@ -109,7 +109,7 @@ def bounds(batch: int, length: int):
         rates.append(2 * rows * k * n / timed(lambda: product(a, b).numpy(), 5)[1])
     rate = statistics.median(rates)
     per_token = 2 * (12 * hp.n_layer * hp.n_embd ** 2 + hp.n_vocab * hp.n_embd)  # the blocks' weights, the logits
-    attention = 4 * hp.n_layer * length * length * hp.n_embd / 2  # q.k and w.v, causal: counted as half
+    attention = 4 * hp.n_layer * length * length * hp.n_embd  # q.k and w.v over every pair, masked ones too
     flops = 3 * (rows * per_token + batch * attention)  # forward, and twice that backward
     print(f'matrix products: {rate / 1e9:.0f} GFLOP/s (TF, {rows} rows); the step\'s {flops / 1e12:.2f} TFLOP '
           f'take at least {flops / rate:.2f} s at that rate')
