@@ -37,6 +37,13 @@ def checkpoint() -> pathlib.Path:
     return CACHE
 
 
+def sides():
+    """The 124M-shaped random checkpoint's folder and hparams, loaded here and as the TF1 reference graph."""
+    folder = checkpoint()
+    hparams = HParams.named('124M')
+    return folder, hparams, gpt2_tf.load_model(folder), Reference(hparams, str(folder / 'model.ckpt'))
+
+
 def cpu() -> str:
     """The CPU model and the vector flags that matter here, from /proc/cpuinfo."""
     try:
@@ -209,10 +216,7 @@ def main():
     parser.add_argument('--new', type=int, default=64)
     args = parser.parse_args()
 
-    folder = checkpoint()
-    hparams = HParams.named('124M')
-    model = gpt2_tf.load_model(folder)
-    reference = Reference(hparams, str(folder / 'model.ckpt'))
+    folder, hparams, model, reference = sides()
     rng = np.random.default_rng(0)
     print(f'CPU: {cpu()}')
     print(f'TensorFlow {tf.__version__}; {args.reps} timed calls after a first one')

@@ -11,19 +11,15 @@ keeps the positions each window scores; ours computes logits only there.
 import argparse
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-import gpt2_tf  # noqa: E402
-from gpt2_tf import HParams, scoring  # noqa: E402
-from gpt2_tf.tf1_reference import Reference  # noqa: E402
-from bench_generate import checkpoint, cpu  # noqa: E402
+from gpt2_tf import scoring  # noqa: E402
+from bench_generate import cpu, sides, timed  # noqa: E402
 
 
 def tf1_window_log_probs(reference, ids, n_ctx, stride, batch):
@@ -50,30 +46,18 @@ def main():
     parser.add_argument('--batch', type=int, default=4, help='windows per call, both sides')
     parser.add_argument('--reps', type=int, default=3)
     args = parser.parse_args()
-    folder = checkpoint()
-    hparams = HParams.named('124M')
-    model = gpt2_tf.load_model(folder)
-    reference = Reference(hparams, str(folder / 'model.ckpt'))
+    _, hparams, model, reference = sides()
     ids = np.random.default_rng(0).integers(0, hparams.n_vocab, args.tokens, dtype=np.int32)
     print(f'CPU: {cpu()}')
     print(f'{args.tokens:,} tokens, stride {args.stride}, {args.batch} windows per call, '
           f'{len(scoring.windows(len(ids), hparams.n_ctx, args.stride))} windows')
 
-    def timed(fn):
-        start = time.perf_counter()
-        result = fn()
-        first = time.perf_counter() - start
-        times = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return first, statistics.median(times), result
-
-    tf1_first, tf1, theirs = timed(lambda: tf1_window_log_probs(reference, ids, hparams.n_ctx, args.stride, args.batch))
-    ours_first, ours, mine = timed(lambda: scoring.window_log_probs(model, ids, stride=args.stride,
-                                                                    batch_size=args.batch))
-    diff = float(np.abs(mine - theirs).max())
+    results = {'TF1': [], 'ours': []}  # every call's output; the last is compared
+    tf1_first, tf1 = timed(lambda: results['TF1'].append(
+        tf1_window_log_probs(reference, ids, hparams.n_ctx, args.stride, args.batch)), args.reps)
+    ours_first, ours = timed(lambda: results['ours'].append(
+        scoring.window_log_probs(model, ids, stride=args.stride, batch_size=args.batch)), args.reps)
+    diff = float(np.abs(results['ours'][-1] - results['TF1'][-1]).max())
     for name, first, seconds in (('TF1', tf1_first, tf1), ('ours (XLA)', ours_first, ours)):
         print(f'{name:<12} first {first:7.2f} s   {seconds:7.2f} s   {(len(ids) - 1) / seconds:8.1f} tokens/s')
     print(f'ours / TF1 time {ours / tf1:.2f} ({tf1 / ours:.2f}x tokens/s); max |log-prob diff| {diff:.2g}')

@@ -179,22 +179,27 @@ def test_part_file_whose_version_is_unknown_starts_over(server, tmp_path):
     assert_complete(server, tmp_path / '124M')
 
 
+class ChangeAfterDrop(dict):
+    """A drop_after that cuts `name` after 140,000 bytes once, then serves new_bytes under that name."""
+
+    def __init__(self, server, name, new_bytes):
+        super().__init__()
+        self.server, self.name, self.new_bytes = server, name, new_bytes
+
+    def pop(self, name, default=None):
+        if name != self.name:
+            return default
+        self.server.drop_after = {}
+        self.server.files[name] = self.new_bytes
+        return 140_000
+
+    def __contains__(self, name):
+        return name == self.name
+
+
 def test_a_file_changed_on_the_server_is_not_spliced(server, tmp_path):
     data = 'model.ckpt.data-00000-of-00001'
-    original = server.files[data]
-
-    class ChangeAfterDrop(dict):
-        def pop(self, name, default=None):
-            if name != data:
-                return default
-            server.drop_after = {}
-            server.files[data] = bytes(reversed(original))  # same size, other bytes, another ETag
-            return 140_000
-
-        def __contains__(self, name):
-            return name == data
-
-    server.drop_after = ChangeAfterDrop()
+    server.drop_after = ChangeAfterDrop(server, data, bytes(reversed(server.files[data])))  # same size, other bytes
     fetch(server, tmp_path, verify=False)
     got = (tmp_path / '124M' / data).read_bytes()
     assert got == server.files[data]  # all from the new version, none spliced from the old
@@ -301,20 +306,7 @@ def test_short_reads_give_up_and_keep_the_part(server, tmp_path):
 def test_size_mismatch_is_an_error(server, tmp_path):
     # The file changes size between an interrupted request and its resumption.
     data = 'model.ckpt.data-00000-of-00001'
-    original = server.files[data]
-
-    class GrowAfterDrop(dict):
-        def pop(self, name, default=None):
-            if name != data:
-                return default
-            server.drop_after = {}
-            server.files[data] = original + b'\0' * 1000
-            return 140_000
-
-        def __contains__(self, name):
-            return name == data
-
-    server.drop_after = GrowAfterDrop()
+    server.drop_after = ChangeAfterDrop(server, data, server.files[data] + b'\0' * 1000)
     with pytest.raises(DownloadError, match=r'size mismatch: the server announced 171,520 bytes, then 172,520'):
         fetch(server, tmp_path)
     assert not (tmp_path / '124M.partial' / data).exists()
