@@ -17,7 +17,7 @@ _EXPORTS = {
     'HParams': 'hparams',
     'Model': 'model',
     'CheckpointError': 'checkpoint',
-    'load_model': 'checkpoint',
+    'load_model': 'loading',
     'save_checkpoint': 'checkpoint',
     'save_hf': 'hf',
     'export_saved_model': 'export',

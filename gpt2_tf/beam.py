@@ -71,7 +71,7 @@ class GPT2ModelHandler(ModelHandler):
         from . import quiet
 
         quiet.tensorflow()
-        from .checkpoint import load_model
+        from .loading import load_model
         from .encoder import encoder_for
 
         return Loaded(load_model(self.model_dir), encoder_for(self.model_dir))

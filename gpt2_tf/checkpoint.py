@@ -7,7 +7,6 @@ A model folder holds `checkpoint`, `hparams.json`, `model.ckpt.index`,
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -18,34 +17,72 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from . import hf
 from .hparams import HParams
+from .validate import GPT2Error
 from .model import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
 
 
+# The one table of the original graph's variables: checkpoint name (under model/, with {i} for a block),
+# shape in units of (n_embd 'e', n_vocab 'v', n_ctx 'c'), and the component it belongs to. The HF names,
+# the diagnostics' components and the explorer's accounting derive from it.
+VARIABLES = (
+    ('wte', ('v', 'e'), 'wte'),
+    ('wpe', ('c', 'e'), 'wpe'),
+    ('h{i}/ln_1/g', ('e',), 'ln_1'),
+    ('h{i}/ln_1/b', ('e',), 'ln_1'),
+    ('h{i}/attn/c_attn/w', (1, 'e', '3e'), 'attn.c_attn'),
+    ('h{i}/attn/c_attn/b', ('3e',), 'attn.c_attn'),
+    ('h{i}/attn/c_proj/w', (1, 'e', 'e'), 'attn.c_proj'),
+    ('h{i}/attn/c_proj/b', ('e',), 'attn.c_proj'),
+    ('h{i}/ln_2/g', ('e',), 'ln_2'),
+    ('h{i}/ln_2/b', ('e',), 'ln_2'),
+    ('h{i}/mlp/c_fc/w', (1, 'e', '4e'), 'mlp.c_fc'),
+    ('h{i}/mlp/c_fc/b', ('4e',), 'mlp.c_fc'),
+    ('h{i}/mlp/c_proj/w', (1, '4e', 'e'), 'mlp.c_proj'),
+    ('h{i}/mlp/c_proj/b', ('e',), 'mlp.c_proj'),
+    ('ln_f/g', ('e',), 'ln_f'),
+    ('ln_f/b', ('e',), 'ln_f'),
+)
+BLOCK = 'h{i}/'
+
+
+def _dimension(unit, hp: HParams) -> int:
+    if isinstance(unit, int):
+        return unit
+    sizes = {'e': hp.n_embd, 'v': hp.n_vocab, 'c': hp.n_ctx}
+    return int(unit[:-1] or 1) * sizes[unit[-1]] if len(unit) > 1 else sizes[unit]
+
+
+def table_shape(units: tuple, hp: HParams) -> tuple:
+    """A table entry's shape for these hparams: (1, 'e', '3e') -> (1, n_embd, 3 * n_embd)."""
+    return tuple(_dimension(unit, hp) for unit in units)
+
+
+def in_block(name: str) -> bool:
+    return name.startswith(BLOCK)
+
+
 def block_shapes(n_embd: int) -> dict:
     """{name under model/h<i>/: shape} for one block's variables, conv1d weights in their [1, nx, nf] shape."""
-    e = n_embd
-    return {'ln_1/g': (e,), 'ln_1/b': (e,),
-            'attn/c_attn/w': (1, e, 3 * e), 'attn/c_attn/b': (3 * e,),
-            'attn/c_proj/w': (1, e, e), 'attn/c_proj/b': (e,),
-            'ln_2/g': (e,), 'ln_2/b': (e,),
-            'mlp/c_fc/w': (1, e, 4 * e), 'mlp/c_fc/b': (4 * e,),
-            'mlp/c_proj/w': (1, 4 * e, e), 'mlp/c_proj/b': (e,)}
+    hp = HParams(n_vocab=1, n_ctx=1, n_embd=n_embd, n_head=1, n_layer=1)
+    return {name[len(BLOCK):]: table_shape(units, hp) for name, units, _ in VARIABLES if in_block(name)}
 
 
 def variable_shapes(hp: HParams) -> dict:
-    """{checkpoint name: shape} of every variable of the original graph, without building it."""
-    shapes = {'model/wte': (hp.n_vocab, hp.n_embd), 'model/wpe': (hp.n_ctx, hp.n_embd)}
-    for layer in range(hp.n_layer):
-        shapes.update({f'model/h{layer}/{name}': shape for name, shape in block_shapes(hp.n_embd).items()})
-    shapes.update({'model/ln_f/g': (hp.n_embd,), 'model/ln_f/b': (hp.n_embd,)})
+    """{checkpoint name: shape} of every variable of the original graph, in the model's order, without building it."""
+    shapes = {}
+    for name, units, _ in VARIABLES:
+        if name == 'ln_f/g':  # the blocks sit between the embeddings and ln_f
+            for layer in range(hp.n_layer):
+                shapes.update({f'model/h{layer}/{n}': s for n, s in block_shapes(hp.n_embd).items()})
+        if not in_block(name):
+            shapes['model/' + name] = table_shape(units, hp)
     return shapes
 
 
-class CheckpointError(ValueError):
+class CheckpointError(GPT2Error):
     """A checkpoint that cannot be loaded into the model as it is."""
 
 
@@ -189,48 +226,6 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
     for name, variable in variables.items():
         value = values.pop(name) if values is not None else read(name)
         variable.assign(tf.cast(value, variable.dtype))  # float32 on disk, the model's dtype in memory
-
-
-def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True,
-               jit_compile: bool = False, strategy=None, dtype: str = 'float32') -> Model:
-    """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint), or from a
-    Hugging Face GPT-2 folder (config.json with model.safetensors or pytorch_model.bin; see gpt2_tf.hf).
-    A folder with both an hparams.json and a config.json loads as the original layout.
-
-    device pins the variables and the computation ('/GPU:0', '/CPU:0'); by default
-    TensorFlow places them, on a GPU when it sees one. strict=False ignores
-    checkpoint variables the model does not use (optimizer slots). jit_compile=True
-    XLA-compiles model calls (see Model). strategy, a tf.distribute strategy, creates
-    the variables under its scope (mirrored on its devices), for data-parallel
-    training with gpt2_tf.train.Trainer. dtype holds the weights in 'float32'
-    (the default, exact), 'bfloat16' or 'float16' (see gpt2_tf.precision); the
-    checkpoint's float32 values are rounded to it once, at load.
-    """
-    model_dir = os.fspath(model_dir)
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f'no model folder at {model_dir}')
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        if hf.is_hf_folder(model_dir):
-            model = _load_hf(model_dir, device=device, jit_compile=jit_compile, dtype=dtype)
-        else:
-            hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
-            prefix = find_checkpoint(model_dir)
-            model = Model(hparams, device=device, jit_compile=jit_compile, dtype=dtype)
-            restore(model, prefix, strict=strict, all_or_nothing=False)
-    model.strategy = strategy
-    return model
-
-
-def _load_hf(model_dir: str, **options) -> Model:
-    """A Model from a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)."""
-    hparams = hf.read_config(model_dir)
-    tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir)
-    verify(variable_shapes(hparams), {name: value.shape for name, value in tensors.items()}, hparams=hparams,
-           source=model_dir, settings='config.json')
-    model = Model(hparams, **options)
-    for name, variable in model.variables_by_name().items():
-        variable.assign(tf.cast(tensors[name], variable.dtype))
-    return model
 
 
 def checkpoint_state(model_dir: str) -> tuple:

@@ -134,7 +134,7 @@ def _load(args, folder: str):
         print(args.notice, file=sys.stderr)
     quiet.tensorflow(verbose=args.verbose)
     quiet.check_device(args.device)
-    from .checkpoint import load_model
+    from .loading import load_model
 
     return load_model(folder, device=args.device, dtype=getattr(args, 'dtype', 'float32'))
 
@@ -319,7 +319,7 @@ def cmd_export(args):
     if os.path.exists(args.out_dir) and os.listdir(args.out_dir):
         raise CommandError(f'{args.out_dir} exists and is not empty: export into a new folder')
     quiet.tensorflow(verbose=args.verbose)
-    from .checkpoint import load_model
+    from .loading import load_model
     from .export import export_saved_model
 
     export_saved_model(load_model(folder, device='/CPU:0', dtype=args.dtype), args.out_dir, xla=args.xla)
@@ -346,7 +346,7 @@ def cmd_serve(args):
         print(notice, file=sys.stderr)
     quiet.tensorflow(verbose=args.verbose)
     quiet.check_device(args.device)
-    from .checkpoint import load_model
+    from .loading import load_model
     from .serve import serve
 
     name = args.served_model_name or os.path.basename(os.path.normpath(folder))
@@ -373,7 +373,7 @@ def cmd_explore(args):
     if not os.path.isdir(os.path.dirname(out)) or not os.access(os.path.dirname(out), os.W_OK):
         raise CommandError(f'cannot write {args.output}: {os.path.dirname(out)} is not a writable folder')
     quiet.tensorflow(verbose=args.verbose)
-    from .checkpoint import load_model
+    from .loading import load_model
     from .explorer import write_report
 
     write_report(load_model(folder, dtype=args.dtype), encoder, args.prompt, out, model_dir=folder)
@@ -397,7 +397,8 @@ def cmd_convert(args):
     if args.to == 'original' and not is_hf_folder(source):
         raise CommandError(f'{source} is not a Hugging Face folder (no config.json); use --to hf')
     quiet.tensorflow(verbose=args.verbose)
-    from .checkpoint import load_model, save_checkpoint
+    from .checkpoint import save_checkpoint
+    from .loading import load_model
     from .hf import save_hf
 
     model = load_model(source, device='/CPU:0')

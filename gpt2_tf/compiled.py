@@ -84,6 +84,19 @@ class Shared:
 
 
 MODES = ('xla', 'function', 'eager')
+SMALL_BUCKETS = (8, 16, 32, 64)  # padded sizes up to 64; beyond, multiples of BUCKET_STEP
+BUCKET_STEP = 64
+
+
+def bucket(n, limit=None):
+    """The padded size for n, so that nearby sizes share compiled code: 8, 16, 32, 64, then multiples of 64,
+    at most limit when given. n is a Python int, or an int32 scalar tensor inside a graph (the export)."""
+    if isinstance(n, tf.Tensor):
+        small = tf.reduce_min(tf.where(tf.constant(SMALL_BUCKETS) >= n, SMALL_BUCKETS, SMALL_BUCKETS[-1]))
+        size = tf.where(n <= SMALL_BUCKETS[-1], small, (n + BUCKET_STEP - 1) // BUCKET_STEP * BUCKET_STEP)
+        return size if limit is None else tf.minimum(size, limit)
+    size = next((s for s in SMALL_BUCKETS if s >= n), None) or -(-n // BUCKET_STEP) * BUCKET_STEP
+    return size if limit is None else min(size, limit)
 
 
 def default_mode(model) -> str:

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .checkpoint import checkpoint_shapes, find_checkpoint, load_model, variable_shapes
+from .checkpoint import checkpoint_shapes, find_checkpoint, variable_shapes
+from .loading import load_model
 from .hparams import HParams
 from . import model as graph
 from .model import Model, attention_mask, positions_for

@@ -18,7 +18,9 @@ import warnings
 
 import numpy as np
 
+from .checkpoint import BLOCK, VARIABLES, in_block
 from .hparams import HParams
+from .validate import GPT2Error
 
 CONFIG = 'config.json'
 SAFETENSORS = 'model.safetensors'
@@ -27,21 +29,23 @@ TORCH_BIN = 'pytorch_model.bin'
 TOKENIZER_FILES = {'vocab.json': 'encoder.json', 'merges.txt': 'vocab.bpe'}  # HF's names for the same files
 GPT2_VOCAB = 50257
 
-# HF name under h.<i>. -> original name under model/h<i>/, and whether it is a conv1d weight ([nx, nf] vs [1, nx, nf]).
-BLOCK_NAMES = {
-    'ln_1.weight': ('ln_1/g', False), 'ln_1.bias': ('ln_1/b', False),
-    'attn.c_attn.weight': ('attn/c_attn/w', True), 'attn.c_attn.bias': ('attn/c_attn/b', False),
-    'attn.c_proj.weight': ('attn/c_proj/w', True), 'attn.c_proj.bias': ('attn/c_proj/b', False),
-    'ln_2.weight': ('ln_2/g', False), 'ln_2.bias': ('ln_2/b', False),
-    'mlp.c_fc.weight': ('mlp/c_fc/w', True), 'mlp.c_fc.bias': ('mlp/c_fc/b', False),
-    'mlp.c_proj.weight': ('mlp/c_proj/w', True), 'mlp.c_proj.bias': ('mlp/c_proj/b', False),
-}
-TOP_NAMES = {'wte.weight': 'model/wte', 'wpe.weight': 'model/wpe', 'ln_f.weight': 'model/ln_f/g',
-             'ln_f.bias': 'model/ln_f/b'}
+
+def hf_name(name: str) -> str:
+    """A table name's HF name (under h.<i>. for a block): 'h{i}/mlp/c_fc/w' -> 'mlp.c_fc.weight'."""
+    *scope, variable = name[len(BLOCK):].split('/') if in_block(name) else name.split('/')
+    if not scope:  # wte, wpe
+        return f'{variable}.weight'
+    return '.'.join(scope) + ('.bias' if variable == 'b' else '.weight')
+
+
+# HF name (under h.<i>. for a block) -> (original name under model/ or model/h<i>/, whether it is a conv1d
+# weight: [nx, nf] in HF, [1, nx, nf] in the original), derived from checkpoint.VARIABLES.
+BLOCK_NAMES = {hf_name(n): (n[len(BLOCK):], len(u) == 3) for n, u, _ in VARIABLES if in_block(n)}
+TOP_NAMES = {hf_name(n): 'model/' + n for n, _, _ in VARIABLES if not in_block(n)}
 IGNORED = ('attn.bias', 'attn.masked_bias')  # the causal-mask buffers older versions saved
 
 
-class HFFormatError(ValueError):
+class HFFormatError(GPT2Error):
     """An HF folder that cannot be read into the original graph as it is."""
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from . import checkpoint, validate
+from . import checkpoint, loading, validate
 from .assets import bundled_vocabulary
 from .checkpoint import CheckpointError
 from .encoder import END_OF_TEXT, Encoder
@@ -402,7 +402,7 @@ def finetune(model_dir: str, dataset, *, steps: int = -1, run_name: str = 'run1'
     chief = strategy is None or is_chief(strategy)
     if not chief:
         log = lambda line: None  # noqa: E731  (the chief speaks for the cluster)
-    base = checkpoint.load_model(model_dir, strategy=strategy)
+    base = loading.load_model(model_dir, strategy=strategy)
     if resume:
         run_hparams = HParams.from_json(os.path.join(run_dir, 'hparams.json'))
         if run_hparams != base.hparams:

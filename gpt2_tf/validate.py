@@ -1,6 +1,6 @@
 """Input checks, in one place: the model, sampling, scoring and the command line all call these.
 
-Each raises ValueError with a one-line message that names the problem; none
+Each raises GPT2Error (a ValueError) with a one-line message that names the problem; none
 imports TensorFlow, so the command line can check its arguments before
 loading it.
 """
@@ -12,6 +12,14 @@ from typing import Sequence
 import numpy as np
 
 INT64 = np.iinfo(np.int64)
+
+
+class GPT2Error(ValueError):
+    """The project's own error: a one-line message that names the problem and the next step.
+
+    Every check here raises it, and so do the checkpoint, HF and download
+    modules (through subclasses); the command line prints it and exits 2.
+    """
 MAX_TEMPERATURE = 2.0  # the accepted range is [0, MAX_TEMPERATURE]; 0 is greedy
 
 
@@ -24,7 +32,7 @@ def token_array(tokens, *, name: str = 'tokens') -> np.ndarray:
     """tokens as a numpy integer array, without casting (an int64 id 2**32 + 5 stays what it is)."""
     array = np.asarray(tokens)
     if array.dtype == object or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
-        raise ValueError(f'{name} must be integers, got {array.dtype if array.dtype != object else "mixed values"}')
+        raise GPT2Error(f'{name} must be integers, got {array.dtype if array.dtype != object else "mixed values"}')
     return array
 
 
@@ -36,7 +44,7 @@ def check_token_ids(tokens, n_vocab: int, *, name: str = 'token') -> None:
     low, high = array.min(), array.max()
     if low < 0 or high >= n_vocab:
         bad = low if low < 0 else high
-        raise ValueError(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab})')
+        raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab})')
 
 
 def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt') -> None:
@@ -47,14 +55,14 @@ def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt') 
     """
     if prompt + length - 1 > n_ctx:
         over = prompt + length - 1 - n_ctx
-        raise ValueError(f'{what}: {prompt} tokens + length {length} exceeds the window by {over} '
+        raise GPT2Error(f'{what}: {prompt} tokens + length {length} exceeds the window by {over} '
                          f'(needs prompt + length - 1 <= n_ctx = {n_ctx})')
 
 
 def check_sequence(past_length: int, new: int, n_ctx: int) -> None:
     """One model call sees past_length + new positions, at most n_ctx."""
     if past_length + new > n_ctx:
-        raise ValueError(f'sequence too long: {past_length} past + {new} new tokens > n_ctx = {n_ctx}')
+        raise GPT2Error(f'sequence too long: {past_length} past + {new} new tokens > n_ctx = {n_ctx}')
 
 
 def check_model_inputs(tokens, past, past_shape: list, *, n_vocab: int, n_ctx: int) -> np.ndarray:
@@ -67,9 +75,9 @@ def check_model_inputs(tokens, past, past_shape: list, *, n_vocab: int, n_ctx: i
     try:
         tokens = token_array(tokens)
     except ValueError as e:
-        raise ValueError(f'tokens must be a [batch, sequence] array of integers ({e})') from None
+        raise GPT2Error(f'tokens must be a [batch, sequence] array of integers ({e})') from None
     if tokens.ndim != 2:
-        raise ValueError(f'tokens must be [batch, sequence], got shape {list(tokens.shape)}')
+        raise GPT2Error(f'tokens must be [batch, sequence], got shape {list(tokens.shape)}')
     check_token_ids(tokens, n_vocab)
     past_length = 0
     if past is not None:
@@ -77,7 +85,7 @@ def check_model_inputs(tokens, past, past_shape: list, *, n_vocab: int, n_ctx: i
         past_shape = [tokens.shape[0]] + list(past_shape[1:])
         if len(got) != len(past_shape) or any(w is not None and w != g for w, g in zip(past_shape, got)):
             want = str(past_shape).replace('None', 'past_length')
-            raise ValueError(f'past must have shape {want}, got {got}')
+            raise GPT2Error(f'past must have shape {want}, got {got}')
         past_length = got[4]
     check_sequence(past_length, tokens.shape[1], n_ctx)
     return tokens
@@ -95,9 +103,9 @@ def default_length(n_ctx: int, conditional: bool) -> int:
 
 def check_length(length, n_ctx: int) -> None:
     if not is_int(length) or length < 1:
-        raise ValueError(f'length must be a positive integer, got {length!r}')
+        raise GPT2Error(f'length must be a positive integer, got {length!r}')
     if length > n_ctx:
-        raise ValueError(f"length {length} is longer than the window: at most n_ctx = {n_ctx} new tokens")
+        raise GPT2Error(f"length {length} is longer than the window: at most n_ctx = {n_ctx} new tokens")
 
 
 def per_row(value, batch: int, name: str) -> np.ndarray:
@@ -106,7 +114,7 @@ def per_row(value, batch: int, name: str) -> np.ndarray:
     if array.ndim == 0:
         return np.full([batch], array.item())
     if array.shape != (batch,):
-        raise ValueError(f'{name} must be a number or one value per row ({batch}), got shape {array.shape}')
+        raise GPT2Error(f'{name} must be a number or one value per row ({batch}), got shape {array.shape}')
     return array
 
 
@@ -118,13 +126,13 @@ def check_sampling(temperature, top_k, top_p, batch: int) -> tuple:
     for t in temperature:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.number)) \
                 or not 0 <= t <= MAX_TEMPERATURE:
-            raise ValueError(f'temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {t!r}')
+            raise GPT2Error(f'temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {t!r}')
     for k in top_k:
         if not is_int(k) or k < 0:
-            raise ValueError(f'top_k must be an integer >= 0 (0: no truncation), got {k!r}')
+            raise GPT2Error(f'top_k must be an integer >= 0 (0: no truncation), got {k!r}')
     for p in top_p:
         if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.number)) or not 0 <= p <= 1:
-            raise ValueError(f'top_p must be in [0, 1] (1: no truncation), got {p!r}')
+            raise GPT2Error(f'top_p must be in [0, 1] (1: no truncation), got {p!r}')
     top_k = np.minimum(top_k.astype(np.int64), np.iinfo(np.int32).max)
     return temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32)
 
@@ -136,12 +144,12 @@ def check_seed(seed, batch: int) -> None:
 
     if is_int(seed):
         if not fits([seed]):
-            raise ValueError(f'seed {seed} is out of range: use an integer in [{INT64.min}, {INT64.max}]')
+            raise GPT2Error(f'seed {seed} is out of range: use an integer in [{INT64.min}, {INT64.max}]')
         return
     array = np.asarray(seed, dtype=object)
     if array.shape == (2,) or array.shape == (batch, 2):
         if fits(array.ravel().tolist()):
             return
-        raise ValueError(f'seed values must be integers in [{INT64.min}, {INT64.max}], got {seed!r}')
-    raise ValueError(f'seed must be an integer, a pair of integers, or one pair per row [{batch}, 2]; '
+        raise GPT2Error(f'seed values must be integers in [{INT64.min}, {INT64.max}], got {seed!r}')
+    raise GPT2Error(f'seed must be an integer, a pair of integers, or one pair per row [{batch}, 2]; '
                      f'got {seed!r}')
