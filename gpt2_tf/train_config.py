@@ -1,0 +1,154 @@
+"""Fine-tuning's options, written once: gpt-2-simple's names and defaults, with what each one does.
+
+FinetuneConfig is the one source of the defaults: finetune() starts from it,
+and the command line builds its flags from its fields (add_arguments) and
+turns them back into a config (from_arguments), so the two cannot drift.
+Every value is checked here, once, with a one-line GPT2Error. Nothing here
+imports TensorFlow: the command line builds its parser before loading it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Optional
+
+from .validate import GPT2Error, is_int
+
+OPTIMIZERS = ('adam', 'sgd')
+RESTORE_FROM = ('latest', 'fresh')
+STRATEGIES = ('mirrored', 'multiworker')
+
+
+def option(default, help: str, *, choices: tuple = (), aliases: tuple = ()):
+    """A config field with its help text, and what the command line needs beyond the field's type."""
+    return dataclasses.field(default=default, metadata={'help': help, 'choices': choices, 'aliases': aliases})
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    # where the run goes
+    run_name: str = option('run1', 'the run folder under checkpoint_dir')
+    checkpoint_dir: str = option('checkpoint', 'where run folders go')
+    restore_from: str = option('latest', "'latest' resumes the run folder when it has a checkpoint, "
+                                         "'fresh' starts again from the base model", choices=RESTORE_FROM)
+    # how long, and each update
+    steps: int = option(-1, 'updates to run (-1: until interrupted)')
+    batch_size: int = option(1, 'windows of n_ctx tokens per micro-batch')
+    accumulate_gradients: int = option(5, 'micro-batches per update: each update sees '
+                                          'batch_size * accumulate_gradients windows')
+    learning_rate: float = option(1e-4, "the optimizer's step size")
+    optimizer: str = option('adam', "TF1's Adam (beta1 0.9, beta2 0.999, epsilon 1e-8) or plain gradient descent",
+                            choices=OPTIMIZERS)
+    only_train_transformer_layers: bool = option(False, 'train the h* blocks only, not the embeddings or ln_f')
+    recompute: bool = option(False, "recompute each block's activations in the backward pass (less memory)",
+                             aliases=('--use_memory_saving_gradients',))
+    # the data
+    combine: int = option(50000, 'characters of text per encoded chunk; training windows never cross chunks')
+    seed: Optional[int] = option(None, 'fix to reproduce the windows and samples')
+    # what the loop prints and writes
+    print_every: int = option(1, 'steps between loss lines (0: never)')
+    save_every: int = option(1000, 'steps between checkpoints (0: only when the run ends, as it always does)')
+    max_checkpoints: int = option(1, 'checkpoints kept in the run folder')
+    sample_every: int = option(100, 'steps between samples (0: never)')
+    sample_length: int = option(1023, 'tokens per sample (at most n_ctx)')
+    sample_num: int = option(1, 'samples each time')
+    sample_dir: str = option('samples', 'where samples go, in a folder named after the run')
+    # the validation loss, on fixed batches of a second dataset
+    val_dataset: Optional[str] = option(None, 'a text file, folder, glob or .npz for the validation loss')
+    val_every: int = option(0, 'steps between validation losses (0: never)')
+    val_batch_size: int = option(2, 'windows per validation batch')
+    val_batch_count: int = option(40, 'validation batches, drawn once')
+    # several devices or hosts
+    strategy: Optional[str] = option(None, "data-parallel: this host's devices, or the hosts in TF_CONFIG",
+                                     choices=STRATEGIES)
+    collective_timeout: float = option(300.0, 'seconds before a silent worker stops the run')
+
+    def __post_init__(self):
+        check(self)
+
+
+# --- the checks, one place for the library and the command line ------------------------------------
+
+def _shown(value) -> str:
+    """A value as a user typed it: 3.0, not np.float64(3.0); strings quoted."""
+    return repr(value) if isinstance(value, str) or value is None else str(value)
+
+
+def check_integer(name: str, value, low: int, what: str = '') -> None:
+    if not is_int(value) or value < low:
+        raise GPT2Error(f'{name} must be an integer >= {low}{what}, got {_shown(value)}')
+
+
+def check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise GPT2Error(f'{name} must be > 0, got {_shown(value)}')
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise GPT2Error(f'{name} must be one of {choices}, got {_shown(value)}')
+
+
+def check_optimizer(learning_rate, optimizer, accumulate_gradients) -> None:
+    """The Trainer's own options (the Trainer checks them too, when built without a config)."""
+    check_choice('optimizer', optimizer, OPTIMIZERS)
+    check_positive('learning_rate', learning_rate)
+    check_integer('accumulate_gradients', accumulate_gradients, 1)
+
+
+def check(config: FinetuneConfig) -> None:
+    """Raises GPT2Error, naming the option, for the first value finetune cannot use."""
+    check_optimizer(config.learning_rate, config.optimizer, config.accumulate_gradients)
+    for name in ('batch_size', 'max_checkpoints', 'sample_num', 'sample_length', 'val_batch_size',
+                 'val_batch_count', 'combine'):
+        check_integer(name, getattr(config, name), 1)
+    for name in ('print_every', 'save_every', 'sample_every', 'val_every'):
+        check_integer(name, getattr(config, name), 0, ' (0: never)')
+    check_integer('steps', config.steps, -1, ' (-1: until interrupted)')
+    check_choice('restore_from', config.restore_from, RESTORE_FROM)
+    check_choice('strategy', config.strategy, (None,) + STRATEGIES)
+    check_positive('collective_timeout', config.collective_timeout)
+    for name in ('run_name', 'checkpoint_dir', 'sample_dir'):
+        if not isinstance(getattr(config, name), str) or not getattr(config, name):
+            raise GPT2Error(f'{name} must be a non-empty string, got {_shown(getattr(config, name))}')
+    if config.seed is not None:
+        check_integer('seed', config.seed, 0, ' (or None)')
+    if not isinstance(config.only_train_transformer_layers, bool) or not isinstance(config.recompute, bool):
+        raise GPT2Error('only_train_transformer_layers and recompute must be True or False')
+
+
+# --- the command line's flags, from the fields ------------------------------------------------------
+
+def _shown_default(value) -> str:
+    if isinstance(value, bool):
+        return 'on' if value else 'off'
+    if value is None:
+        return 'none'
+    return f'{value:g}' if isinstance(value, float) else str(value)
+
+
+def _kind(field: dataclasses.Field) -> type:
+    """The field's type for argparse: Optional[int] -> int."""
+    hint = typing.get_type_hints(FinetuneConfig)[field.name]
+    arguments = [a for a in typing.get_args(hint) if a is not type(None)]
+    return arguments[0] if arguments else hint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, --<name>, whose help ends with the field's default, e.g. '(default: 0.0001)'."""
+    for field in dataclasses.fields(FinetuneConfig):
+        meta, kind = field.metadata, _kind(field)
+        text = f'{meta["help"]} (default: {_shown_default(field.default)})'
+        flags = [f'--{field.name}', *meta['aliases']]
+        if kind is bool:
+            parser.add_argument(*flags, dest=field.name, action='store_true', default=field.default, help=text)
+        else:
+            parser.add_argument(*flags, dest=field.name, type=kind, default=field.default, help=text,
+                                choices=list(meta['choices']) or None)
+
+
+def from_arguments(args: argparse.Namespace) -> FinetuneConfig:
+    """The config from a namespace that add_arguments' flags filled (other attributes are ignored)."""
+    return FinetuneConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig)})
