@@ -1,0 +1,261 @@
+"""Token files: a corpus encoded once into a flat file of ids, read in place through a memory map.
+
+    encode_corpus(['docs/'], 'train.bin')     # every *.txt under docs/, in sorted path order
+    tokens = read_tokens('train.bin')         # a read-only np.memmap [n_tokens]
+
+The file holds the ids little-endian with no header, uint16 for vocabularies of
+up to 65,536 ids (GPT-2's 50,257) and uint32 above, as nanoGPT's train.bin; a
+small JSON sidecar beside it (train.bin.json) records the dtype, the
+vocabulary's sha256, and the token and document counts. A .bin without a
+sidecar reads as uint16. Each document (one file, or standard input) is its
+text's ids followed by <|endoftext|>; the text is the file's own, line endings
+included.
+
+Text is read and encoded in pieces of about a million characters, cut only
+where the pre-tokenizer always cuts (see `cut`), so the ids equal those of
+encoding each file whole while memory stays bounded by the piece size. With
+processes > 1 the pieces are encoded in parallel and written in order. The
+output appears under its name only when complete (OUT.partial, then a rename).
+No TensorFlow is imported.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import glob as globbing
+import hashlib
+import json
+import os
+import sys
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import regex
+
+from .encoder import END_OF_TEXT, Encoder, get_encoder
+from .validate import GPT2Error
+
+PIECE = 1 << 20  # characters read and encoded at a time
+SIDECAR = '.json'  # train.bin -> train.bin.json
+
+# A position where every encoding of the text has a token boundary: after a letter before a non-letter, or after
+# a digit before a non-digit, neither of them whitespace. No alternative of encoder.PATTERN crosses such a
+# point (letter and digit runs stop there, punctuation runs hold neither, contractions start with ' and stay
+# within letters), and none looks ahead across it, so the two sides encode as they do within the whole text.
+CUT = regex.compile(r'(?<=\p{L})(?=[^\s\p{L}])|(?<=\p{N})(?=[^\s\p{N}])')
+TAIL = 4096  # characters searched for the last cut before the whole piece is
+
+
+def cut(text: str) -> int:
+    """The last position in text where it may be cut (see CUT), or 0 when there is none."""
+    for start in (max(0, len(text) - TAIL), 0):
+        last = 0
+        for match in CUT.finditer(text, pos=max(start, 1)):
+            last = match.start()
+        if last:
+            return last
+    return 0
+
+
+def pieces(readable, size: int = PIECE) -> Iterator[str]:
+    """A text stream in pieces of about `size` characters, each ending at a cut (the last at the end)."""
+    carry = ''
+    while True:
+        block = readable.read(size)
+        if not block:
+            break
+        text = carry + block
+        at = cut(text)
+        if at == 0:  # no cut in it (a run of spaces, say): keep reading
+            carry = text
+            continue
+        yield text[:at]
+        carry = text[at:]
+    if carry:
+        yield carry
+
+
+def dtype_for(n_vocab: int) -> np.dtype:
+    return np.dtype('<u2') if n_vocab <= 1 << 16 else np.dtype('<u4')
+
+
+def vocabulary_sha256(encoder: Encoder) -> str:
+    """The sha256 of the vocabulary as ids: the same for the same token table, whatever its file."""
+    table = json.dumps(sorted(encoder.encoder.items(), key=lambda item: item[1]), ensure_ascii=False)
+    return hashlib.sha256(table.encode('utf-8')).hexdigest()
+
+
+def documents(inputs: Sequence[str], *, glob: str = '*.txt') -> list:
+    """The files a list of inputs names, in order: files as given, folders' matches (recursively,
+    sorted by path), '-' for standard input."""
+    found = []
+    for item in inputs:
+        item = os.fspath(item)
+        if item == '-':
+            found.append('-')
+        elif os.path.isdir(item):
+            matches = globbing.glob(os.path.join(globbing.escape(item), '**', glob), recursive=True)
+            found.extend(sorted(p for p in matches if os.path.isfile(p)))
+        elif os.path.isfile(item):
+            found.append(item)
+        else:
+            raise GPT2Error(f'{item}: no such file or folder; give text files, folders, or - for standard input')
+    if not found:
+        raise GPT2Error(f'no {glob} files under {", ".join(map(str, inputs))}; pass --glob to match others')
+    return found
+
+
+def _open(path: str):
+    if path == '-':
+        return open(sys.stdin.fileno(), encoding='utf-8', newline='', closefd=False)
+    return open(path, encoding='utf-8', newline='')  # the text as it is: '\r\n' stays two characters
+
+
+def _encode(piece: str) -> np.ndarray:
+    return np.asarray(_worker_encoder.encode(piece), np.uint32)
+
+
+_worker_encoder = None
+
+
+def _start_worker(encoder_files) -> None:
+    global _worker_encoder
+    from .encoder import _cached_encoder
+    _worker_encoder = _cached_encoder(*encoder_files, None) if encoder_files else get_encoder()
+
+
+def _document_pieces(files: Iterable[str], size: int) -> Iterator[tuple]:
+    """(file, piece) for every piece of every file, then (file, None) at the end of each file."""
+    for path in files:
+        try:
+            with _open(path) as f:
+                for piece in pieces(f, size):
+                    yield path, piece
+        except UnicodeDecodeError as e:
+            raise GPT2Error(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); '
+                            f'convert it to UTF-8 or leave it out') from None
+        yield path, None
+
+
+class _Writer:
+    """Appends ids to OUT.partial, counting tokens and documents, and moves it into place at the end."""
+
+    def __init__(self, out: str, n_vocab: int, end: int):
+        self.out, self.partial = out, out + '.partial'
+        self.dtype, self.n_vocab, self.end = dtype_for(n_vocab), n_vocab, end
+        self.file = open(self.partial, 'wb')
+        self.tokens = self.documents = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        if ids.size and int(ids.max()) >= self.n_vocab:
+            raise GPT2Error(f'token id {int(ids.max())} is outside the vocabulary [0, {self.n_vocab})')
+        self.file.write(ids.astype(self.dtype).tobytes())
+        self.tokens += ids.size
+
+    def end_document(self) -> None:
+        self.write(np.asarray([self.end], np.uint32))
+        self.documents += 1
+
+    def finish(self, sidecar: dict) -> None:
+        self.file.close()
+        with open(self.out + SIDECAR + '.partial', 'w', encoding='utf-8') as f:
+            json.dump(sidecar, f, indent=2)
+            f.write('\n')
+        os.replace(self.partial, self.out)
+        os.replace(self.out + SIDECAR + '.partial', self.out + SIDECAR)
+
+    def abandon(self) -> None:
+        self.file.close()
+        for path in (self.partial, self.out + SIDECAR + '.partial'):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Optional[Encoder] = None,
+                  encoder_files: Optional[tuple] = None, glob: str = '*.txt', processes: int = 1,
+                  piece: int = PIECE, progress=None) -> dict:
+    """Encodes text files, folders or '-' (stdin) into the token file `out`; returns its sidecar.
+
+    encoder_files: (encoder.json, vocab.bpe) of another vocabulary than GPT-2's
+    bundled one (encoder, when given instead, is used in this process only, so
+    processes must then be 1). progress, when given, is called with
+    (characters, tokens) after each piece. An interrupted run leaves no `out`.
+    """
+    out = os.fspath(out)
+    files = documents(inputs, glob=glob)
+    if encoder is not None and processes != 1:
+        raise GPT2Error('an Encoder object can be used by one process only: pass encoder_files instead')
+    if not isinstance(processes, int) or processes < 1:
+        raise GPT2Error(f'processes must be an integer >= 1, got {processes!r}')
+    if encoder is None:
+        _start_worker(encoder_files)
+        encoder = _worker_encoder
+    writer = _Writer(out, encoder.n_vocab, encoder.encoder[END_OF_TEXT])
+    try:
+        _encode_into(writer, _document_pieces(files, piece), encoder, encoder_files, processes, progress)
+        sidecar = {'dtype': writer.dtype.name, 'n_vocab': encoder.n_vocab, 'vocab_sha256': vocabulary_sha256(encoder),
+                   'tokens': writer.tokens, 'documents': writer.documents, 'end_of_text': writer.end}
+        writer.finish(sidecar)
+    except BaseException:
+        writer.abandon()
+        raise
+    return sidecar
+
+
+def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, encoder_files, processes: int,
+                 progress) -> None:
+    """Encodes the stream's pieces (in `processes` processes, at most 2 pieces each in flight) in order."""
+    def done(piece: Optional[str], ids: Optional[np.ndarray]) -> None:
+        if piece is None:
+            writer.end_document()
+            return
+        writer.write(ids)
+        if progress:
+            progress(len(piece), ids.size)
+
+    if processes == 1:
+        for _, piece in stream:
+            done(piece, None if piece is None else np.asarray(encoder.encode(piece), np.uint32))
+        return
+    with concurrent.futures.ProcessPoolExecutor(processes, initializer=_start_worker,
+                                                initargs=(encoder_files,)) as pool:
+        pending = collections.deque()
+        for _, piece in stream:
+            pending.append((piece, None if piece is None else pool.submit(_encode, piece)))
+            while len(pending) > 2 * processes or (pending and pending[0][1] is None):
+                first, future = pending.popleft()
+                done(first, None if future is None else future.result())
+        while pending:
+            first, future = pending.popleft()
+            done(first, None if future is None else future.result())
+
+
+def read_tokens(path: str | os.PathLike) -> np.memmap:
+    """A token file as a read-only memory map of its ids (uint16 without a sidecar, as nanoGPT's files)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GPT2Error(f'no token file at {path}; make one with: gpt2-tf encode TEXT... {path}')
+    info = read_sidecar(path)
+    dtype = np.dtype(info['dtype']).newbyteorder('<') if info else np.dtype('<u2')
+    size = os.path.getsize(path)
+    if size % dtype.itemsize or (info and size // dtype.itemsize != info['tokens']):
+        raise GPT2Error(f'{path}: {size:,} bytes do not hold the {info["tokens"] if info else "whole"} '
+                        f'{dtype.name} ids its sidecar describes; the file is truncated: encode it again')
+    if size == 0:
+        raise GPT2Error(f'{path} is empty: it holds no tokens')
+    return np.memmap(path, dtype=dtype, mode='r')
+
+
+def read_sidecar(path: str) -> Optional[dict]:
+    """The sidecar of a token file, or None when it has none."""
+    try:
+        with open(path + SIDECAR, encoding='utf-8') as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise GPT2Error(f'{path + SIDECAR}: not a token-file sidecar ({e}); remove it to read {path} as uint16') from None
+    if info.get('dtype') not in ('uint16', 'uint32') or not isinstance(info.get('tokens'), int):
+        raise GPT2Error(f'{path + SIDECAR}: expected "dtype" uint16 or uint32 and an integer "tokens"')
+    return info

@@ -1,0 +1,133 @@
+"""Token files: the ids equal the encoder's on each whole file, whatever the piece size or process count."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import regex
+from hypothesis import given, settings, strategies as st
+
+from gpt2_tf import corpus
+from gpt2_tf.encoder import PATTERN, get_encoder
+from gpt2_tf.validate import GPT2Error
+
+FIXTURES = pathlib.Path(__file__).parent / 'fixtures'
+END = 50256
+MIXED = ("héllo wörld  \n\n\t  日本語のテキスト123abc's don't I'M  \r\n x = f(a, b)  # ünïcödé 🙂🙂\n"
+         "    return x**2\t\t\n\n\n1,234.56e-7 'quoted' \"QUOTED\" ...!!! \u00a0\u2003wide\u3000space\n")
+
+
+def texts() -> list:
+    cases = [json.loads(line)['text'] for line in (FIXTURES / 'bpe-cases.jsonl').read_text().split('\n') if line]
+    return cases + [MIXED * 40, ' ' * 5000 + 'end', pathlib.Path(corpus.__file__).read_text()]
+
+
+def write_folder(folder: pathlib.Path, items: list) -> list:
+    paths = []
+    for i, text in enumerate(items):
+        path = folder / 'sub' / f'{i:03d}.txt' if i % 2 else folder / f'{i:03d}.txt'
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text, encoding='utf-8', newline='')
+        paths.append(path)
+    return sorted(paths, key=str)
+
+
+def expected(paths: list) -> list:
+    """The encoder on each whole file (its exact text, \r\n kept), each followed by <|endoftext|>."""
+    encoder = get_encoder()
+    ids = []
+    for path in paths:
+        ids += encoder.encode(open(path, encoding='utf-8', newline='').read()) + [END]
+    return ids
+
+
+@pytest.mark.parametrize('processes, piece', [(1, 16), (1, 1 << 20), (2, 64)])
+def test_ids_equal_encoding_each_whole_file(tmp_path, processes, piece):
+    paths = write_folder(tmp_path / 'in', texts())
+    info = corpus.encode_corpus([tmp_path / 'in'], tmp_path / 'out.bin', processes=processes, piece=piece)
+    ids = corpus.read_tokens(tmp_path / 'out.bin')
+    assert ids.dtype == np.dtype('<u2')
+    assert np.asarray(ids).tolist() == expected(paths)
+    assert info['tokens'] == len(ids) and info['documents'] == len(paths)
+    assert os.path.getsize(tmp_path / 'out.bin') == 2 * len(ids)  # flat little-endian uint16, no header
+    assert info['vocab_sha256'] == corpus.vocabulary_sha256(get_encoder())
+    assert sorted(os.listdir(tmp_path)) == ['in', 'out.bin', 'out.bin.json']
+
+
+def pretokens(text: str) -> list:
+    return regex.findall(PATTERN, text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="ab1 2'\n\t.,sdmlltrve\u00e9\u65e5\u00a0-_", max_size=40))
+def test_every_cut_is_a_boundary_of_the_pretokenizer(text):
+    # The property the streaming rests on: splitting at a cut changes no pre-token, so no id.
+    for match in corpus.CUT.finditer(text, pos=1):
+        at = match.start()
+        assert pretokens(text[:at]) + pretokens(text[at:]) == pretokens(text), (text, at)
+
+
+def test_pieces_end_at_cuts_and_join_to_the_text():
+    import io
+
+    parts = list(corpus.pieces(io.StringIO(MIXED * 10), size=7))
+    assert ''.join(parts) == MIXED * 10
+    assert len(parts) > 50
+    assert sum((pretokens(p) for p in parts), []) == pretokens(MIXED * 10)
+
+
+def test_folders_follow_the_glob_and_sorted_order(tmp_path):
+    (tmp_path / 'b.txt').write_text('second')
+    (tmp_path / 'a.md').write_text('first')
+    (tmp_path / 'c.txt').write_text('third')
+    corpus.encode_corpus([tmp_path], tmp_path / 'all.bin', glob='*.txt')
+    assert np.asarray(corpus.read_tokens(tmp_path / 'all.bin')).tolist() == expected([tmp_path / 'b.txt',
+                                                                                       tmp_path / 'c.txt'])
+    corpus.encode_corpus([tmp_path], tmp_path / 'md.bin', glob='*.md')
+    assert corpus.read_sidecar(str(tmp_path / 'md.bin'))['documents'] == 1
+
+
+def test_stdin_is_one_document(tmp_path):
+    script = ('import sys; from gpt2_tf import corpus; '
+              f'corpus.encode_corpus(["-"], {str(tmp_path / "in.bin")!r})')
+    subprocess.run([sys.executable, '-c', script], input=MIXED, text=True, check=True,
+                   cwd=pathlib.Path(__file__).parent.parent)
+    assert np.asarray(corpus.read_tokens(tmp_path / 'in.bin')).tolist() == get_encoder().encode(MIXED) + [END]
+
+
+def test_a_failed_run_leaves_no_output_and_keeps_an_older_one(tmp_path):
+    (tmp_path / 'a.txt').write_text('fine text ' * 100)
+    (tmp_path / 'b.txt').write_bytes(b'caf\xe9 is latin-1')
+    with pytest.raises(GPT2Error, match=r'b\.txt: not UTF-8'):
+        corpus.encode_corpus([tmp_path], tmp_path / 'out.bin')
+    assert sorted(os.listdir(tmp_path)) == ['a.txt', 'b.txt']
+    corpus.encode_corpus([tmp_path / 'a.txt'], tmp_path / 'out.bin')
+    before = (tmp_path / 'out.bin').read_bytes()
+    with pytest.raises(GPT2Error):
+        corpus.encode_corpus([tmp_path / 'a.txt', tmp_path / 'b.txt'], tmp_path / 'out.bin')
+    assert (tmp_path / 'out.bin').read_bytes() == before
+    assert not [p for p in os.listdir(tmp_path) if p.endswith('.partial')]
+
+
+def test_a_bin_without_sidecar_reads_as_uint16_and_damage_is_named(tmp_path):
+    ids = np.array([1, 2, 50256, 65535], '<u2')
+    ids.tofile(tmp_path / 'nano.bin')
+    assert np.asarray(corpus.read_tokens(tmp_path / 'nano.bin')).tolist() == ids.tolist()
+    corpus.encode_corpus([FIXTURES / 'bpe-cases.jsonl'], tmp_path / 'x.bin')
+    with open(tmp_path / 'x.bin', 'r+b') as f:
+        f.truncate(os.path.getsize(tmp_path / 'x.bin') - 2)
+    with pytest.raises(GPT2Error, match='truncated'):
+        corpus.read_tokens(tmp_path / 'x.bin')
+    with pytest.raises(GPT2Error, match='no token file'):
+        corpus.read_tokens(tmp_path / 'missing.bin')
+    with pytest.raises(GPT2Error, match='no such file or folder'):
+        corpus.encode_corpus([tmp_path / 'nowhere'], tmp_path / 'y.bin')
+
+
+def test_large_vocabularies_get_uint32():
+    assert corpus.dtype_for(50257) == np.dtype('<u2') and corpus.dtype_for(65536) == np.dtype('<u2')
+    assert corpus.dtype_for(65537) == np.dtype('<u4')
