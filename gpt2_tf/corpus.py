@@ -259,3 +259,47 @@ def read_sidecar(path: str) -> Optional[dict]:
     if info.get('dtype') not in ('uint16', 'uint32') or not isinstance(info.get('tokens'), int):
         raise GPT2Error(f'{path + SIDECAR}: expected "dtype" uint16 or uint32 and an integer "tokens"')
     return info
+
+
+def split_documents(tokens: np.ndarray, fraction: float, *, end: int) -> tuple:
+    """(train, validation) ranges [start, stop) of a token file: the validation range is its last
+    documents, about `fraction` of the tokens, cut just after an <|endoftext|>."""
+    if not 0 < fraction < 1:
+        raise GPT2Error(f'the validation fraction must be in (0, 1), got {fraction!r}')
+    n = len(tokens)
+    at = int(n * (1 - fraction))
+    step = 1 << 16
+    while at > 0:  # backwards, a block at a time, to the end of the document that holds position at
+        block = np.asarray(tokens[max(0, at - step):at])
+        ends = np.flatnonzero(block == end)
+        if ends.size:
+            split = max(0, at - step) + int(ends[-1]) + 1
+            return (0, split), (split, n)
+        at -= step
+    raise GPT2Error(f'the token file has no <|endoftext|> (id {end}) before its last {fraction:.0%}: '
+                    f'a validation split by document needs at least two documents')
+
+
+class Windows:
+    """Training windows of exactly `length` tokens at random offsets within given ranges of a token file,
+    read in place (memory does not grow with the file) and reproducible from a seed."""
+
+    def __init__(self, tokens: np.ndarray, length: int, *, ranges: Optional[Sequence[tuple]] = None,
+                 seed: Optional[int] = None):
+        ranges = [tuple(r) for r in (ranges or [(0, len(tokens))]) if r[1] - r[0] >= length]
+        if not ranges:
+            raise GPT2Error(f'the token file is shorter than one training window of {length} tokens '
+                            f'(n_ctx): give more text')
+        self.tokens, self.length, self.ranges = tokens, length, ranges
+        # A window starts at any of the stop - start - length + 1 offsets of a range, each equally likely.
+        self.starts = np.cumsum([stop - start - length + 1 for start, stop in ranges])
+        self.rng = np.random.default_rng(seed)
+
+    def sample(self, batch: int) -> np.ndarray:  # -> int32 [batch, length]
+        picks = self.rng.integers(0, self.starts[-1], size=batch)
+        rows = []
+        for pick in picks:
+            i = int(np.searchsorted(self.starts, pick, side='right'))
+            offset = self.ranges[i][0] + pick - (self.starts[i - 1] if i else 0)
+            rows.append(np.asarray(self.tokens[offset:offset + self.length], np.int32))
+        return np.stack(rows)

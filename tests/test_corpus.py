@@ -131,3 +131,24 @@ def test_a_bin_without_sidecar_reads_as_uint16_and_damage_is_named(tmp_path):
 def test_large_vocabularies_get_uint32():
     assert corpus.dtype_for(50257) == np.dtype('<u2') and corpus.dtype_for(65536) == np.dtype('<u2')
     assert corpus.dtype_for(65537) == np.dtype('<u4')
+
+
+def test_windows_cover_every_offset_uniformly_within_their_ranges(tmp_path):
+    tokens = np.arange(40, dtype='<u2')
+    windows = corpus.Windows(tokens, 8, ranges=[(0, 10), (20, 40)], seed=0)
+    firsts = windows.sample(6000)[:, 0]
+    # Offsets 0..2 of the first range and 20..32 of the second: 16 starts, each about 1/16 of the draws.
+    assert sorted(set(firsts.tolist())) == [0, 1, 2] + list(range(20, 33))
+    counts = np.bincount(firsts, minlength=40)[[0, 1, 2] + list(range(20, 33))]
+    assert counts.min() > 6000 / 16 * 0.75 and counts.max() < 6000 / 16 * 1.25
+    rows = corpus.Windows(tokens, 8, ranges=[(0, 10), (20, 40)], seed=0).sample(50)
+    assert (np.diff(rows, axis=1) == 1).all()  # contiguous windows, never across a range's end
+    assert np.array_equal(rows, corpus.Windows(tokens, 8, ranges=[(0, 10), (20, 40)], seed=0).sample(50))
+
+
+def test_the_validation_split_falls_after_an_end_of_text():
+    tokens = np.array([1, 2, END, 3, 4, 5, END, 6, 7, END], '<u2')
+    assert corpus.split_documents(tokens, 0.5, end=END) == ((0, 3), (3, 10))
+    assert corpus.split_documents(tokens, 0.2, end=END) == ((0, 7), (7, 10))
+    with pytest.raises(GPT2Error, match='at least two documents'):
+        corpus.split_documents(np.array([1, 2, 3, END], '<u2'), 0.5, end=END)
