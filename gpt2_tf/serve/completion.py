@@ -1,0 +1,211 @@
+"""A completion in flight: its choices grow from the rows' tokens into OpenAI's response or stream.
+
+Choice turns one row's tokens into text, with stop strings, held-back partial
+characters and the logprobs object; Completion makes a request's choices and
+rows, collects what the Batcher delivers, and builds the response or the
+server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import secrets
+import time
+from typing import AsyncIterator, List, Optional
+
+from ..encoder import END_OF_TEXT, Encoder
+from ..model import Model
+from ..scoring import score
+from .batcher import Batcher, Row
+from .protocol import APIError, CompletionChoice, CompletionRequest, CompletionResponse, Sampling, Usage
+
+
+class Choice:
+    """One choice as it grows: its text, finish reason and OpenAI logprobs object."""
+
+    def __init__(self, index: int, encoder: Encoder, stops: list, logprobs: Optional[int], prefix: str = '',
+                 prefix_logprobs: Optional[dict] = None):
+        self.index, self.encoder, self.stops, self.logprobs = index, encoder, stops, logprobs
+        self.end = encoder.encoder[END_OF_TEXT]
+        self.tokens: List[int] = []
+        self.sent = 0  # characters of text already handed out
+        self.prefix = prefix  # the echoed prompt
+        self.finish_reason: Optional[str] = None
+        self.entries = prefix_logprobs or {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+
+    def add(self, tokens, log_probs) -> str:
+        """Takes new tokens; returns the text ready to send (held back while a stop may still form)."""
+        for i, token in enumerate(map(int, tokens)):
+            if self.finish_reason:
+                break
+            if token == self.end:
+                self.finish_reason = 'stop'
+                break
+            self.tokens.append(token)
+            if self.logprobs is not None and log_probs is not None:
+                piece = self.encoder.decode([token])
+                offset = len(self.prefix) + len(self.encoder.decode(self.tokens[:-1]))
+                top = {self.encoder.decode([int(t)]): float(p) for t, p in
+                       zip(log_probs['top_ids'][i][:self.logprobs], log_probs['top_log_probs'][i][:self.logprobs])}
+                self._entry(piece, float(log_probs['log_probs'][i]), top, offset)
+        text = self.encoder.decode(self.tokens)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                text, self.finish_reason = text[:at], 'stop'
+        if not self.finish_reason:
+            text = text.rstrip('\ufffd')  # a token may end inside a UTF-8 character: wait for the rest
+            hold = max((len(s) - 1 for s in self.stops), default=0)  # a stop may be forming at the end
+            text = text[:max(len(text) - hold, self.sent)]
+        new = text[self.sent:]
+        self.sent = len(text)
+        return new
+
+    def finish(self, reason: str = 'length') -> str:
+        self.finish_reason = self.finish_reason or reason
+        text = self.encoder.decode(self.tokens)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                text, self.finish_reason = text[:at], 'stop'
+        new = text[self.sent:]
+        self.sent = len(text)
+        return new
+
+    def _entry(self, piece, log_prob, top, offset):
+        self.entries['tokens'].append(piece)
+        self.entries['token_logprobs'].append(log_prob)
+        self.entries['top_logprobs'].append(top)
+        self.entries['text_offset'].append(offset)
+
+    def logprobs_object(self) -> Optional[dict]:
+        if self.logprobs is None:
+            return None
+        kept = len(self.entries['tokens'])
+        if self.finish_reason == 'stop' and self.stops:  # drop the entries past a stop string
+            limit = len(self.prefix) + self.sent
+            kept = sum(1 for offset in self.entries['text_offset'] if offset < limit)
+        return {name: values[:kept] for name, values in self.entries.items()}
+
+
+def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dict:
+    """The prompt's own logprobs object, from scoring (the first token has none)."""
+    entries = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+    lp, ids, top_lp = (None, None, None)
+    if len(prompt) >= 2:  # CompletionRequest.to_sampling has checked that it fits the window
+        lp, ids, top_lp = score(model, [prompt], top=max(top, 1))
+        lp, ids, top_lp = lp[0], ids[0], top_lp[0]
+    offset = 0
+    for i, token in enumerate(prompt):
+        piece = encoder.decode([token])
+        entries['tokens'].append(piece)
+        entries['text_offset'].append(offset)
+        if i == 0 or lp is None:
+            entries['token_logprobs'].append(None)
+            entries['top_logprobs'].append(None)
+        else:
+            entries['token_logprobs'].append(float(lp[i - 1]))
+            entries['top_logprobs'].append({encoder.decode([int(t)]): float(p)
+                                            for t, p in zip(ids[i - 1][:top], top_lp[i - 1][:top])})
+        offset += len(piece)
+    return entries
+
+
+class Completion:
+    """One request: its choices (prompt-major, n per prompt), the rows they draw from, and what they make."""
+
+    def __init__(self, request: CompletionRequest, sampling: Sampling, encoder: Encoder, model_id: str):
+        self.request, self.sampling, self.encoder = request, sampling, encoder
+        self.id = f'cmpl-{secrets.token_hex(12)}'
+        self.created = int(time.time())
+        self.model = request.model or model_id  # the id the client asked for, as vLLM answers
+        self.loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.choices: List[Choice] = []
+        self.rows = {}  # choice index -> its Row; none when max_tokens is 0
+
+    async def submit(self, model: Model, batcher: Batcher) -> None:
+        """Makes the choices (an echo's log-probs are scored off the event loop) and queues their rows."""
+        request = self.request
+        for i, prompt in enumerate(self.sampling.prompts):
+            prefix = self.encoder.decode(prompt) if request.echo and request.prompted else ''
+            echoed = None
+            if prefix and request.logprobs is not None:
+                echoed = await asyncio.to_thread(echo_logprobs, model, self.encoder, prompt, request.logprobs)
+            for j in range(request.n):
+                index = i * request.n + j
+                self.choices.append(Choice(index, self.encoder, request.stop or [], request.logprobs, prefix,
+                                           copy.deepcopy(echoed)))
+                if request.max_tokens:
+                    self.rows[index] = Row(prompt, request.max_tokens, self.sampling.options,
+                                           (self.sampling.seed, index), request.logprobs,
+                                           functools.partial(self._deliver, index))
+        if self.rows:
+            batcher.submit(list(self.rows.values()))
+
+    def _deliver(self, index: int, tokens, log_probs, *, error: Optional[str] = None) -> None:
+        # Called on the Batcher's thread: hand over to the event loop.
+        self.loop.call_soon_threadsafe(self.inbox.put_nowait, (index, tokens, log_probs, error))
+
+    def close(self) -> None:
+        """Done, or the client went away: the rows stop taking a place in their wave."""
+        for row in self.rows.values():
+            row.done = True
+
+    async def events(self) -> AsyncIterator[tuple]:
+        """Yields (choice, new text, finished) as rows deliver; every choice ends with a finish."""
+        for choice in self.choices:
+            if choice.prefix:
+                yield choice, choice.prefix, False
+            if not self.request.max_tokens:
+                yield choice, choice.finish('length'), True
+        open_rows = len(self.rows)
+        while open_rows:
+            index, tokens, log_probs, error = await self.inbox.get()
+            row, choice = self.rows[index], self.choices[index]
+            if error is not None:
+                raise APIError(500, f'generation failed: {error}', kind='server_error')
+            if row.done:
+                continue
+            text = choice.add(tokens, log_probs) if tokens is not None else ''
+            if tokens is None or choice.finish_reason:
+                row.done = True
+                open_rows -= 1
+                yield choice, text + choice.finish('length'), True
+            elif text:
+                yield choice, text, False
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.sampling.prompts) * self.request.n
+        completion = sum(len(c.tokens) for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def chunk(self, choices: List[CompletionChoice], usage: Optional[Usage] = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    async def response(self) -> CompletionResponse:
+        """The whole completion, once every choice has finished."""
+        texts = {choice.index: '' for choice in self.choices}
+        try:
+            async for choice, text, _ in self.events():
+                texts[choice.index] += text
+        finally:
+            self.close()
+        return self.chunk([CompletionChoice(text=texts[c.index], index=c.index, logprobs=c.logprobs_object(),
+                                            finish_reason=c.finish_reason) for c in self.choices], self.usage())
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per new text, the usage when asked for, then [DONE]."""
+        try:
+            async for choice, text, finished in self.events():
+                part = CompletionChoice(text=text, index=choice.index,
+                                        logprobs=choice.logprobs_object() if finished else None,
+                                        finish_reason=choice.finish_reason if finished else None)
+                yield f'data: {self.chunk([part]).model_dump_json()}\n\n'
+            if (self.request.stream_options or {}).get('include_usage'):
+                yield f'data: {self.chunk([], self.usage()).model_dump_json()}\n\n'
+            yield 'data: [DONE]\n\n'
+        finally:  # also when the client goes away
+            self.close()

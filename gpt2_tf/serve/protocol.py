@@ -1,0 +1,230 @@
+"""The OpenAI completions protocol: the request, the response and error shapes, with OpenAI's field names.
+
+`CompletionRequest.to_sampling` is the one place a request turns into checked
+token rows and sampling options; every check it makes is validate.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Dict, List, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..encoder import END_OF_TEXT, Encoder
+from ..hparams import HParams
+from ..validate import GPT2Error, check_sampling, check_seed, check_sequence, check_token_ids, check_window
+
+MAX_LOGPROBS = 5  # top log-probs per token, as OpenAI's completions
+MAX_CHOICES = 16  # n per prompt
+
+
+class APIError(Exception):
+    """An error in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = 'invalid_request_error', headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.kind, param=self.param, code=self.code))
+
+    def body(self) -> dict:
+        return self.response().model_dump()
+
+
+def invalid(error: GPT2Error, param: Optional[str] = None) -> APIError:
+    """A failed validate.py check as a 400."""
+    return APIError(400, str(error), param=param)
+
+
+def invalid_request(errors: Sequence[dict]) -> APIError:
+    """The first of pydantic's errors as a 400 (OpenAI answers 400 where FastAPI would answer 422)."""
+    first = errors[0] if errors else {}
+    param = '.'.join(str(p) for p in first.get('loc', ())[1:2]) or None
+    message = first.get('msg', 'invalid request').removeprefix('Value error, ')
+    if first.get('type') == 'extra_forbidden':
+        message = f'unknown field {param!r}'
+    return APIError(400, f'{param}: {message}' if param else message, param=param)
+
+
+def check_model(requested: Optional[str], served: Sequence[str]) -> None:
+    """A request may name any of the served ids, or none."""
+    if requested is not None and requested not in served:
+        names = ', '.join(repr(name) for name in served)
+        raise APIError(404, f'model {requested!r} is not served here; this server serves {names}',
+                       param='model', code='model_not_found')
+
+
+# --- the request --------------------------------------------------------------------------------
+
+Prompt = Union[str, List[str], List[int], List[List[int]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """A request as the engine takes it: checked token rows and per-row options."""
+
+    prompts: List[List[int]]  # one row per prompt; n choices of each are drawn
+    options: dict  # temperature, top_k, top_p: sample_chunks' names
+    seed: int  # choice i of the request draws with the key (seed, i)
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions, with OpenAI's field names and meanings; top_k is an extension."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    model: Optional[str] = None
+    prompt: Prompt = None  # omitted: unconditional, after <|endoftext|>
+    max_tokens: int = Field(16, ge=0)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: Union[str, List[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[dict] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    user: Optional[str] = None
+    # Accepted so that clients sending the defaults work; anything else is refused by name.
+    best_of: Optional[int] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    suffix: Optional[str] = None
+
+    @field_validator('stop')
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError('stop takes up to 4 non-empty strings')
+        return stops
+
+    @model_validator(mode='after')
+    def _unsupported(self):
+        for name, unsupported in (('best_of', (self.best_of or 1) > 1), ('logit_bias', bool(self.logit_bias)),
+                                  ('presence_penalty', self.presence_penalty != 0),
+                                  ('frequency_penalty', self.frequency_penalty != 0),
+                                  ('suffix', self.suffix is not None)):
+            if unsupported:
+                raise ValueError(f'{name} is not supported by this server')
+        return self
+
+    @property
+    def prompted(self) -> bool:
+        """Whether a prompt was given (an empty one counts as none)."""
+        return self.prompt not in (None, '', [])
+
+    def to_sampling(self, encoder: Encoder, hparams: HParams) -> Sampling:
+        """The request's rows and options, after validate.py's checks; raises APIError 400."""
+        prompts = self.prompts(encoder, hparams.n_vocab)
+        for i, prompt in enumerate(prompts):
+            try:
+                if self.max_tokens:
+                    check_window(len(prompt), self.max_tokens, hparams.n_ctx, what=f'prompt {i}')
+                elif self.echo and self.logprobs is not None:  # the prompt is scored in one call
+                    check_sequence(0, len(prompt), hparams.n_ctx)
+            except GPT2Error as e:
+                raise invalid(e, 'max_tokens' if self.max_tokens else 'prompt') from None
+        try:
+            temperature, top_k, top_p = check_sampling(self.temperature, self.top_k, self.top_p, 1)
+        except GPT2Error as e:
+            raise invalid(e, str(e).split()[0]) from None  # each message starts with the option's name
+        if self.seed is None:
+            seed = secrets.randbits(63)
+        else:
+            try:
+                check_seed(self.seed, 1)
+            except GPT2Error as e:
+                raise invalid(e, 'seed') from None
+            seed = self.seed
+        options = dict(temperature=float(temperature[0]), top_k=int(top_k[0]), top_p=float(top_p[0]))
+        return Sampling(prompts, options, seed)
+
+    def prompts(self, encoder: Encoder, n_vocab: int) -> List[List[int]]:
+        """The prompts as checked lists of token ids; an omitted or empty prompt is <|endoftext|>."""
+        start = [encoder.encoder[END_OF_TEXT]]
+        prompt = self.prompt
+        if not self.prompted:
+            return [start]
+        if isinstance(prompt, str):
+            rows = [encoder.encode(prompt)]
+        elif all(isinstance(p, str) for p in prompt):
+            rows = [encoder.encode(p) for p in prompt]
+        elif all(isinstance(p, int) for p in prompt):
+            rows = [list(prompt)]
+        else:
+            rows = [list(p) for p in prompt]
+        for i, row in enumerate(rows):
+            try:
+                check_token_ids(row, n_vocab, name=f'prompt {i}: token')
+            except GPT2Error as e:
+                raise invalid(e, 'prompt') from None
+        return [row or start for row in rows]
+
+
+# --- the responses ------------------------------------------------------------------------------
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Logprobs(BaseModel):
+    tokens: List[str]
+    token_logprobs: List[Optional[float]]  # the prompt's first token has none
+    top_logprobs: List[Optional[Dict[str, float]]]
+    text_offset: List[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: Optional[Logprobs] = None
+    finish_reason: Optional[str] = None  # 'stop' or 'length'; None in a stream until the choice ends
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a stream (whose usage, when asked for, comes in a last chunk)."""
+
+    id: str
+    object: str = 'text_completion'
+    created: int
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = 'model'
+    created: int
+    owned_by: str = 'gpt2_tf'
+
+
+class ModelList(BaseModel):
+    object: str = 'list'
+    data: List[ModelCard]
+
+
+class Health(BaseModel):
+    status: str = 'ok'

@@ -1,0 +1,66 @@
+"""Running the app: a listening socket, checked before anything is said, then uvicorn on it."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+from typing import Optional, Sequence
+
+from ..encoder import Encoder
+from ..model import Model
+from ..validate import GPT2Error
+from .app import create_app
+
+
+class PortTaken(GPT2Error):
+    """Another program listens on the port."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port. A port in use raises PortTaken, naming a free one to try."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except socket.gaierror as e:
+        raise GPT2Error(f'cannot listen on {host!r} ({e.strerror}): give an address such as 127.0.0.1') from None
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortTaken(f'port {port} on {host} is taken; try --port {free_port(host, port, family)}') from None
+        raise GPT2Error(f'cannot listen on {host}:{port} ({e.strerror}): try another --port or --host') from None
+
+
+def free_port(host: str, taken: int, family: int) -> int:
+    """The first free port after `taken` (within 100), or any free one."""
+    for port in range(taken + 1, min(taken + 100, 65535) + 1):
+        try:
+            with socket.create_server((host, port), family=family):
+                return port
+        except OSError:
+            continue
+    with socket.create_server((host, 0), family=family) as s:
+        return s.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    """Raises PortTaken (a GPT2Error) now, before a model is loaded, if serve could not listen there."""
+    bind(host, port).close()
+
+
+def serve(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequence[str] = (), host: str = '127.0.0.1',
+          port: int = 8000, api_key: Optional[str] = None, capacity: int = 16, queue_size: int = 256,
+          mode: Optional[str] = None) -> None:
+    """Serves create_app(...) with uvicorn until interrupted; says where once it listens there."""
+    import uvicorn
+
+    sock = bind(host, port)
+    try:
+        app = create_app(model, encoder, model_id=model_id, aliases=aliases, api_key=api_key, capacity=capacity,
+                         queue_size=queue_size, mode=mode)
+        where = f'[{host}]' if ':' in host else host
+        print(f'gpt2-tf: serving {model_id} on http://{where}:{port}/v1 (Ctrl-C to stop)', file=sys.stderr,
+              flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level='warning')).run(sockets=[sock])
+    finally:
+        sock.close()
