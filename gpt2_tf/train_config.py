@@ -69,6 +69,16 @@ class FinetuneConfig:
         check(self)
 
 
+def configure(config: Optional[FinetuneConfig] = None, **options) -> FinetuneConfig:
+    """config (FinetuneConfig() when None) with some values replaced, checked again."""
+    names = [f.name for f in dataclasses.fields(FinetuneConfig)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise GPT2Error(f'no fine-tuning option {unknown[0]!r}; the options are FinetuneConfig\'s fields: '
+                        f'{", ".join(names)}')
+    return dataclasses.replace(config if config is not None else FinetuneConfig(), **options)
+
+
 # --- the checks, one place for the library and the command line ------------------------------------
 
 def _shown(value) -> str:

@@ -197,7 +197,9 @@ def test_a_finetune_lowers_the_loss_survives_an_interruption_and_loads_everywher
 
     common = dict(checkpoint_dir='checkpoint', batch_size=2, accumulate_gradients=1, learning_rate=3e-3,
                   sample_every=0, save_every=0, seed=3, log=lines.append)
-    first = finetune(bundled_checkpoint(), str(text), steps=20, stop=interrupt_at_10, **common)
+    with pytest.raises(KeyboardInterrupt) as interrupted:  # saved, then raised again: a script can tell
+        finetune(bundled_checkpoint(), str(text), steps=20, stop=interrupt_at_10, **common)
+    first = interrupted.value.trainer
     assert first.steps == 10 and 'interrupted' in lines and (tmp_path / 'checkpoint/run1/model-10.index').exists()
     second = finetune(bundled_checkpoint(), str(text), steps=10, **common)
     assert second.steps == 20

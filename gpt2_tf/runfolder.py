@@ -1,0 +1,142 @@
+"""A fine-tuning run's folder, in gpt-2-simple's layout, on top of checkpoint.py.
+
+    checkpoint_dir/run_name/
+        checkpoint             the current model-<step> (written last: an interrupted save keeps the previous)
+        model-<step>.*         the model alone, loadable by load_model and by the original code
+        optimizer-<step>.*     the optimizer's slots, named after the variables they shadow (not in gpt-2-simple)
+        counter                the step
+        hparams.json, encoder.json, vocab.bpe
+
+Every read is checked before anything is assigned: the model through
+checkpoint.restore, the optimizer's slots here (names, shapes, dtypes, the
+data's size and checksums), each failure a one-line CheckpointError.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import numpy as np
+import tensorflow as tf
+
+from . import checkpoint
+from .assets import bundled_vocabulary
+from .checkpoint import CheckpointError
+from .hparams import HParams
+
+COUNTER = 'counter'
+
+
+def optimizer_prefix(model_prefix: str):
+    """model-<step> -> optimizer-<step>, beside it; None for a prefix of another name (model.ckpt)."""
+    folder, name = os.path.split(model_prefix)
+    return os.path.join(folder, 'optimizer-' + name[len('model-'):]) if name.startswith('model-') else None
+
+
+def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 1, vocabulary=None) -> str:
+    """Writes model-<step>, optimizer-<step> (when there are slots), `counter`, hparams.json and the
+    vocabulary; keeps the newest max_checkpoints. Returns the model's prefix.
+
+    The `checkpoint` file switches to the new step only once its files are complete.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    name = f'model-{step}'
+    if slots:
+        checkpoint.write_tensors(optimizer_prefix(os.path.join(run_dir, name)),
+                                 {n: v.read_value() for n, v in slots.items()})
+    _, before = checkpoint.checkpoint_state(run_dir)
+    prefix = checkpoint.save_checkpoint(model, run_dir, name=name, keep=max_checkpoints)
+    _, after = checkpoint.checkpoint_state(run_dir)
+    for gone in set(before) - set(after):
+        if optimizer_prefix(gone):
+            checkpoint.remove_bundle(optimizer_prefix(os.path.join(run_dir, gone)))
+    checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
+    for target, source in zip(('encoder.json', 'vocab.bpe'), vocabulary or bundled_vocabulary()):
+        if not os.path.exists(os.path.join(run_dir, target)):
+            shutil.copyfile(source, os.path.join(run_dir, target))
+    return prefix
+
+
+def run_hparams(run_dir: str) -> HParams:
+    return HParams.from_json(os.path.join(run_dir, 'hparams.json'))
+
+
+def has_checkpoint(run_dir: str) -> bool:
+    return os.path.exists(os.path.join(run_dir, 'checkpoint'))
+
+
+def read_step(run_dir: str, prefix: str) -> int:
+    """The run's step: `counter`, else the number in model-<step> (gpt-2-simple writes both), else 0."""
+    counter = os.path.join(run_dir, COUNTER)
+    if os.path.exists(counter):
+        with open(counter, encoding='utf-8') as f:
+            text = f.read().strip() or '0'
+        if not text.isdigit():
+            raise CheckpointError(f'{counter}: expected the step number, found {text[:40]!r}')
+        return int(text)
+    number = os.path.basename(prefix).rsplit('-', 1)[-1]
+    return int(number) if number.isdigit() else 0
+
+
+def restore(run_dir: str, model, slots: dict) -> tuple:
+    """Loads the run's latest model-<step> and, when saved, its optimizer slots: -> (step, slots restored).
+
+    The slots are read and checked first, so a damaged or mismatched optimizer
+    state leaves the model and the slots as they were. A gpt-2-simple run folder
+    has no optimizer state: (step, False), and the caller starts its slots afresh.
+    """
+    prefix = checkpoint.find_checkpoint(run_dir)
+    step = read_step(run_dir, prefix)
+    state = optimizer_prefix(prefix)
+    values = None
+    if slots and state and os.path.exists(state + '.index'):
+        values = read_slots(state, {n: tuple(v.shape.as_list()) for n, v in slots.items()})
+    checkpoint.restore(model, prefix)
+    for name, value in (values or {}).items():
+        slots[name].assign(value)
+    return step, values is not None
+
+
+def _first_line(e: BaseException) -> str:
+    return (getattr(e, 'message', None) or str(e) or type(e).__name__).strip().splitlines()[0]
+
+
+def _reader(prefix: str, expected: dict):
+    """A reader of the optimizer state whose every expected slot has its name, shape and dtype, and
+    whose data file is as large as they need."""
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+    except Exception as e:  # TF raises OpError, ValueError, and others for damaged files
+        raise CheckpointError(f'cannot read the optimizer state {prefix}: {_first_line(e)}') from None
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+    fresh = f'resume with restore_from fresh, or remove {os.path.basename(prefix)}.* to start the optimizer afresh'
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise CheckpointError(f'optimizer state {prefix} has no {name} (a run that trained other variables?); '
+                                  f'{fresh}')
+        if tuple(shapes[name]) != tuple(shape):
+            raise CheckpointError(f'optimizer state {prefix}: {name} has shape {list(shapes[name])}, the model '
+                                  f'needs {list(shape)}; {fresh}')
+        if dtypes[name] != tf.float32:
+            raise CheckpointError(f'optimizer state {prefix}: {name} is {dtypes[name].name}, expected float32')
+    needed = sum(4 * int(np.prod(shapes[name])) for name in expected)
+    have = sum(os.path.getsize(f) for f in glob.glob(glob.escape(prefix) + '.data-*'))
+    if have < needed:
+        raise CheckpointError(f'optimizer state {prefix}: the .data file holds {have:,} bytes but the slots need '
+                              f'{needed:,}; it is truncated')
+    return reader
+
+
+def read_slots(prefix: str, expected: dict) -> dict:
+    """{name: float32 array} for each name in expected {name: shape}, every one checked before it is returned."""
+    reader = _reader(prefix, expected)
+    values = {}
+    for name in expected:
+        try:
+            values[name] = reader.get_tensor(name)
+        except Exception as e:  # OpError for a bad checksum; others for other damage
+            raise CheckpointError(f'optimizer state {prefix}: cannot read {name} ({_first_line(e)}); '
+                                  f'the .data file is corrupt') from None
+    return values
