@@ -2,7 +2,9 @@
 
 import errno
 import os
+import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -247,3 +249,92 @@ def test_finetune_command(tmp_path):
     assert (tmp_path / 'samples' / 'run1' / 'samples-3').exists()
     bad = subprocess.run([*cmd[:4], 'missing.txt'], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and 'no dataset at missing.txt' in bad.stderr.splitlines()[-1]
+
+
+def test_ctrl_c_saves_the_step_reached_and_raises_again(tmp_path):
+    def ctrl_c_at_3(step):
+        if step == 3:
+            raise KeyboardInterrupt  # what Ctrl-C raises between two steps
+        return False
+
+    chunks = [np.random.default_rng(0).integers(0, HPARAMS.n_vocab, 500).astype(np.int32)]
+    lines = []
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        finetune(str(HOT), chunks, steps=10, checkpoint_dir=str(tmp_path), batch_size=2, accumulate_gradients=1,
+                 sample_every=0, save_every=0, seed=1, log=lines.append, stop=ctrl_c_at_3)
+    assert isinstance(interrupted.value, train.Interrupted) and interrupted.value.trainer.steps == 3
+    run = tmp_path / 'run1'
+    assert lines[-2:] == ['interrupted', f'Saving {run / "model-3"}']
+    assert (run / 'counter').read_text().strip() == '3'
+    assert (run / 'model-3.index').exists() and (run / 'optimizer-3.index').exists()
+    resumed = Trainer(gpt2_tf.load_model(HOT), 1e-3)
+    resumed.restore(str(run))
+    assert resumed.steps == 3
+    for name, variable in interrupted.value.trainer.model.variables_by_name().items():
+        np.testing.assert_array_equal(resumed.model.variables_by_name()[name].numpy(), variable.numpy(), name)
+    for name, slot in interrupted.value.trainer.slots.items():
+        np.testing.assert_array_equal(resumed.slots[name].numpy(), slot.numpy(), name)
+
+
+def test_ctrl_c_in_the_finetune_command_exits_130_after_saving(tmp_path):
+    (tmp_path / 'corpus.txt').write_text('One two three four five six seven. ' * 40)
+    command = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--batch_size', '1',
+               '--accumulate_gradients', '1', '--sample_every', '0', '--save_every', '0', '--seed', '1']
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ''
+        while '[2 |' not in seen:  # steps=-1: it trains until interrupted
+            line = process.stdout.readline()
+            assert line, process.stderr.read()[-2000:]
+            seen += line
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err[-2000:]
+    assert 'interrupted' in out and 'Saving' in out
+    saved = int((tmp_path / 'checkpoint' / 'run1' / 'counter').read_text())
+    assert saved >= 2 and (tmp_path / 'checkpoint' / 'run1' / f'model-{saved}.index').exists()
+
+
+def damage(prefix, how):
+    """Rewrites or breaks the optimizer state at prefix; returns the tensor the refusal must name."""
+    data = pathlib.Path(prefix + '.data-00000-of-00001')
+    if how == 'truncated':
+        data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+        return 'truncated'
+    if how == 'corrupt':
+        raw = bytearray(data.read_bytes())
+        raw[0] ^= 0xFF  # the first tensor in the file: TF writes them sorted by name
+        data.write_bytes(bytes(raw))
+        return 'beta1_power'
+    reader = tf.train.load_checkpoint(prefix)
+    tensors = {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+    name = {'missing': 'model/wte/Adam', 'shape': 'model/h0/attn/c_attn/b/Adam',
+            'dtype': 'model/h1/mlp/c_fc/w/Adam_1'}[how]
+    if how == 'missing':
+        del tensors[name]
+    elif how == 'shape':
+        tensors[name] = tensors[name][:3]
+    else:
+        tensors[name] = tensors[name].astype(np.float16)
+    gpt2_tf.checkpoint.remove_bundle(prefix)
+    gpt2_tf.checkpoint.write_tensors(prefix, tensors)
+    return name
+
+
+@pytest.mark.parametrize('how', ['missing', 'shape', 'dtype', 'truncated', 'corrupt'])
+def test_a_damaged_or_mismatched_optimizer_state_is_refused_and_changes_nothing(tmp_path, how):
+    trainer = Trainer(gpt2_tf.load_model(HOT), 1e-3)
+    trainer.step(batches(1)[0])
+    trainer.save(str(tmp_path))
+    named = damage(str(tmp_path / 'optimizer-1'), how)
+    fresh = Trainer(gpt2_tf.load_model(HOT), 1e-3)
+    before = {n: v.numpy() for n, v in {**fresh.model.variables_by_name(), **fresh.slots}.items()}
+    with pytest.raises(gpt2_tf.CheckpointError, match='optimizer state .*optimizer-1') as refused:
+        fresh.restore(str(tmp_path))
+    message = str(refused.value)
+    assert named in message and '\n' not in message, message
+    assert fresh.steps == 0
+    for name, variable in {**fresh.model.variables_by_name(), **fresh.slots}.items():
+        np.testing.assert_array_equal(variable.numpy(), before[name], name)  # read first, then assigned
