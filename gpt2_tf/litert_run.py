@@ -1,0 +1,97 @@
+"""Run an exported LiteRT GPT-2 with nothing but the LiteRT interpreter, numpy and the tokenizer.
+
+    python -m gpt2_tf.litert_run OUT_DIR "prompt" --length 40 [--top_k 40 --temperature 1 --seed 1]
+
+This is the loop to port to Kotlin or Swift: encode the prompt, prefill it into
+an empty cache, then decode one token at a time, feeding each back at the next
+position. Greedy by default; with --top_k it draws as the library does
+(temperature, the top_k filter, and Gumbel-max with the library's SplitMix64
+noise), so seed s gives the tokens of sample_sequence(..., seed=[[s, 0]]).
+No TensorFlow is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from .encoder import get_encoder
+
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64, as gpt2_tf.noise: the same bits for the same (key, step, token)
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+BITS = 23
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    for shift, factor in zip((30, 27), _MIX):
+        z = (z ^ (z >> np.uint64(shift))) * np.uint64(factor)
+    return z ^ (z >> np.uint64(31))
+
+
+def gumbel(key: tuple, step: int, n_vocab: int) -> np.ndarray:
+    """float32 [n_vocab] Gumbel noise for one row's key pair at one step."""
+    with np.errstate(over='ignore'):
+        k = np.array(key, np.int64).view(np.uint64)
+        state = _mix64(_mix64(_mix64(k[:1] + np.uint64(_GOLDEN)) + k[1:]) + np.array([step], np.int64).view(np.uint64))
+        bits = _mix64(state + (np.arange(n_vocab, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN))
+    u = ((bits >> np.uint64(64 - BITS)).astype(np.float32) + np.float32(0.5)) / np.float32(1 << BITS)
+    return -np.log(-np.log(u))
+
+
+def choose(logits: np.ndarray, step: int, *, top_k: int, temperature: float, key: tuple) -> int:
+    """The next token from float32 logits [n_vocab]: the argmax, or a top_k draw."""
+    if top_k == 1 or temperature == 0 or key is None:
+        return int(np.argmax(logits))
+    kept = logits >= np.sort(logits)[-top_k] if 0 < top_k < logits.size else np.ones(logits.shape, bool)
+    z = (logits - logits.max()) / np.float32(temperature)  # as the library scales before the noise
+    noisy = np.where(kept, z + gumbel(key, step, logits.size), -np.inf)
+    return int(np.argmax(noisy))
+
+
+def generate(folder: str, ids: list, length: int, *, top_k: int = 0, temperature: float = 1.0,
+             seed=None, threads: int = 2) -> list:
+    """length new token ids after the prompt ids, through the folder's model.tflite."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    with open(os.path.join(folder, 'model.json'), encoding='utf-8') as f:
+        cache_shape = json.load(f)['signatures']['decode']['inputs']['kv_cache']['shape']
+    if not ids or len(ids) + length - 1 > cache_shape[4]:
+        raise SystemExit(f'the prompt ({len(ids)} tokens) and --length {length} need 1 <= prompt + length - 1 '
+                         f'<= {cache_shape[4]}, the exported max_len')
+    interpreter = Interpreter(model_path=os.path.join(folder, 'model.tflite'), num_threads=threads)
+    prefill, decode = interpreter.get_signature_runner('prefill'), interpreter.get_signature_runner('decode')
+    key = None if seed is None else (seed, 0)
+    out = prefill(tokens=np.array([ids], np.int32), input_pos=np.arange(len(ids), dtype=np.int32),
+                  kv_cache=np.zeros(cache_shape, np.float32))
+    new = []
+    for step in range(length):
+        new.append(choose(out['logits'][0], step, top_k=top_k, temperature=temperature, key=key))
+        if step + 1 < length:  # the last token is never fed back
+            out = decode(tokens=np.array([[new[-1]]], np.int32),
+                         input_pos=np.array([len(ids) + step], np.int32), kv_cache=out['kv_cache'])
+    return new
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m gpt2_tf.litert_run', description=__doc__.split('\n')[0])
+    parser.add_argument('folder', help='a folder written by gpt2-tf export --format litert')
+    parser.add_argument('prompt', help='the text to continue')
+    parser.add_argument('--length', type=int, default=40, help='new tokens (default: 40)')
+    parser.add_argument('--top_k', type=int, default=0, help='draw among the k likeliest (default: 0, greedy)')
+    parser.add_argument('--temperature', type=float, default=1.0, help='for --top_k draws (default: 1.0)')
+    parser.add_argument('--seed', type=int, default=0, help='for --top_k draws (default: 0)')
+    args = parser.parse_args(argv)
+    encoder = get_encoder(args.folder)
+    ids = encoder.encode(args.prompt)
+    new = generate(args.folder, ids, args.length, top_k=args.top_k, temperature=args.temperature,
+                   seed=args.seed if args.top_k else None)
+    print(args.prompt + encoder.decode(new))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

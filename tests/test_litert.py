@@ -1,0 +1,104 @@
+"""The LiteRT export, run by the LiteRT interpreter in a process that imports no TensorFlow."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf import HParams
+from gpt2_tf.litert import export_litert
+from gpt2_tf.validate import GPT2Error
+
+from conftest import FIXTURES, assert_close, require
+
+require('ai_edge_litert')
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+# Runs in a fresh interpreter: prefill logits for a prompt, then the runner's greedy and top-k tokens.
+RUNNER = '''
+import json, sys
+import numpy as np
+from ai_edge_litert.interpreter import Interpreter
+from gpt2_tf import litert_run
+folder, prompt, length, seed = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+interpreter = Interpreter(model_path=folder + '/model.tflite', num_threads=2)
+shape = json.load(open(folder + '/model.json'))['signatures']['prefill']['inputs']['kv_cache']['shape']
+out = interpreter.get_signature_runner('prefill')(tokens=np.array([prompt], np.int32),
+    input_pos=np.arange(len(prompt), dtype=np.int32), kv_cache=np.zeros(shape, np.float32))
+print(json.dumps({
+    'logits': out['logits'][0].tolist(),
+    'greedy': litert_run.generate(folder, prompt, length),
+    'top_k': litert_run.generate(folder, prompt, length, top_k=40, temperature=0.5, seed=seed),
+    'tensorflow': 'tensorflow' in sys.modules}))
+'''
+
+
+def run_exported(folder, prompt, length, seed=5) -> dict:
+    done = subprocess.run([sys.executable, '-c', RUNNER, str(folder), json.dumps(prompt), str(length), str(seed)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result['tensorflow'] is False  # the runner needs the LiteRT interpreter only
+    return result
+
+
+def check_against_library(model, folder, prompt, length, seed=5):
+    result = run_exported(folder, prompt, length, seed)
+    reference = model(np.array([prompt]))['logits'].numpy()[0, -1]
+    assert_close(result['logits'], reference, 'prefill logits')
+    greedy = gpt2_tf.sample_sequence(model, length, context=prompt, top_k=1)[0, len(prompt):]
+    assert result['greedy'] == greedy.tolist()
+    drawn = gpt2_tf.sample_sequence(model, length, context=prompt, top_k=40, temperature=0.5,
+                                    seed=np.array([[seed, 0]]))[0, len(prompt):]
+    assert result['top_k'] == drawn.tolist()  # the same rule and the same noise: the same draws
+    return result
+
+
+@pytest.mark.parametrize('name', ['tf1-tiny', 'tf1-tiny-hot'])
+def test_fixtures_prefill_and_decode_give_the_library_s_logits_and_tokens(tmp_path, name):
+    model = gpt2_tf.load_model(FIXTURES / name)
+    reference = np.load(FIXTURES / name / 'reference.npz')
+    prompt = reference['tokens'][0, :8].tolist()
+    export_litert(model, tmp_path, max_len=model.hparams.n_ctx)
+    result = check_against_library(model, tmp_path, prompt, 20)
+    # And against the original graph itself: the prefill of the whole fixture row ends at its last position.
+    row = reference['tokens'][0].tolist()
+    assert_close(run_exported(tmp_path, row, 1)['logits'], reference['logits'][0, -1], 'original graph')
+    assert len(result['greedy']) == 20
+
+
+def test_description_and_a_short_cache(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    info = export_litert(model, tmp_path, max_len=16)
+    described = json.loads((tmp_path / 'model.json').read_text())
+    hp = model.hparams
+    assert described['signatures']['decode']['inputs']['kv_cache']['shape'] == [hp.n_layer, 2, 1, hp.n_head, 16,
+                                                                                 hp.head_size]
+    assert sorted(os.listdir(tmp_path)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
+    assert info['bytes'] == os.path.getsize(tmp_path / 'model.tflite')
+    check_against_library(model, tmp_path, [3, 1, 4, 1, 5], 12)
+
+
+def test_bad_options_are_refused_in_one_line(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    for options, message in [(dict(max_len=0), r'--max-len must be an integer in \[1, 32\]'),
+                             (dict(max_len=33), r'--max-len must be an integer in \[1, 32\]'),
+                             (dict(dtype='float16'), '--dtype for a LiteRT export must be one of'),
+                             (dict(dtype='int8'), 'the model holds float32 weights')]:
+        with pytest.raises(GPT2Error, match=message) as caught:
+            export_litert(model, tmp_path / 'out', **options)
+        assert '\n' not in str(caught.value)
+    assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.slow
+def test_a_124m_shaped_model(tmp_path, random_checkpoint):
+    model = gpt2_tf.load_model(random_checkpoint(HParams.named('124M'), scale=0.02))
+    export_litert(model, tmp_path, max_len=64)
+    check_against_library(model, tmp_path, [464, 2068, 7586, 21831, 18045, 625, 262, 16931], 16)
