@@ -1,15 +1,22 @@
 """gpt2_tf: OpenAI's GPT-2 on TensorFlow 2, numerically faithful to the original graph.
 
-    model = gpt2_tf.load_model('checkpoints/124M')
+    model = gpt2_tf.load_model('test')        # the bundled test checkpoint; or 'checkpoints/124M', '124M'
     out = model(tokens)                       # {'logits', 'present'}
     ids = gpt2_tf.sample_sequence(model, 40, context=gpt2_tf.encode('Hello'))
     texts = gpt2_tf.generate(model, 'Hello', length=40)
 
 Names are imported on first use, so `import gpt2_tf` stays quick and the
-tokenizer works without loading TensorFlow.
+tokenizer works without loading TensorFlow. When TensorFlow does load, its
+start-up lines are captured as the command line captures them (see
+gpt2_tf.quiet), unless the program set TF_CPP_MIN_LOG_LEVEL or imported
+TensorFlow itself first.
 """
 
 import importlib
+
+from . import quiet as _quiet
+
+_quiet.library()
 
 __version__ = '0.1.0'
 
@@ -18,6 +25,7 @@ _EXPORTS = {
     'Model': 'model',
     'CheckpointError': 'checkpoint',
     'load_model': 'loading',
+    'resolve': 'loading',
     'save_checkpoint': 'checkpoint',
     'save_hf': 'hf',
     'export_saved_model': 'export',

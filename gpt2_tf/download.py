@@ -18,9 +18,8 @@ import sys
 import time
 from typing import Optional
 
-import requests
-
 from .hparams import OLD_NAMES, PUBLISHED
+from .validate import GPT2Error
 
 BASE_URL = 'https://openaipublic.blob.core.windows.net/gpt-2/'  # the original script's location
 BASE_URL_ENV = 'GPT2_TF_BASE_URL'  # a mirror, when set
@@ -33,7 +32,7 @@ KNOWN_SHA256 = {
 CHUNK = 1 << 16  # a dropped connection loses at most the chunk being read
 
 
-class DownloadError(Exception):
+class DownloadError(GPT2Error):
     """A download that cannot complete; the message says why."""
 
 
@@ -101,6 +100,8 @@ def _is_complete(session, url: str, path: str, sha256: Optional[str], timeout: f
     A final name is only ever given to a verified file, so when the server cannot
     say (offline, or a mirror that rejects HEAD) the file counts as complete.
     """
+    import requests  # here, not at the top: finding a model folder imports this module too
+
     if sha256 is not None:
         return _sha256(path) == sha256
     try:
@@ -118,6 +119,8 @@ def _attempt(session, url: str, part: str, *, timeout: float, progress, announce
 
     announced['total'] keeps the size the first response gave; a later one that differs is an error.
     """
+    import requests
+
     have = os.path.getsize(part) if os.path.exists(part) else 0
     seen = 'validator' in announced  # this process saw the file's first response
     validator = announced['validator'] if seen else _read_validator(part)
@@ -173,6 +176,7 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
                   backoff: float = 1.0, timeout: float = 60.0, quiet: bool = False,
                   session: Optional[requests.Session] = None) -> bool:
     """Fetches url to path through path + '.part'. Returns False when path was already complete."""
+    import requests
     from tqdm import tqdm
 
     session = session or requests.Session()
@@ -244,6 +248,8 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise DownloadError(f'cannot create {folder}: {e.strerror}') from None
+    import requests
+
     session = requests.Session()
     for filename in FILES:
         fetched = download_file(f'{base_url}models/{model}/{filename}', os.path.join(folder, filename),

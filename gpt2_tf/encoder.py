@@ -17,11 +17,16 @@ from typing import Iterable, Optional, Sequence
 import regex
 
 from .assets import bundled_vocabulary
+from .validate import GPT2Error
 
 END_OF_TEXT = '<|endoftext|>'
 
 # The original pattern, kept without IGNORECASE: "I'M" splits as "I", "'", "M", as GPT-2 was trained.
 PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class VocabularyNotFound(GPT2Error, FileNotFoundError):
+    """A vocabulary file that is not where the folder needs it."""
 
 
 @functools.lru_cache()
@@ -93,7 +98,7 @@ class Encoder:
         self.pat = regex.compile(PATTERN)
         self._tiktoken = None if fast is False else _tiktoken_encoding(encoder, bpe_merges)
         if fast and self._tiktoken is None:
-            raise ValueError("fast=True needs tiktoken installed and GPT-2's own vocabulary files")
+            raise GPT2Error("fast=True needs tiktoken installed and GPT-2's own vocabulary files")
         self.backend = 'python' if self._tiktoken is None else 'tiktoken'
 
     @property
@@ -153,7 +158,7 @@ class Encoder:
         tokens = [int(t) for t in tokens]
         bad = [t for t in tokens if t not in self.decoder]
         if bad:
-            raise ValueError(f'token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})')
+            raise GPT2Error(f'token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})')
         if self._tiktoken is not None:
             return self._tiktoken.decode(tokens, errors=self.errors)
         symbols = ''.join(self.decoder[t] for t in tokens)
@@ -165,32 +170,32 @@ def _read_files(encoder_path: str, bpe_path: str):
         with open(encoder_path, encoding='utf-8') as f:
             encoder = json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f'no encoder.json at {encoder_path}') from None
+        raise VocabularyNotFound(f'no encoder.json at {encoder_path}') from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f'{encoder_path}: not valid JSON ({e})') from None
+        raise GPT2Error(f'{encoder_path}: not valid JSON ({e})') from None
     if not isinstance(encoder, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()):
-        raise ValueError(f'{encoder_path}: expected a JSON object mapping token strings to integer ids')
+        raise GPT2Error(f'{encoder_path}: expected a JSON object mapping token strings to integer ids')
     if sorted(encoder.values()) != list(range(len(encoder))):
-        raise ValueError(f'{encoder_path}: ids must be 0 .. {len(encoder) - 1}, each once')
+        raise GPT2Error(f'{encoder_path}: ids must be 0 .. {len(encoder) - 1}, each once')
     try:
         with open(bpe_path, encoding='utf-8') as f:
             lines = f.read().split('\n')
     except FileNotFoundError:
-        raise FileNotFoundError(f'no vocab.bpe at {bpe_path}') from None
+        raise VocabularyNotFound(f'no vocab.bpe at {bpe_path}') from None
     except UnicodeDecodeError as e:
-        raise ValueError(f'{bpe_path}: not UTF-8 text ({e})') from None
+        raise GPT2Error(f'{bpe_path}: not UTF-8 text ({e})') from None
     if not lines[0].startswith('#version'):
-        raise ValueError(f'{bpe_path}: expected a "#version" header line, got {lines[0][:40]!r}')
+        raise GPT2Error(f'{bpe_path}: expected a "#version" header line, got {lines[0][:40]!r}')
     merges = []
     for number, line in enumerate(lines[1:], start=2):
         if not line:
             continue
         pair = tuple(line.split())
         if len(pair) != 2:
-            raise ValueError(f'{bpe_path}, line {number}: expected two symbols, got {line[:40]!r}')
+            raise GPT2Error(f'{bpe_path}, line {number}: expected two symbols, got {line[:40]!r}')
         if pair[0] + pair[1] not in encoder:
-            raise ValueError(f'{bpe_path}, line {number}: merge {line!r} makes a token missing from encoder.json')
+            raise GPT2Error(f'{bpe_path}, line {number}: merge {line!r} makes a token missing from encoder.json')
         merges.append(pair)
     return encoder, merges
 
@@ -222,19 +227,29 @@ def encoder_for(model_dir: str | os.PathLike) -> Encoder:
     """
     model_dir = os.fspath(model_dir)
     has = lambda name: os.path.exists(os.path.join(model_dir, name))  # noqa: E731
-    if has('encoder.json') or has('vocab.bpe'):
+    files = vocabulary_files(model_dir)
+    if files and files[0].endswith('encoder.json'):
         return get_encoder(model_dir)
     if has('added_tokens.json') or _added_tokens(os.path.join(model_dir, 'tokenizer.json')):
-        raise ValueError(f'{model_dir}: the vocabulary has added tokens, which this tokenizer does not read; '
-                         f'the model loads, but encode text with the folder\'s own tokenizer')
-    if has('vocab.json') or has('merges.txt'):
-        return _cached_encoder(os.path.abspath(os.path.join(model_dir, 'vocab.json')),
-                               os.path.abspath(os.path.join(model_dir, 'merges.txt')), None)
+        raise GPT2Error(f'{model_dir}: the vocabulary has added tokens, which this tokenizer does not read; '
+                        f'the model loads, but encode text with the folder\'s own tokenizer')
+    if files:
+        return _cached_encoder(*map(os.path.abspath, files), None)
     if has('tokenizer.json'):
-        raise ValueError(f'{model_dir} has only a tokenizer.json; this tokenizer reads GPT-2\'s vocab.json and '
+        raise GPT2Error(f'{model_dir} has only a tokenizer.json; this tokenizer reads GPT-2\'s vocab.json and '
                          f'merges.txt (or encoder.json and vocab.bpe). The model loads; for text, copy those '
                          f'files in, or use the bundled GPT-2 vocabulary with get_encoder()')
     return get_encoder()
+
+
+def vocabulary_files(model_dir: str | os.PathLike) -> Optional[tuple]:
+    """A folder's (encoder.json, vocab.bpe), or HF's (vocab.json, merges.txt) when it has either of those
+    but not the first pair; None when it has neither."""
+    for names in (('encoder.json', 'vocab.bpe'), ('vocab.json', 'merges.txt')):
+        paths = tuple(os.path.join(os.fspath(model_dir), name) for name in names)
+        if any(map(os.path.exists, paths)):
+            return paths
+    return None
 
 
 def _added_tokens(path: str) -> list:

@@ -7,18 +7,21 @@ original graph cannot express is refused, naming the field, rather than
 computed differently.
 
 Reading needs the `safetensors` package (for model.safetensors, without
-PyTorch) or `torch` (for pytorch_model.bin, loaded with weights_only=True).
+PyTorch) or `torch` (for pytorch_model.bin, loaded with weights_only=True);
+writing needs `safetensors` and `tokenizers` (for tokenizer.json). Reading a
+config imports no TensorFlow: the command line checks a folder before loading it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import warnings
 
 import numpy as np
 
-from .checkpoint import BLOCK, VARIABLES, in_block
 from .hparams import HParams
 from .validate import GPT2Error
 
@@ -27,21 +30,36 @@ SAFETENSORS = 'model.safetensors'
 SAFETENSORS_INDEX = 'model.safetensors.index.json'
 TORCH_BIN = 'pytorch_model.bin'
 TOKENIZER_FILES = {'vocab.json': 'encoder.json', 'merges.txt': 'vocab.bpe'}  # HF's names for the same files
+TOKENIZER_JSON = 'tokenizer.json'  # the fast tokenizer's one file, written by the tokenizers library
 GPT2_VOCAB = 50257
+END_OF_TEXT_ID = GPT2_VOCAB - 1  # <|endoftext|>, GPT-2's bos and eos token, when the vocabulary reaches it
 
 
 def hf_name(name: str) -> str:
     """A table name's HF name (under h.<i>. for a block): 'h{i}/mlp/c_fc/w' -> 'mlp.c_fc.weight'."""
+    from .checkpoint import BLOCK, in_block
+
     *scope, variable = name[len(BLOCK):].split('/') if in_block(name) else name.split('/')
     if not scope:  # wte, wpe
         return f'{variable}.weight'
     return '.'.join(scope) + ('.bias' if variable == 'b' else '.weight')
 
 
-# HF name (under h.<i>. for a block) -> (original name under model/ or model/h<i>/, whether it is a conv1d
-# weight: [nx, nf] in HF, [1, nx, nf] in the original), derived from checkpoint.VARIABLES.
-BLOCK_NAMES = {hf_name(n): (n[len(BLOCK):], len(u) == 3) for n, u, _ in VARIABLES if in_block(n)}
-TOP_NAMES = {hf_name(n): 'model/' + n for n, _, _ in VARIABLES if not in_block(n)}
+@functools.lru_cache(maxsize=None)
+def names() -> tuple:
+    """(BLOCK_NAMES, TOP_NAMES), derived from checkpoint.VARIABLES.
+
+    BLOCK_NAMES: HF name under h.<i>. -> (original name under model/h<i>/, whether it is a conv1d
+    weight: [nx, nf] in HF, [1, nx, nf] in the original); TOP_NAMES: HF name -> original name.
+    checkpoint.py imports TensorFlow, so it is imported here, on first use: reading a config needs none.
+    """
+    from .checkpoint import BLOCK, VARIABLES, in_block
+
+    block = {hf_name(n): (n[len(BLOCK):], len(u) == 3) for n, u, _ in VARIABLES if in_block(n)}
+    top = {hf_name(n): 'model/' + n for n, _, _ in VARIABLES if not in_block(n)}
+    return block, top
+
+
 IGNORED = ('attn.bias', 'attn.masked_bias')  # the causal-mask buffers older versions saved
 
 
@@ -55,13 +73,10 @@ def is_hf_folder(path) -> bool:
 
 def read_config(path) -> HParams:
     """HParams from an HF config.json, refusing what the original graph cannot compute."""
-    config_path = os.path.join(path, CONFIG)
-    try:
-        with open(config_path, encoding='utf-8') as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise HFFormatError(f'{config_path}: not valid JSON ({e})') from None
-    source = config_path
+    source = os.path.join(path, CONFIG)
+    config = _read_json(source)
+    if not isinstance(config, dict):
+        raise HFFormatError(f'{source}: expected a JSON object, got {type(config).__name__}')
 
     def refuse(field, why):
         raise HFFormatError(f'{source}: {field}={config.get(field)!r}: {why}; the original graph cannot compute it')
@@ -89,6 +104,22 @@ def read_config(path) -> HParams:
                               'n_head': config['n_head'], 'n_layer': config['n_layer']}, source=source)
 
 
+def _read_json(path: str):
+    try:
+        with open(path, encoding='utf-8') as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFFormatError(f'{path}: not valid JSON ({e})') from None
+    except OSError as e:
+        raise HFFormatError(f'{path}: cannot be read ({e.strerror})') from None
+
+
+def _unreadable(file: str, e: Exception) -> HFFormatError:
+    """A read failure of a weights file, as one line that names the file."""
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return HFFormatError(f'{file}: cannot be read ({reason}); is the file complete? Copy or download it again')
+
+
 def _read_safetensors(files: list) -> dict:
     try:
         from safetensors import safe_open
@@ -97,9 +128,12 @@ def _read_safetensors(files: list) -> dict:
                             "pip install -e '.[hf]' (or pip install safetensors)") from None
     tensors = {}
     for file in files:
-        with safe_open(file, framework='np') as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(file, framework='np') as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except Exception as e:  # safetensors' own error type, OSError, or a broken header's ValueError
+            raise _unreadable(file, e) from None
     return tensors
 
 
@@ -109,7 +143,10 @@ def _read_torch(file: str) -> dict:
     except ImportError:
         raise HFFormatError(f'{file} is a PyTorch file and reading it needs torch (pip install torch==2.13.0); '
                             f'a model.safetensors needs only the safetensors package') from None
-    state = torch.load(file, map_location='cpu', weights_only=True)
+    try:
+        state = torch.load(file, map_location='cpu', weights_only=True)
+    except Exception as e:  # a truncated zip, an unpickling error, ...
+        raise _unreadable(file, e) from None
     return {name: value.float().numpy() if value.is_floating_point() else value.numpy()
             for name, value in state.items()}
 
@@ -121,8 +158,8 @@ def read_tensors(path) -> dict:
     if os.path.isfile(single):
         return _read_safetensors([single])
     if os.path.isfile(index):
-        with open(index, encoding='utf-8') as f:
-            shards = sorted(set(json.load(f).get('weight_map', {}).values()))
+        weight_map = _read_json(index)
+        shards = sorted(set(weight_map.get('weight_map', {}).values())) if isinstance(weight_map, dict) else []
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if not shards or missing:
             raise HFFormatError(f'{index}: shard(s) missing: {missing or "the index lists none"}')
@@ -135,16 +172,17 @@ def read_tensors(path) -> dict:
 def to_original(tensors: dict, hparams: HParams, *, source: str) -> dict:
     """{HF name: array} -> {checkpoint name: float32 array}, every name and shape checked."""
     out, extra, upcast = {}, [], set()
+    block_names, top_names = names()
     for name, value in tensors.items():
         key = name[len('transformer.'):] if name.startswith('transformer.') else name
         parts = key.split('.', 2)
         block = len(parts) == 3 and parts[0] == 'h' and parts[1].isdigit()
         if key == 'lm_head.weight' or (block and parts[2] in IGNORED):
             continue
-        if key in TOP_NAMES:
-            target, conv = TOP_NAMES[key], False
-        elif block and parts[2] in BLOCK_NAMES:
-            target, conv = BLOCK_NAMES[parts[2]]
+        if key in top_names:
+            target, conv = top_names[key], False
+        elif block and parts[2] in block_names:
+            target, conv = block_names[parts[2]]
             target = f'model/h{int(parts[1])}/{target}'
         else:
             extra.append(name)
@@ -167,51 +205,82 @@ def to_original(tensors: dict, hparams: HParams, *, source: str) -> dict:
 
 
 def config_for(hparams: HParams) -> dict:
-    """The HF config.json of a GPT-2 of these hparams."""
+    """The HF config.json of a GPT-2 of these hparams; bos/eos_token_id only when the vocabulary has
+    <|endoftext|>'s id (transformers warns about ids past the vocabulary)."""
+    has_end = hparams.n_vocab > END_OF_TEXT_ID
+    special = {'bos_token_id': END_OF_TEXT_ID, 'eos_token_id': END_OF_TEXT_ID} if has_end else {}
     return {'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': hparams.n_vocab,
             'n_positions': hparams.n_ctx, 'n_ctx': hparams.n_ctx, 'n_embd': hparams.n_embd,
             'n_head': hparams.n_head, 'n_layer': hparams.n_layer, 'n_inner': None,
             'activation_function': 'gelu_new', 'layer_norm_epsilon': 1e-05, 'scale_attn_weights': True,
             'resid_pdrop': 0.1, 'embd_pdrop': 0.1, 'attn_pdrop': 0.1, 'initializer_range': 0.02,
-            'bos_token_id': GPT2_VOCAB - 1, 'eos_token_id': GPT2_VOCAB - 1, 'tie_word_embeddings': True}
+            'tie_word_embeddings': True, **special}
 
 
 def to_hf(tensors: dict) -> dict:
     """{checkpoint name: array} -> {HF name: float32 array} under `transformer.`, as save_pretrained writes them."""
-    names = {v: k for k, v in TOP_NAMES.items()}
+    block_names, top_names = names()
+    top = {v: k for k, v in top_names.items()}
     out = {}
     for name, value in tensors.items():
         value = np.asarray(value, np.float32)
-        if name in names:
-            out['transformer.' + names[name]] = value
+        if name in top:
+            out['transformer.' + top[name]] = value
             continue
         layer, rest = name[len('model/h'):].split('/', 1)
-        hf_name, conv = next((k, c) for k, (target, c) in BLOCK_NAMES.items() if target == rest)
+        hf_name, conv = next((k, c) for k, (target, c) in block_names.items() if target == rest)
         out[f'transformer.h.{int(layer)}.{hf_name}'] = value[0] if conv else value
     return out
 
 
+def tokenizer_json(encoder_path: str, bpe_path: str, destination: str) -> None:
+    """Writes the fast tokenizer's tokenizer.json for GPT-2 vocabulary files, with the tokenizers library.
+
+    It is what transformers' GPT2TokenizerFast builds from vocab.json and merges.txt: byte-level BPE
+    under GPT-2's pattern, no prefix space, and <|endoftext|> as a special token when the vocabulary has it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from .encoder import END_OF_TEXT, _read_files
+
+    vocabulary, merges = _read_files(encoder_path, bpe_path)
+    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=merges, continuing_subword_prefix='',
+                                     end_of_word_suffix='', fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    if END_OF_TEXT in vocabulary:
+        tokenizer.add_special_tokens([END_OF_TEXT])
+    tokenizer.save(destination)
+
+
 def save_hf(model, path, *, vocabulary=None) -> str:
-    """Writes an HF GPT-2 folder: config.json, model.safetensors, vocab.json and merges.txt; returns the folder.
+    """Writes an HF GPT-2 folder: config.json, model.safetensors, vocab.json, merges.txt and tokenizer.json;
+    returns the folder. Every file gets the mode a new file gets (0644 under the usual umask).
 
     vocabulary: (encoder.json path, vocab.bpe path) to copy under HF's names
     (default: the files bundled with the package, GPT-2's own).
     """
     try:
+        import tokenizers  # noqa: F401
         from safetensors.numpy import save_file
     except ImportError:
-        raise HFFormatError("writing an HF folder needs the safetensors package: pip install -e '.[hf]'") from None
+        raise HFFormatError("writing an HF folder needs the safetensors and tokenizers packages: "
+                            "pip install -e '.[hf]'") from None
     from .assets import bundled_vocabulary
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    tensors = to_hf({name: v.numpy() for name, v in model.variables_by_name().items()})
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, SAFETENSORS),
-              metadata={'format': 'pt'})
     with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
         json.dump(config_for(model.hparams), f, indent=2)
         f.write('\n')
-    for hf_name, source in zip(TOKENIZER_FILES, vocabulary or bundled_vocabulary()):
+    tensors = to_hf({name: v.numpy() for name, v in model.variables_by_name().items()})
+    weights = os.path.join(path, SAFETENSORS)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, weights, metadata={'format': 'pt'})
+    shutil.copymode(os.path.join(path, CONFIG), weights)  # safetensors writes through a private (0600) file
+    files = vocabulary or bundled_vocabulary()
+    for hf_name, source in zip(TOKENIZER_FILES, files):
         with open(source, 'rb') as src, open(os.path.join(path, hf_name), 'wb') as dst:
             dst.write(src.read())
+    tokenizer_json(*files, os.path.join(path, TOKENIZER_JSON))
     return path

@@ -1,28 +1,164 @@
-"""Loading a model from any folder this project reads: the original layout or a Hugging Face folder.
+"""Finding and loading a model: the one place that decides what a model folder or name is.
 
-The one place that decides what a model folder is; the command line, the
-server, Beam and the library all load through load_model.
+    resolve('checkpoints/124M')        an original folder (hparams.json and a checkpoint), also a
+                                       fine-tuning run folder such as checkpoint/run1
+    resolve('gpt2-hf')                 a Hugging Face folder (config.json and model.safetensors)
+    resolve(model_name='124M')         a published name, under models_dir (default checkpoints/)
+    resolve(model_name='test')         the bundled test checkpoint (gpt2_tf/assets/test-checkpoint)
+
+resolve() reads no weights and imports no TensorFlow, so the command line can
+check every argument first; load_model() loads what it finds. The command
+line, the server, Beam and the library all go through these two.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import warnings
 from typing import Optional
 
-import tensorflow as tf
-
 from . import hf
-from .checkpoint import find_checkpoint, restore, variable_shapes, verify
-from .hparams import HParams
-from .model import Model
+from .assets import bundled_checkpoint
+from .download import partial_folder
+from .encoder import Encoder, encoder_for, vocabulary_files
+from .hparams import OLD_NAMES, PUBLISHED, HParams
+from .validate import GPT2Error
+
+BUNDLED = 'test'  # the bundled checkpoint's name, accepted wherever a model name is
+DEFAULT_MODEL = '124M'
+DEFAULT_MODELS_DIR = 'checkpoints'
 
 
-def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, strict: bool = True,
-               jit_compile: bool = False, strategy=None, dtype: str = 'float32') -> Model:
-    """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint), or from a
-    Hugging Face GPT-2 folder (config.json with model.safetensors or pytorch_model.bin; see gpt2_tf.hf).
-    A folder with both an hparams.json and a config.json loads as the original layout.
+class ModelNotFound(GPT2Error, FileNotFoundError):
+    """No model where one was named: a one-line message with the command that gets one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFolder:
+    """A model folder found by resolve(): where it is, its layout, and the names it answers to."""
+    path: str
+    layout: str  # 'original' (OpenAI's layout, and fine-tuning run folders) or 'hf'
+    names: tuple  # the served model ids: its own name first, then its folder's and published names
+    notice: Optional[str] = None  # a line to show before loading it (why the bundled checkpoint is used)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def hparams(self) -> HParams:
+        if self.layout == 'hf':
+            return hf.read_config(self.path)
+        return HParams.from_json(os.path.join(self.path, 'hparams.json'))
+
+    def encoder(self) -> Encoder:
+        """The folder's own vocabulary; a folder without one gets GPT-2's bundled one, with a warning
+        when its layout normally carries one (HF folders)."""
+        if self.layout == 'hf' and vocabulary_files(self.path) is None:
+            n_vocab = self.hparams().n_vocab
+            warnings.warn(f'{self.path} has no vocab.json/merges.txt; using the bundled GPT-2 vocabulary'
+                          + ('' if n_vocab == hf.GPT2_VOCAB else f' (50257 tokens; the model has {n_vocab})'),
+                          stacklevel=2)
+        return encoder_for(self.path)
+
+
+def _names(path: str) -> tuple:
+    """A folder's name, and the published name it stands for ('117M' is 124M's old name); the bundled
+    checkpoint is 'test' first."""
+    own = os.path.basename(os.path.normpath(path))
+    if os.path.realpath(path) == os.path.realpath(bundled_checkpoint()):
+        return BUNDLED, own
+    names = [own]
+    if OLD_NAMES.get(own, own) in PUBLISHED:
+        names.append(OLD_NAMES.get(own, own))
+    return tuple(dict.fromkeys(names))
+
+
+def _folder(path: str, *, names: Optional[tuple] = None, notice: Optional[str] = None) -> ModelFolder:
+    """A ModelFolder for a folder that exists, after the checks that need no weights."""
+    if not os.path.isdir(path):
+        what = 'a file' if os.path.exists(path) else 'not there'
+        raise ModelNotFound(f'{path} is {what}: give a model folder (hparams.json and a checkpoint, or an HF '
+                            f'config.json), or a model name such as {DEFAULT_MODEL} or {BUNDLED}')
+    if hf.is_hf_folder(path):
+        layout = 'hf'
+    elif os.path.isfile(os.path.join(path, 'hparams.json')):
+        layout = 'original'
+    else:
+        raise ModelNotFound(f'{path}: no hparams.json (the original layout) or config.json (a Hugging Face '
+                            f'folder): not a model folder')
+    return ModelFolder(path, layout, names or _names(path), notice)
+
+
+def _bundled(notice: Optional[str] = None) -> ModelFolder:
+    return _folder(bundled_checkpoint(), notice=notice)
+
+
+def _incomplete(folder: str) -> bool:
+    """A model folder that an interrupted download left behind (.part files, or no index)."""
+    names = os.listdir(folder)
+    return any(n.endswith('.part') for n in names) or not any(n.endswith('.index') for n in names)
+
+
+def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None) -> ModelFolder:
+    """The model that model_dir names (a folder, else a model name), or models_dir/model_name.
+
+    With none of the three, models_dir/124M when it is downloaded, else the
+    bundled test checkpoint, with a notice saying so. Raises ModelNotFound
+    with the command that gets the model.
+    """
+    if model_dir is not None:
+        model_dir = os.fspath(model_dir)
+        if os.path.exists(model_dir) or os.sep in model_dir or not model_dir:
+            if not os.path.exists(model_dir):
+                raise ModelNotFound(f'no model folder at {model_dir}')
+            return _folder(model_dir)
+        if model_dir != BUNDLED and OLD_NAMES.get(model_dir, model_dir) not in PUBLISHED:
+            raise ModelNotFound(f'no model folder at {model_dir}')
+        model_name = model_dir  # a bare name: a published model or the bundled one
+    chosen = os.path.expanduser(os.fspath(models_dir or DEFAULT_MODELS_DIR))
+    if models_dir is not None and not os.path.isdir(chosen):
+        raise ModelNotFound(f'--models_dir {models_dir} is not a folder; give the folder that holds the model '
+                            f'folders (default: {DEFAULT_MODELS_DIR})')
+    name = model_name or DEFAULT_MODEL
+    path = os.path.join(chosen, name)
+    published = OLD_NAMES.get(name, name) in PUBLISHED
+    resume = f'python download_model.py {name}' + (f' --models_dir {models_dir}' if models_dir else '')
+    if os.path.isdir(path):
+        if published and _incomplete(path):
+            raise ModelNotFound(f'the download in {path} is incomplete: run `{resume}` again to resume it')
+        return _folder(path)
+    if name == BUNDLED:
+        return _bundled()
+    partial = os.path.isdir(partial_folder(path))
+    if model_name is None and models_dir is None:
+        return _bundled(_fallback_notice(name, path, partial, resume))
+    if partial:
+        raise ModelNotFound(f'the download of {name} is incomplete: run `{resume}` again to resume it')
+    if not published:
+        raise ModelNotFound(f'no model folder {path}, and {name!r} is not a published model '
+                            f'({", ".join(PUBLISHED)}) or {BUNDLED!r} (the bundled test checkpoint); give '
+                            f'--model_dir for a folder of your own')
+    raise ModelNotFound(f'no model at {path}; download it with: {resume}')
+
+
+def _fallback_notice(name: str, path: str, partial: bool, resume: str) -> str:
+    if partial:
+        why = f'the download of {name} is incomplete ({partial_folder(path)}); resume it with `{resume}`. Meanwhile using'
+    else:
+        why = f'no model at {path}, so using'
+    return (f'gpt2-tf: {why} the bundled test checkpoint (--model_name {BUNDLED}: random weights, 2 tiny layers, '
+            f'the text is gibberish).' + ('' if partial else f' Get a real model with: {resume}'))
+
+
+def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, jit_compile: bool = False,
+               strategy=None, dtype: str = 'float32'):
+    """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint, also a
+    fine-tuning run folder), from a Hugging Face GPT-2 folder (config.json with model.safetensors or
+    pytorch_model.bin; see gpt2_tf.hf), or from a name: 'test' (the bundled test checkpoint) or a
+    published one ('124M') under checkpoints/. A folder with both an hparams.json and a config.json
+    loads as the original layout. model_dir may also be a ModelFolder from resolve().
 
     device pins the variables and the computation ('/GPU:0', '/CPU:0'); by default
     TensorFlow places them, on a GPU when it sees one. strict=False ignores
@@ -33,23 +169,29 @@ def load_model(model_dir: str | os.PathLike, *, device: Optional[str] = None, st
     (the default, exact), 'bfloat16' or 'float16' (see gpt2_tf.precision); the
     checkpoint's float32 values are rounded to it once, at load.
     """
-    model_dir = os.fspath(model_dir)
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f'no model folder at {model_dir}')
+    from .checkpoint import find_checkpoint, restore
+    from .model import Model
+
+    folder = model_dir if isinstance(model_dir, ModelFolder) else resolve(model_dir)
+    options = dict(device=device, jit_compile=jit_compile, dtype=dtype)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        if hf.is_hf_folder(model_dir):
-            model = _load_hf(model_dir, device=device, jit_compile=jit_compile, dtype=dtype)
+        if folder.layout == 'hf':
+            model = _load_hf(folder.path, **options)
         else:
-            hparams = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
-            prefix = find_checkpoint(model_dir)
-            model = Model(hparams, device=device, jit_compile=jit_compile, dtype=dtype)
+            prefix = find_checkpoint(folder.path)
+            model = Model(folder.hparams(), **options)
             restore(model, prefix, strict=strict, all_or_nothing=False)
     model.strategy = strategy
     return model
 
 
-def _load_hf(model_dir: str, **options) -> Model:
+def _load_hf(model_dir: str, **options):
     """A Model from a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)."""
+    import tensorflow as tf
+
+    from .checkpoint import variable_shapes, verify
+    from .model import Model
+
     hparams = hf.read_config(model_dir)
     tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir)
     verify(variable_shapes(hparams), {name: value.shape for name, value in tensors.items()}, hparams=hparams,

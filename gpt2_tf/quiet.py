@@ -9,11 +9,20 @@ the later ones. So the import and device initialisation run with descriptor 2
 pointed at a temporary file. The captured text is shown when the import fails,
 and always with verbose=True. oneDNN stays on: turning it off to hide its
 notice would change numerics and speed.
+
+The command line calls tensorflow() before it loads a model. A program that
+imports gpt2_tf gets the same quiet import through library(), which
+`import gpt2_tf` installs: the first `import tensorflow` after it, from
+anywhere, runs the same way, unless the program configured TensorFlow's
+logging itself (TF_CPP_MIN_LOG_LEVEL set, or TensorFlow imported first).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import logging
 import os
 import sys
 import tempfile
@@ -95,28 +104,79 @@ def _stderr_to_file():
             text.append(sink.read().decode('utf-8', errors='replace'))
 
 
+def _start(load) -> None:
+    """Runs load() (TensorFlow's import) and the device initialisation with descriptor 2 captured;
+    what was captured is shown if either fails."""
+    global _captured
+    read = None
+    try:
+        with _stderr_to_file() as read:
+            load()
+            sys.modules['tensorflow'].config.list_physical_devices()  # device initialisation (cuInit) prints too
+    except BaseException:
+        sys.stderr.write(read() if read else '')
+        raise
+    _captured = read()
+
+
 def tensorflow(*, verbose: bool = False):
     """The tensorflow module, imported and its devices initialised without printing anything."""
-    global _captured
+    _uninstall()
     if 'tensorflow' in sys.modules:
         return sys.modules['tensorflow']
     use_xla_cache()
     # The C++ log lines after start-up too (oneDNN's fallback notices come as errors); --verbose shows them.
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '0' if verbose else '3')
-    read = None
-    try:
-        with _stderr_to_file() as read:
-            import tensorflow as tf
-
-            tf.config.list_physical_devices()  # device initialisation (cuInit) prints too
-    except BaseException:
-        sys.stderr.write(read() if read else '')
-        raise
-    _captured = read()
+    _start(lambda: importlib.import_module('tensorflow'))
     if verbose:
         sys.stderr.write(_captured)
+    tf = sys.modules['tensorflow']
     tf.get_logger().setLevel('ERROR')  # retracing and deprecation warnings
     return tf
+
+
+class _QuietLoader(importlib.abc.Loader):
+    """TensorFlow's own loader, run as tensorflow() runs it."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader  # TensorFlow sees its own loader
+        os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+        _start(lambda: self.loader.exec_module(module))
+        logger = logging.getLogger('tensorflow')
+        if logger.level == logging.NOTSET and not logger.handlers:  # a program's own setting stays
+            logger.setLevel(logging.ERROR)
+
+
+class _QuietImport(importlib.abc.MetaPathFinder):
+    """Finds TensorFlow, the first time anything imports it, with _QuietLoader around its loader."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != 'tensorflow':
+            return None
+        _uninstall()
+        if 'TF_CPP_MIN_LOG_LEVEL' in os.environ:  # the program chose what TensorFlow prints
+            return None
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
+def library() -> None:
+    """Makes TensorFlow's first import, whoever makes it, as quiet as the command line's (see above)."""
+    if 'tensorflow' not in sys.modules and not any(isinstance(f, _QuietImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietImport())
+
+
+def _uninstall() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _QuietImport)]
 
 
 def startup_log() -> str:

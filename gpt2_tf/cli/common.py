@@ -1,0 +1,114 @@
+"""What every command shares: the one-line error, the model from its arguments, and the parser's pieces.
+
+A command checks every argument first (the model folder, its hparams and
+vocabulary, the options) without TensorFlow, which takes seconds to load;
+open_model() then loads TensorFlow quietly and the model, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+import warnings
+
+from .. import quiet
+from ..loading import BUNDLED, DEFAULT_MODEL, DEFAULT_MODELS_DIR, ModelFolder, resolve
+from ..validate import GPT2Error
+
+BANNER = '=' * 40 + ' SAMPLE {} ' + '=' * 40
+# precision.DTYPES and compiled.MODES, which import TensorFlow; tests/test_cli.py holds them equal.
+DTYPES = ('float32', 'bfloat16', 'float16')
+MODES = ('xla', 'function', 'eager')
+
+
+class CommandError(GPT2Error):
+    """An error to report in one line, without a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose unknown flags are reported with this (sub)command's usage and the closest flag."""
+
+    def unknown(self, extras: list) -> None:
+        flags = [s for action in self._actions for s in action.option_strings]
+        hints = []
+        for extra in extras:
+            close = difflib.get_close_matches(extra.split('=', 1)[0], flags, n=1, cutoff=0.6)
+            hints.append(f'{extra} (did you mean {close[0]}?)' if close and extra.startswith('-') else extra)
+        self.error('unrecognized arguments: ' + ' '.join(hints))
+
+
+def one_line(message: str, category, *_args, **_kwargs) -> str:
+    """warnings.formatwarning for the command line: 'gpt2-tf: warning: MESSAGE', no source line."""
+    return f'gpt2-tf: warning: {str(message).strip().splitlines()[0]}\n'
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def model_folder(args) -> ModelFolder:
+    """The model that --model_dir (or a MODEL_DIR argument), --model_name and --models_dir name."""
+    return resolve(args.model_dir, model_name=getattr(args, 'model_name', None),
+                   models_dir=getattr(args, 'models_dir', None))
+
+
+def start_tensorflow(args, folder: ModelFolder = None) -> None:
+    """The fallback notice, if any, then TensorFlow without its start-up lines (--verbose shows them)."""
+    if folder is not None and folder.notice:
+        print(folder.notice, file=sys.stderr)
+    quiet.tensorflow(verbose=args.verbose)
+
+
+def open_model(args, folder: ModelFolder, *, device: str = None):
+    """TensorFlow and the model, once every argument has been checked: --device and --dtype from args."""
+    start_tensorflow(args, folder)
+    device = getattr(args, 'device', None) or device
+    try:
+        quiet.check_device(getattr(args, 'device', None))
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    from ..loading import load_model
+
+    return load_model(folder, device=device, dtype=getattr(args, 'dtype', 'float32'))
+
+
+# --- the parser's pieces -----------------------------------------------------------------------
+
+def add_model_arguments(parser, *, device: bool = True) -> None:
+    parser.add_argument('--model_name', '--model-name', default=None,
+                        help=f'a model folder under models_dir: {DEFAULT_MODEL}, 355M, ..., or {BUNDLED} for the '
+                             f'bundled test checkpoint (default: {DEFAULT_MODEL}, else {BUNDLED} until it is '
+                             f'downloaded)')
+    parser.add_argument('--models_dir', '--models-dir', default=None,
+                        help=f'the folder holding model folders (default: {DEFAULT_MODELS_DIR})')
+    parser.add_argument('--model_dir', '--model-dir', default=None,
+                        help='a model folder to use directly: the original layout, a fine-tuning run folder or a '
+                             'Hugging Face folder (default: none, models_dir/model_name)')
+    if device:
+        parser.add_argument('--device', default=None,
+                            help="pin a device, e.g. '/GPU:0' or '/CPU:0' (default: TensorFlow's choice)")
+
+
+def add_model_folder(parser) -> None:
+    parser.add_argument('model_dir', metavar='MODEL_DIR',
+                        help=f'a model folder (original, run or Hugging Face), or a name: {DEFAULT_MODEL} '
+                             f'(under {DEFAULT_MODELS_DIR}/) or {BUNDLED} (the bundled test checkpoint)')
+
+
+def add_dtype(parser) -> None:
+    parser.add_argument('--dtype', choices=DTYPES, default='float32',
+                        help="the weights' precision (default: float32, exact; see the README for speed and "
+                             "fidelity)")
+
+
+def add_mode(parser) -> None:
+    parser.add_argument('--mode', choices=MODES, default=None,
+                        help='how the decode loop runs (default: xla for float32 weights, function for reduced)')
+
+
+def add_verbose(parser) -> None:
+    parser.add_argument('--verbose', action='store_true',
+                        help="show TensorFlow's start-up messages, and tracebacks (default: off)")
+
+
+def add_quiet(parser) -> None:
+    parser.add_argument('--quiet', action='store_true', help='no progress bar on stderr (default: off)')

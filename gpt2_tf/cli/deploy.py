@@ -1,0 +1,119 @@
+"""Deployment and conversion: export (a SavedModel), serve (the completions server), convert (HF folders)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from .common import (CommandError, add_dtype, add_mode, add_model_arguments, add_model_folder, add_verbose,
+                     model_folder, open_model)
+
+
+def new_folder(path: str) -> None:
+    if os.path.isfile(path):
+        raise CommandError(f'{path} is a file: give a new folder to write into')
+    if os.path.isdir(path) and os.listdir(path):
+        raise CommandError(f'{path} exists and is not empty: write into a new folder')
+
+
+def cmd_export(args):
+    """A SavedModel with serving_default, generate and score signatures."""
+    folder = model_folder(args)
+    folder.hparams()
+    new_folder(args.out_dir)
+    model = open_model(args, folder, device='/CPU:0')
+    from ..export import export_saved_model
+
+    export_saved_model(model, args.out_dir, xla=args.xla)
+    print(f'{args.out_dir}: SavedModel written (signatures serving_default, generate, score'
+          f'{"; XLA-compiled" if args.xla else ""})')
+
+
+def cmd_serve(args):
+    """An OpenAI-compatible completions server; clients may name the model by any of the folder's names."""
+    folder = model_folder(args)
+    if not 1 <= args.port <= 65535:
+        raise CommandError(f'--port must be in 1..65535, got {args.port}')
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise CommandError("serving needs the server extra: pip install -e '.[serve]'") from None
+    encoder = folder.encoder()
+    names = (args.served_model_name,) + folder.names if args.served_model_name else folder.names
+    from ..serve import check_port, serve
+
+    check_port(args.host, args.port)  # before the model loads: a taken port fails in a second
+    model = open_model(args, folder)
+    serve(model, encoder, model_id=names[0], aliases=names[1:], host=args.host, port=args.port,
+          api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode)
+
+
+def cmd_convert(args):
+    """An original-layout folder (or run folder) to a Hugging Face one, or back."""
+    from ..hf import TOKENIZER_FILES
+
+    source = model_folder(args)
+    source.hparams()
+    new_folder(args.destination)
+    if args.to == 'hf' and source.layout == 'hf':
+        raise CommandError(f'{source.path} is already a Hugging Face folder (config.json); use --to original')
+    if args.to == 'original' and source.layout != 'hf':
+        raise CommandError(f'{source.path} is not a Hugging Face folder (no config.json); use --to hf')
+    model = open_model(args, source, device='/CPU:0')
+    from ..assets import bundled_vocabulary
+    from ..checkpoint import save_checkpoint
+    from ..hf import save_hf
+
+    if args.to == 'hf':
+        own = [os.path.join(source.path, name) for name in TOKENIZER_FILES.values()]
+        save_hf(model, args.destination, vocabulary=own if all(map(os.path.exists, own)) else None)
+    else:
+        save_checkpoint(model, args.destination)
+        hf_names = [os.path.join(source.path, name) for name in TOKENIZER_FILES]
+        files = hf_names if all(map(os.path.exists, hf_names)) else bundled_vocabulary()
+        for original_name, path in zip(TOKENIZER_FILES.values(), files):
+            shutil.copyfile(path, os.path.join(args.destination, original_name))
+    print(f'{args.destination}: written ({args.to})')
+
+
+def add_commands(commands) -> None:
+    export = commands.add_parser('export', help='a SavedModel for TensorFlow Serving')
+    add_model_folder(export)
+    export.add_argument('out_dir', metavar='OUT_DIR', help='a new folder')
+    add_dtype(export)
+    export.add_argument('--xla', action='store_true',
+                        help='XLA-compile the signatures; TF Serving then needs --xla_cpu_compilation_enabled on '
+                             'CPU (default: off)')
+    add_verbose(export)
+    export.set_defaults(run=cmd_export)
+
+    serve = commands.add_parser('serve', help='an OpenAI-compatible completions server')
+    add_model_arguments(serve)
+    add_dtype(serve)
+    serve.add_argument('--host', default='127.0.0.1', help='address to listen on (default: 127.0.0.1)')
+    serve.add_argument('--port', type=int, default=8000, help='port to listen on (default: 8000)')
+    serve.add_argument('--api-key', '--api_key', default=None,
+                       help='require "Authorization: Bearer KEY" (default: none, no key)')
+    serve.add_argument('--served-model-name', '--served_model_name', default=None,
+                       help="the model id /v1/models lists; clients may also send the folder's name, its published "
+                            "name (124M) or, for the bundled checkpoint, test (default: the model's name)")
+    serve.add_argument('--max-batch', '--max_batch', type=int, default=16,
+                       help='rows per decode call (default: 16)')
+    serve.add_argument('--queue-size', '--queue_size', type=int, default=256,
+                       help='rows waiting before new requests get 503 (default: 256)')
+    add_mode(serve)
+    add_verbose(serve)
+    serve.set_defaults(run=cmd_serve)
+
+
+def add_convert(commands) -> None:
+    convert = commands.add_parser('convert', help='an original-layout folder to a Hugging Face one, or back')
+    convert.add_argument('model_dir', metavar='SRC',
+                         help='the model folder to convert (or a model name, as for MODEL_DIR elsewhere)')
+    convert.add_argument('destination', metavar='DST', help='a new folder')
+    convert.add_argument('--to', choices=['hf', 'original'], required=True,
+                         help='the layout to write (required: no default)')
+    add_verbose(convert)
+    convert.set_defaults(run=cmd_convert)
+

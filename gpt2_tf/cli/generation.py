@@ -1,0 +1,241 @@
+"""Text out and text in: generate (with its interactive mode), sample, and score."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+from .common import (BANNER, CommandError, add_dtype, add_mode, add_model_arguments, add_quiet, add_verbose,
+                     model_folder, open_model)
+
+
+# --- checks, before TensorFlow -----------------------------------------------------------------
+
+def checked_options(args) -> dict:
+    """The sampling options, checked without TensorFlow."""
+    from ..validate import check_sampling, check_seed
+
+    if args.batch_size < 1:
+        raise CommandError(f'--batch_size must be at least 1, got {args.batch_size}')
+    if args.nsamples < 0:
+        raise CommandError(f'--nsamples must be >= 0, got {args.nsamples}')
+    if args.nsamples % args.batch_size:
+        raise CommandError(f'--nsamples ({args.nsamples}) must be a multiple of --batch_size ({args.batch_size})')
+    check_sampling(args.temperature, args.top_k, args.top_p, 1)
+    if args.seed is not None:
+        check_seed(args.seed, 1)
+    if args.chunk is not None and args.chunk < 1:
+        raise CommandError(f'--chunk must be at least 1, got {args.chunk}')
+    return dict(batch_size=args.batch_size, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, mode=args.mode, chunk=args.chunk)
+
+
+def prepare(args, conditional: bool):
+    """(model folder, hparams, encoder, length), all checked before TensorFlow loads."""
+    from ..validate import check_length, default_length
+
+    folder = model_folder(args)
+    hparams = folder.hparams()
+    length = args.length if args.length is not None else default_length(hparams.n_ctx, conditional)
+    check_length(length, hparams.n_ctx)
+    return folder, hparams, folder.encoder(), length
+
+
+def check_prompt(text: str, encoder, hparams, length: int) -> None:
+    from ..validate import check_token_ids, check_window
+
+    ids = encoder.encode(text)
+    if not ids:
+        raise CommandError('the prompt is empty: give some text')
+    check_token_ids(ids, hparams.n_vocab, name="the prompt's token")
+    check_window(len(ids), length, hparams.n_ctx, what='the prompt')
+
+
+# --- generation ---------------------------------------------------------------------------------
+
+def run_samples(model, encoder, prompt, length: int, args, options: dict, nsamples: Optional[int]) -> None:
+    """Prints each text between the original's banners; on a terminal, a progress bar counts tokens."""
+    from tqdm import tqdm
+
+    from ..text import iter_samples
+
+    total = None if nsamples is None else nsamples * length
+    with tqdm(total=total, desc='generating', unit='tok', file=sys.stderr, leave=False, dynamic_ncols=True,
+              mininterval=0, disable=args.quiet or not sys.stderr.isatty()) as bar:  # updates come per chunk
+        texts = iter_samples(model, prompt, length, nsamples=nsamples, encoder=encoder, progress=bar.update,
+                             **options)
+        for number, text in enumerate(texts, start=1):
+            tqdm.write(BANNER.format(number), file=sys.stdout)
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
+
+
+def cmd_sample(args):
+    options = checked_options(args)
+    folder, hparams, encoder, length = prepare(args, conditional=False)
+    model = open_model(args, folder)
+    run_samples(model, encoder, None, length, args, options, args.nsamples or None)  # 0: until interrupted
+
+
+def cmd_generate(args):
+    options = checked_options(args)
+    if args.nsamples == 0:
+        raise CommandError('--nsamples must be at least 1 for generate (sample runs until interrupted with 0)')
+    folder, hparams, encoder, length = prepare(args, conditional=True)
+    if args.prompt is not None:
+        check_prompt(args.prompt, encoder, hparams, length)
+        model = open_model(args, folder)
+        run_samples(model, encoder, args.prompt, length, args, options, args.nsamples)
+        return
+    try:
+        import readline  # noqa: F401  (line editing and history for input(); the prompt goes to the terminal)
+    except ImportError:
+        pass
+    interactive(open_model(args, folder), encoder, hparams, length, args, options)
+
+
+def interactive(model, encoder, hparams, length: int, args, options: dict) -> None:
+    """Prompts from the terminal until end of input; Ctrl-C stops a generation and returns to the prompt."""
+    from ..validate import room_for_prompt
+
+    room = room_for_prompt(length, hparams.n_ctx)
+    while True:
+        try:
+            prompt = input('Model prompt >>> ')
+        except EOFError:
+            print()
+            return
+        count = len(encoder.encode(prompt))
+        if count == 0:
+            print('Prompt should not be empty!')
+            continue
+        if count > room:
+            print(f'Prompt too long: {count} tokens, and at most {room} fit with --length {length} '
+                  f'(prompt + length - 1 <= n_ctx = {hparams.n_ctx}).')
+            continue
+        try:
+            run_samples(model, encoder, prompt, length, args, options, args.nsamples)
+        except KeyboardInterrupt:
+            print('\n(interrupted; Ctrl-C at the prompt or Ctrl-D quits)', file=sys.stderr, flush=True)
+            continue
+        print('=' * 80)
+
+
+# --- scoring ------------------------------------------------------------------------------------
+
+def read_text(path: str) -> str:
+    if path == '-':
+        return sys.stdin.read()
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CommandError(f'{path}: no such file') from None
+    except IsADirectoryError:
+        raise CommandError(f'{path} is a folder: give text files, or - for stdin') from None
+    except UnicodeDecodeError as e:
+        raise CommandError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start})') from None
+
+
+def encoded_files(args, encoder, hparams) -> dict:
+    """{path: token ids} for each file, checked (at least 2 tokens, or 1 with --bos)."""
+    from ..validate import check_token_ids
+
+    encoded = {}
+    for path in dict.fromkeys(args.files):
+        ids = encoder.encode(read_text(path))
+        if len(ids) + args.bos < 2:
+            raise CommandError(f'{path}: the text has {len(ids)} token(s); scoring needs at least 2'
+                               + ('' if args.bos else ' (or 1 with --bos)'))
+        check_token_ids(ids, hparams.n_vocab, name=f'{path}: token')
+        encoded[path] = ids
+    return encoded
+
+
+def cmd_score(args):
+    """Per file: tokens scored, mean NLL (nats/token) and perplexity; --json adds every token."""
+    folder = model_folder(args)
+    hparams = folder.hparams()
+    stride = hparams.n_ctx // 2 if args.stride is None else args.stride
+    if not 1 <= stride <= hparams.n_ctx - 1:
+        raise CommandError(f'--stride must be an integer in [1, {hparams.n_ctx - 1}] (n_ctx - 1), got {stride}')
+    encoder = folder.encoder()
+    encoded = encoded_files(args, encoder, hparams)
+    model = open_model(args, folder)
+    from tqdm import tqdm
+
+    from ..scoring import perplexity, window_log_probs, windows
+
+    for path, ids in encoded.items():
+        count = len(windows(len(ids) + args.bos, hparams.n_ctx, stride))
+        with tqdm(total=count, desc=f'scoring {path}', unit='window', file=sys.stderr, leave=False, mininterval=0,
+                  disable=args.quiet or not sys.stderr.isatty()) as bar:
+            options = dict(stride=stride, bos=args.bos, progress=bar.update,
+                           end_of_text=encoder.encoder.get('<|endoftext|>', 0))
+            result = perplexity(model, ids, **options)
+        if args.json:
+            lp = result['log_probs'] if 'log_probs' in result else window_log_probs(model, ids, **dict(options, progress=None))
+            scored = [None] * (0 if args.bos else 1) + [float(x) for x in lp]
+            pieces = [{'id': int(t), 'text': encoder.decode([t]), 'log_prob': scored[i]} for i, t in enumerate(ids)]
+            print(json.dumps({'file': path, 'tokens': result['tokens'], 'nll': result['nll'],
+                              'perplexity': result['perplexity'], 'token_pieces': pieces}))
+        else:
+            print(f'{path}: {result["tokens"]} tokens, mean NLL {result["nll"]:.4f} nats/token, '
+                  f'perplexity {result["perplexity"]:.3f}')
+        sys.stdout.flush()
+
+
+# --- the parsers --------------------------------------------------------------------------------
+
+def add_sampling_arguments(parser, *, nsamples: int) -> None:
+    parser.add_argument('--seed', type=int, default=None, help='fix to reproduce results (default: none, random)')
+    parser.add_argument('--nsamples', type=int, default=nsamples,
+                        help=f'samples to print{" (0: until interrupted)" if nsamples == 0 else ""}'
+                             f' (default: {nsamples})')
+    parser.add_argument('--batch_size', '--batch-size', type=int, default=1,
+                        help='samples generated together; must divide nsamples (default: 1)')
+    parser.add_argument('--length', type=int, default=None,
+                        help='new tokens per sample (default: half the window after a prompt, '
+                             'the whole window without one)')
+    parser.add_argument('--temperature', type=float, default=1.0, help='in [0, 2]; 0 is greedy (default: 1)')
+    parser.add_argument('--top_k', '--top-k', type=int, default=0, help='0: no truncation (default: 0)')
+    parser.add_argument('--top_p', '--top-p', type=float, default=1.0, help='nucleus sampling (default: 1, off)')
+    add_mode(parser)
+    parser.add_argument('--chunk', type=int, default=None,
+                        help='tokens per compiled call of the decode loop (default: 32)')
+    add_quiet(parser)
+
+
+def add_generation_arguments(parser, *, nsamples: int) -> None:
+    """What generate and sample share: the model, its dtype, the sampling options."""
+    add_model_arguments(parser)
+    add_dtype(parser)
+    add_sampling_arguments(parser, nsamples=nsamples)
+    add_verbose(parser)
+
+
+def add_commands(commands) -> None:
+    generate = commands.add_parser('generate', help='samples after a prompt; without one, read prompts interactively')
+    generate.add_argument('prompt', nargs='?', default=None, help='the prompt text (omit for the interactive mode)')
+    add_generation_arguments(generate, nsamples=1)
+    generate.set_defaults(run=cmd_generate)
+
+    sample = commands.add_parser('sample', help='unconditional samples')
+    add_generation_arguments(sample, nsamples=0)
+    sample.set_defaults(run=cmd_sample)
+
+    score = commands.add_parser('score', help='per-token log-probabilities and perplexity of text files')
+    score.add_argument('files', nargs='+', metavar='FILE', help='UTF-8 text files; - reads stdin')
+    add_model_arguments(score)
+    add_dtype(score)
+    score.add_argument('--stride', type=int, default=None,
+                       help='new tokens scored per window of n_ctx tokens: each token is scored once, with at least '
+                            'n_ctx - stride tokens of context (default: n_ctx // 2, 512 for GPT-2)')
+    score.add_argument('--bos', action='store_true',
+                       help='score the first token too, after <|endoftext|> (default: off)')
+    score.add_argument('--json', action='store_true', help='one JSON object per file, with every token (default: off)')
+    add_quiet(score)
+    add_verbose(score)
+    score.set_defaults(run=cmd_score)
+

@@ -1,0 +1,91 @@
+"""Looking inside: inspect (parameter accounting), explore (an HTML page of the block), compare (against TF1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from .common import CommandError, add_dtype, add_model_folder, add_verbose, model_folder, open_model, start_tensorflow
+
+
+def cmd_inspect(args):
+    folder = model_folder(args)
+    folder.hparams()
+    start_tensorflow(args, folder)
+    from ..diagnostics import format_table, parameter_table
+
+    table = parameter_table(folder.path)
+    print(json.dumps(table, indent=2) if args.json else format_table(table))
+    if table['mismatches']:
+        raise CommandError(f'{len(table["mismatches"])} component(s) disagree with hparams.json')
+
+
+def cmd_explore(args):
+    """One self-contained HTML page of the block, for a checkpoint and a prompt."""
+    folder = model_folder(args)
+    hparams, encoder = folder.hparams(), folder.encoder()
+    tokens = encoder.encode(args.prompt)
+    if not tokens:
+        raise CommandError('--prompt is empty: give some text')
+    if len(tokens) > hparams.n_ctx:
+        raise CommandError(f'--prompt has {len(tokens)} tokens, more than n_ctx = {hparams.n_ctx}')
+    out = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(out)) or not os.access(os.path.dirname(out), os.W_OK):
+        raise CommandError(f'cannot write {args.output}: {os.path.dirname(out)} is not a writable folder')
+    model = open_model(args, folder)
+    from ..explorer import write_report
+
+    write_report(model, encoder, args.prompt, out, model_dir=folder.path)
+    print(f'{args.output}: written ({len(tokens)} tokens, {hparams.n_layer} blocks)')
+
+
+def cmd_compare(args):
+    from ..validate import check_sequence, check_token_ids
+
+    folder = model_folder(args)
+    try:
+        tokens = [int(t) for t in args.tokens.replace(',', ' ').split()]
+    except ValueError:
+        raise CommandError(f'--tokens takes token ids separated by spaces, e.g. "464 2068"; got {args.tokens!r}') \
+            from None
+    if not tokens:
+        raise CommandError('--tokens is empty: give at least one token id, e.g. "464 2068"')
+    if folder.layout == 'hf':
+        raise CommandError(f'{folder.path} is a Hugging Face folder; the TF1 graph reads the original layout: '
+                           f'convert it first (gpt2-tf convert {folder.path} DST --to original)')
+    hparams = folder.hparams()
+    check_token_ids(tokens, hparams.n_vocab)
+    check_sequence(0, len(tokens), hparams.n_ctx)
+    start_tensorflow(args, folder)
+    from ..diagnostics import compare, format_comparison
+
+    report = compare(folder.path, [tokens])
+    print(format_comparison(report))
+    if report['first_divergence'] is not None:
+        sys.exit(1)
+
+
+def add_commands(commands) -> None:
+    explore = commands.add_parser('explore', help='an HTML page of the block: attention, the logit lens, ...')
+    add_model_folder(explore)
+    explore.add_argument('--prompt', required=True, help='the text to look at (required: no default)')
+    explore.add_argument('-o', '--output', default='report.html', help='the HTML file (default: report.html)')
+    add_dtype(explore)
+    add_verbose(explore)
+    explore.set_defaults(run=cmd_explore)
+
+
+def add_inspect_and_compare(commands) -> None:
+    inspect = commands.add_parser('inspect', help='parameter accounting of a model folder')
+    add_model_folder(inspect)
+    inspect.add_argument('--json', action='store_true', help='machine-readable output (default: off, a table)')
+    add_verbose(inspect)
+    inspect.set_defaults(run=cmd_inspect)
+
+    compare = commands.add_parser('compare', help='max |diff| per block and state against the TF1 graph')
+    add_model_folder(compare)
+    compare.add_argument('--tokens', required=True,
+                         help='token ids, e.g. "464 2068 7586" (required: no default)')
+    add_verbose(compare)
+    compare.set_defaults(run=cmd_compare)
