@@ -176,6 +176,10 @@ class Trainer:
 
 # --- the loop ------------------------------------------------------------------------------------
 
+class ClusterError(GPT2Error, RuntimeError):
+    """A worker of the cluster stopped answering mid-step; the run resumes from the chief's last checkpoint."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during finetune, raised once the run has saved its step (the command line exits 130)."""
 
@@ -256,7 +260,7 @@ class Run:
         except tf.errors.OpError as e:
             if self.strategy is None:
                 raise
-            raise RuntimeError(
+            raise ClusterError(
                 f'step {self.trainer.steps + 1}: the cluster stopped answering ({type(e).__name__}: '
                 f'{e.message.strip().splitlines()[0][:200]}); rerun every worker with --restore_from latest '
                 f'to resume from the chief\'s last checkpoint') from None

@@ -30,7 +30,8 @@ cpu = tf.config.list_physical_devices('CPU')[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import numpy as np
 import gpt2_tf
-from gpt2_tf.train import Trainer, make_strategy
+from gpt2_tf.distribute import make_strategy
+from gpt2_tf.train import Trainer
 folder, optimizer, data = sys.argv[1:4]
 batches, held_out = np.load(data)['batches'], np.load(data)['held_out']
 results = {}
@@ -49,7 +50,8 @@ WORKER = '''
 import json, sys
 import numpy as np
 import gpt2_tf
-from gpt2_tf.train import Trainer, make_strategy
+from gpt2_tf.distribute import make_strategy
+from gpt2_tf.train import Trainer
 folder, data = sys.argv[1:3]
 strategy = make_strategy('multiworker', timeout=60)
 model = gpt2_tf.load_model(folder, strategy=strategy)
