@@ -5,9 +5,11 @@
              top_p float32 [], seed int64 [2])      -> {'tokens': int32 [batch, T + length]}
     score(tokens int32 [batch, T])                  -> {'log_probs': float32 [batch, T - 1]}
 
-generate is the library's decode loop: for the same seed it gives the same
-tokens as sample_sequence (the prompt is left-padded to the same bucket, and a
-run-time top_k finds the same k-th logit). Rows share one prompt length here.
+generate is the library's decode loop (sample.begin and sample.advance): for
+the same seed it gives the same tokens as sample_sequence (the prompt is
+left-padded to the same bucket, row keys fold in as noise.row_keys folds them,
+and a run-time top_k finds the same k-th logit). Rows share one prompt length
+here. Its inputs are checked in the graph by the library's rules (validate.py).
 Without xla the export holds no XLA-compiled function (TF Serving needs extra
 flags for XLA on CPU, and some GPU images fail with it); with xla=True every
 signature is jit-compiled, per input shape, on first use.
@@ -19,17 +21,27 @@ import os
 
 import tensorflow as tf
 
-from . import sample
-from .decoding import decode, empty_cache
+from . import compiled, noise, sample, validate
 from .model import Model
 from .scoring import hidden, log_probs
-from .validate import MAX_TEMPERATURE
 
 
-def _bucket(n):
-    """sample.bucket in graph ops: 8, 16, 32, 64, then multiples of 64."""
-    small = tf.maximum(8, tf.cast(2 ** tf.math.ceil(tf.math.log(tf.cast(n, tf.float32)) / tf.math.log(2.0)), tf.int32))
-    return tf.where(n <= 64, small, (n + 63) // 64 * 64)
+def generate_checks(hp, tokens, length, temperature, top_k, top_p) -> list:
+    """validate.py's rules for a generate request, as graph assertions: a signature's inputs are run-time values."""
+    prompt = tf.shape(tokens)[1]
+    in_range = lambda x, low, high, message: [tf.debugging.assert_greater_equal(x, low, message=message),  # noqa: E731
+                                              tf.debugging.assert_less_equal(x, high, message=message)]
+    return [
+        tf.debugging.assert_positive(prompt, message='tokens must hold at least one token per row'),
+        *in_range(tokens, 0, hp.n_vocab - 1, f'token ids must be in the vocabulary [0, {hp.n_vocab})'),
+        tf.debugging.assert_positive(length, message='length must be >= 1'),
+        tf.debugging.assert_less_equal(prompt, validate.room_for_prompt(length, hp.n_ctx),
+                                       message=f'prompt + length - 1 must be <= n_ctx = {hp.n_ctx}'),
+        *in_range(temperature, 0.0, validate.MAX_TEMPERATURE,
+                  f'temperature must be in [0, {validate.MAX_TEMPERATURE:g}] (0 is greedy)'),
+        tf.debugging.assert_non_negative(top_k, message='top_k must be >= 0 (0: no truncation)'),
+        *in_range(top_p, 0.0, 1.0, 'top_p must be in [0, 1] (1: no truncation)'),
+    ]
 
 
 class Servable(tf.Module):
@@ -54,29 +66,17 @@ class Servable(tf.Module):
         return {'log_probs': log_probs(logits, tokens[:, 1:])[0]}
 
     def _generate(self, tokens, length, temperature, top_k, top_p, seed):
-        hp = self.model.hparams
         batch, prompt = tf.shape(tokens)[0], tf.shape(tokens)[1]
-        checks = [
-            tf.debugging.assert_positive(length, message='length must be >= 1'),
-            tf.debugging.assert_less_equal(prompt + length - 1, hp.n_ctx,
-                                           message=f'prompt + length - 1 must be <= n_ctx = {hp.n_ctx}'),
-            tf.debugging.assert_greater_equal(temperature, 0.0, message='temperature must be in [0, 2]'),
-            tf.debugging.assert_less_equal(temperature, MAX_TEMPERATURE, message='temperature must be in [0, 2]'),
-            tf.debugging.assert_non_negative(top_k, message='top_k must be >= 0'),
-            tf.debugging.assert_greater_equal(top_p, 0.0, message='top_p must be in [0, 1]'),
-            tf.debugging.assert_less_equal(top_p, 1.0, message='top_p must be in [0, 1]'),
-        ]
-        with tf.control_dependencies(checks):
-            padded = _bucket(prompt)
+        with tf.control_dependencies(generate_checks(self.model.hparams, tokens, length, temperature, top_k, top_p)):
+            padded = compiled.bucket(prompt)
         pads = tf.fill([batch], padded - prompt)  # left padding, as sample_sequence pads
         context = tf.pad(tokens, [[0, 0], [padded - prompt, 0]])
-        logits, caches = decode(self.model, context, pads=pads,
-                                caches=empty_cache(self.model, batch, padded + _bucket(length)), index=0)
-        keys = tf.map_fn(lambda i: tf.random.experimental.stateless_fold_in(seed, i, alg='philox'),
-                         tf.range(tf.cast(batch, tf.int64)), fn_output_signature=tf.TensorSpec([2], tf.int64))
-        options = [tf.fill([batch], temperature), tf.fill([batch], top_k), tf.fill([batch], top_p), keys]
-        out, _, _ = sample._advance(self.model, logits, caches, pads, padded, 0, length, *options,
-                                    chunk=length, greedy=False, kmax=None)
+        logits, caches = sample.begin(self.model, context, pads=pads, size=padded + compiled.bucket(length))
+        options = sample.Options(temperature=tf.fill([batch], temperature), top_k=tf.fill([batch], top_k),
+                                 top_p=tf.fill([batch], top_p), keys=noise.fold_keys(seed, batch))
+        # One call for the whole length; kmax=None: the top_k is a run-time value.
+        out, _, _ = sample.advance(self.model, logits, caches, pads=pads, prompt=padded, done=0, length=length,
+                                   options=options, plan=sample.Plan(chunk=length, kmax=None))
         return {'tokens': tf.concat([tokens, out['tokens']], axis=1)}
 
 

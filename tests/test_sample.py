@@ -1,4 +1,5 @@
-"""Sampling: the original filters, greedy decoding against the original graph, the compiled loop."""
+"""Sampling: the original filters, greedy decoding against the original graph, the compiled loop (over the
+model, and over fake steps)."""
 
 import subprocess
 import sys
@@ -9,8 +10,9 @@ import tensorflow as tf
 
 import gpt2_tf
 from gpt2_tf import HParams
-from gpt2_tf import compiled, sample
-from gpt2_tf.sample import MODES, bucket, sample_chunks, sample_sequence, top_k_logits, top_p_logits
+from gpt2_tf import compiled, noise, sample, thresholds
+from gpt2_tf.compiled import bucket
+from gpt2_tf.sample import MODES, Decoder, sample_chunks, sample_sequence, top_k_logits, top_p_logits
 
 from conftest import FIXTURES
 
@@ -66,7 +68,7 @@ def test_mixed_length_batch_equals_row_by_row(models):
 
 
 def traces(model, mode='xla') -> int:
-    return sum(compiled.shared(fn, model, mode).tracing_count for fn in (sample._start, sample._advance))
+    return sum(compiled.shared(fn, model, mode).tracing_count for fn in (sample.begin, sample.advance))
 
 
 def test_new_prompt_length_in_a_bucket_does_not_retrace():
@@ -75,7 +77,7 @@ def test_new_prompt_length_in_a_bucket_does_not_retrace():
     for prompt, length in [(3, 20), (5, 17), (8, 24), (6, 25)]:  # prompts bucket to 8, lengths to 32
         sample_sequence(model, length, context=list(range(1, prompt + 1)), seed=1, top_k=40, top_p=0.9)
     assert bucket(3) == bucket(8) == 8 and bucket(17) == bucket(32) == 32
-    assert traces(model) - before <= 2  # at most one trace each of _start and _advance
+    assert traces(model) - before <= 2  # at most one trace each of begin and advance
 
 
 SEEDED = ('import gpt2_tf, sys; from gpt2_tf.sample import sample_sequence; '
@@ -114,34 +116,120 @@ def test_start_token_is_unconditional_sampling(models):
     assert out.shape == (3, 11) and (out[:, 0] == 0).all()
 
 
-class CountingModel:
-    """A fake model: the next token is (position + 1) % vocab, so the loop's bookkeeping shows."""
+# --- the loop with fake steps: no model, the loop's bookkeeping alone ---------------------------
 
-    hparams = HParams(n_vocab=50, n_ctx=40, n_embd=4, n_head=1, n_layer=1)
+V_FAKE = 50
+
+
+class FakeModel(tf.Module):
+    """A model shape without weights: what the loop and compiled.shared read of a model."""
+
+    hparams = HParams(n_vocab=V_FAKE, n_ctx=40, n_embd=4, n_head=1, n_layer=1)
     dtype = 'float32'
 
     def on_device(self):
         return tf.device('/CPU:0')
 
 
-def counting_decode(model, X, *, pads, caches, index):
-    position = index + tf.shape(X)[1] - 1 - pads  # of the last token fed, per row
-    fed.append(X.shape[1])
-    return tf.one_hot((position + 1) % 50, 50) * 10, caches
+def no_cache(model, batch, size):
+    return []
 
 
-fed = []
+def counting_step(model, X, *, pads, caches, index):
+    """The next token is (position + 1) % V_FAKE, position the last fed token's within its row."""
+    position = index + tf.shape(X)[1] - 1 - pads
+    return tf.one_hot((position + 1) % V_FAKE, V_FAKE) * 10, caches
+
+
+def echo_step(model, X, *, pads, caches, index):
+    """The next token is (3 * the last token fed + 1) % V_FAKE: a token fed back wrongly shows."""
+    return tf.one_hot((X[:, -1] * 3 + 1) % V_FAKE, V_FAKE) * 10, caches
+
+
+def slot_cache(model, batch, size):
+    return [tf.zeros([batch], tf.int32)]  # how many slots each row has written
+
+
+def slot_step(model, X, *, pads, caches, index):
+    """The cache counts the slots written; the next token is that count % V_FAKE: caches dropped between
+    steps show."""
+    written = caches[0] + tf.shape(X)[1]
+    return tf.one_hot(written % V_FAKE, V_FAKE) * 10, [written]
+
+
+def ramp_logits(fed):
+    """float32 [batch, V_FAKE]: distinct logits that depend on the token fed (numpy or tensor ids)."""
+    ids = np.arange(V_FAKE)
+    return ((ids[None, :] * 7 + np.asarray(fed)[:, None] * 3) % V_FAKE * np.float32(0.1)).astype(np.float32)
+
+
+def ramp_step(model, X, *, pads, caches, index):
+    ids = tf.range(V_FAKE)
+    return tf.cast((ids[None, :] * 7 + X[:, -1:] * 3) % V_FAKE, tf.float32) * 0.1, caches
+
+
+def failing_step(model, X, *, pads, caches, index):
+    pytest.fail('ran before the request was checked')
+
+
+FAILING = Decoder(step=failing_step, cache=no_cache)
 
 
 @pytest.mark.parametrize('chunk', [1, 3, 32])
-def test_loop_positions_with_a_fake_model(monkeypatch, chunk):
-    monkeypatch.setattr(sample, 'decode', counting_decode)
-    monkeypatch.setattr(sample, 'empty_cache', lambda model, batch, size: [])
-    fed.clear()
-    out = sample_sequence(CountingModel(), 6, context=[[7, 7, 7], [9]], top_k=1, mode='eager', chunk=chunk)
+def test_loop_positions_with_a_fake_step(chunk):
+    fed = []
+
+    def recording_step(model, X, **where):
+        fed.append(X.shape[1])
+        return counting_step(model, X, **where)
+
+    out = sample_sequence(FakeModel(), 6, context=[[7, 7, 7], [9]], top_k=1, mode='eager', chunk=chunk,
+                          decoder=Decoder(step=recording_step, cache=no_cache))
     np.testing.assert_array_equal(out[0], [7, 7, 7, 3, 4, 5, 6, 7, 8])
     np.testing.assert_array_equal(out[1], [9, 1, 2, 3, 4, 5, 6])
     assert fed == [8] + [1] * 5  # the padded prompt, then every new token but the last
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('chunk', [1, 4, 32])
+def test_the_loop_feeds_back_the_tokens_it_chose(mode, chunk):
+    prompts = [[7, 7, 7], [9], [2, 11]]
+    out = sample_sequence(FakeModel(), 9, context=prompts, top_k=1, mode=mode, chunk=chunk,
+                          decoder=Decoder(step=echo_step, cache=no_cache))
+    for prompt, row in zip(prompts, out):
+        expected = list(prompt)
+        for _ in range(9):
+            expected.append((3 * expected[-1] + 1) % V_FAKE)
+        np.testing.assert_array_equal(row, expected)
+
+
+@pytest.mark.parametrize('chunk', [1, 5, 32])
+def test_the_loop_threads_the_caches_through_every_step(chunk):
+    out = sample_sequence(FakeModel(), 12, context=[[7, 7, 7], [9]], top_k=1, mode='function', chunk=chunk,
+                          decoder=Decoder(step=slot_step, cache=slot_cache))
+    padded = 8  # both prompts fill the 8 slots of their bucket
+    np.testing.assert_array_equal(out[1][1:], np.arange(padded, padded + 12) % V_FAKE)
+    np.testing.assert_array_equal(out[0][3:], out[1][1:])
+
+
+@pytest.mark.parametrize('chunk', [2, 3, 32])
+def test_the_loops_log_probs_come_from_the_steps_logits(chunk):
+    prompt = [5, 6, 7]
+    chunks = list(sample_chunks(FakeModel(), 7, context=prompt, batch_size=2, top_k=1, mode='eager', chunk=chunk,
+                                logprobs=3, decoder=Decoder(step=ramp_step, cache=no_cache)))
+    got = {name: np.concatenate([c[name] for c in chunks], axis=1) for name in chunks[0]}
+    fed = [prompt[-1]]  # expected, from numpy alone: greedy over ramp_logits, log-softmax in float64
+    log_probs, top_ids = [], []
+    for _ in range(7):
+        row = ramp_logits(fed[-1:])[0].astype(np.float64)
+        lp = row - np.log(np.exp(row - row.max()).sum()) - row.max()
+        fed.append(int(np.argmax(row)))
+        log_probs.append(lp[fed[-1]])
+        top_ids.append(np.argsort(-lp, kind='stable')[:3])
+    for i in range(2):
+        np.testing.assert_array_equal(got['tokens'][i], fed[1:])
+        np.testing.assert_allclose(got['log_probs'][i], log_probs, atol=1e-6)  # float32 log-softmax of values < 5
+        np.testing.assert_array_equal(got['top_ids'][i], top_ids)
 
 
 @pytest.mark.parametrize('kwargs, message', [
@@ -170,11 +258,10 @@ def test_loop_positions_with_a_fake_model(monkeypatch, chunk):
     (dict(length=5, context=[1.5]), 'token ids must be integers'),
     (dict(length=5, context=[1], mode='fast'), "mode must be one of"),
 ])
-def test_bad_requests_fail_before_compute(kwargs, message, monkeypatch):
+def test_bad_requests_fail_before_compute(kwargs, message):
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
-    monkeypatch.setattr(sample, '_run', lambda *a: pytest.fail('ran before the request was checked'))
     with pytest.raises(ValueError, match=message):
-        sample_sequence(model, **kwargs)
+        sample_sequence(model, **kwargs, decoder=FAILING)
 
 
 # --- per-row seeds and options, the chunked loop ------------------------------------------------
@@ -185,7 +272,7 @@ def test_a_row_equals_its_key_sampled_alone(models, mode):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [3]]
     options = dict(temperature=[0.8, 1.0, 1.7], top_k=[0, 20, 5], top_p=[0.9, 1.0, 0.5])
     together = sample_sequence(model, 20, context=prompts, seed=(11, 4), mode=mode, **options)
-    keys = sample.row_keys((11, 4), 3)
+    keys = noise.row_keys((11, 4), 3)
     for i, prompt in enumerate(prompts):
         alone = sample_sequence(model, 20, context=prompt, seed=keys[i:i + 1], mode=mode,
                                 **{name: values[i] for name, values in options.items()})
@@ -193,10 +280,10 @@ def test_a_row_equals_its_key_sampled_alone(models, mode):
 
 
 def test_row_keys_follow_the_seed_forms():
-    pair = sample.row_keys((3, 9), 4)
+    pair = noise.row_keys((3, 9), 4)
     assert pair.shape == (4, 2) and pair.dtype == np.int64 and len({tuple(k) for k in pair}) == 4
-    np.testing.assert_array_equal(sample.row_keys(3, 4), sample.row_keys((3, 0), 4))  # an int s is (s, 0)
-    np.testing.assert_array_equal(sample.row_keys(pair, 4), pair)  # one pair per row: used as given
+    np.testing.assert_array_equal(noise.row_keys(3, 4), noise.row_keys((3, 0), 4))  # an int s is (s, 0)
+    np.testing.assert_array_equal(noise.row_keys(pair, 4), pair)  # one pair per row: used as given
     np.testing.assert_array_equal(pair[2], tf.random.experimental.stateless_fold_in(
         tf.constant([3, 9], tf.int64), tf.constant(2, tf.int64), alg='philox').numpy())
 
@@ -247,13 +334,13 @@ for i in range(20):  # build, sample from and drop 20 models of one shape
     cycles.append(rss_mb())
 hp = gpt2_tf.HParams.from_json(fixture + '/hparams.json')
 shape = types.SimpleNamespace(hparams=hp, dtype='float32')  # the models are gone; their shape stays
-shared_traces = [compiled.shared(f, shape, 'xla').tracing_count for f in (sample._start, sample._advance)]
+shared_traces = [compiled.shared(f, shape, 'xla').tracing_count for f in (sample.begin, sample.advance)]
 model = gpt2_tf.load_model(bundled)
 calls = []
 for i in range(200):
     gpt2_tf.generate(model, 'Hello there', 12, seed=i, top_k=40)
     calls.append(rss_mb())
-traces = [compiled.shared(f, model, 'xla').tracing_count for f in (sample._start, sample._advance)]
+traces = [compiled.shared(f, model, 'xla').tracing_count for f in (sample.begin, sample.advance)]
 print(json.dumps(dict(alive=sum(r() is not None for r in alive), cycles=cycles, calls=calls,
                       shared_traces=shared_traces, traces=traces)))
 '''
@@ -277,10 +364,10 @@ def test_a_run_time_top_k_finds_the_same_kth_logit_as_tf_top_k():
     rng = np.random.default_rng(4)
     logits = tf.constant(np.round(rng.standard_normal((6, 500)) * 3, 1).astype(np.float32))  # many ties
     k = tf.constant([1, 2, 7, 40, 499, 500], tf.int32)
-    keys = sample.order_keys(logits)
+    keys = thresholds.order_keys(logits)
     values = tf.sort(logits, direction='DESCENDING')
-    expected = sample.order_keys(tf.gather(values, k - 1, batch_dims=1))
-    np.testing.assert_array_equal(sample.kth_largest(keys, k), expected)
+    expected = thresholds.order_keys(tf.gather(values, k - 1, batch_dims=1))
+    np.testing.assert_array_equal(thresholds.kth_largest(keys, k), expected)
 
 
 def test_the_loops_log_probs_are_the_models_raw_distribution(models):

@@ -11,7 +11,9 @@ import tensorflow as tf
 
 import gpt2_tf
 from gpt2_tf import sample
-from gpt2_tf.sample import choose, floors, gumbel, order_keys, uniform_bits
+from gpt2_tf.noise import UNIFORM_BITS, gumbel, row_keys, uniform, uniform_bits
+from gpt2_tf.sample import choose
+from gpt2_tf.thresholds import floors, order_keys
 from gpt2_tf.tf1_reference import Reference, top_k_filter, top_p_filter
 
 from conftest import FIXTURES
@@ -51,7 +53,7 @@ def draw(row, temperature, top_k, top_p, *, rows: int, steps: int, seed: int) ->
     options the decode loop would pass."""
     logits = tf.constant(np.tile(row, [rows, 1]))
     options = [tf.fill([rows], np.float32(temperature)), tf.fill([rows], np.int32(top_k)),
-               tf.fill([rows], np.float32(top_p)), tf.constant(sample.row_keys(seed, rows))]
+               tf.fill([rows], np.float32(top_p)), tf.constant(row_keys(seed, rows))]
     kmax = sample.top_k_size(np.array([top_k]), row.shape[-1])
     among_top = sample.truncating(np.array([temperature]), np.array([top_k]), row.shape[-1])
     counts = np.zeros(row.shape[-1], np.int64)
@@ -65,18 +67,18 @@ def draw(row, temperature, top_k, top_p, *, rows: int, steps: int, seed: int) ->
 
 def test_uniforms_stay_strictly_inside_zero_and_one():
     # The extreme grid points are exact in float32; u = 1.0 would make the noise +inf.
-    u = sample.uniform(tf.constant([0, (1 << sample.UNIFORM_BITS) - 1], tf.int32)).numpy()
+    u = uniform(tf.constant([0, (1 << UNIFORM_BITS) - 1], tf.int32)).numpy()
     assert u[0] == np.float32(2.0 ** -24) and u[1] == np.float32(1 - 2.0 ** -24)
     extremes = -np.log(-np.log(u.astype(np.float64)))
     assert np.isfinite(extremes).all() and extremes.min() > -2.82 and extremes.max() < 16.64
-    noise = gumbel(tf.constant(sample.row_keys(5, 200)), tf.constant(0, tf.int64), V).numpy()
+    noise = gumbel(tf.constant(row_keys(5, 200)), tf.constant(0, tf.int64), V).numpy()
     assert np.isfinite(noise).all() and noise.max() <= 16.64 and noise.min() >= -2.82
 
 
 def test_uniform_bits_are_uniform_and_independent_of_the_batch():
-    keys = sample.row_keys(9, 64)
+    keys = row_keys(9, 64)
     bits = uniform_bits(tf.constant(keys), tf.constant(3, tf.int64), 4096).numpy()
-    counts = np.bincount(bits.ravel() >> (sample.UNIFORM_BITS - 8), minlength=256)  # 256 equal bins
+    counts = np.bincount(bits.ravel() >> (UNIFORM_BITS - 8), minlength=256)  # 256 equal bins
     assert chi_square_p_value(counts, np.full(256, bits.size / 256))[2] > P_MIN
     alone = uniform_bits(tf.constant(keys[5:6]), tf.constant(3, tf.int64), 4096).numpy()
     np.testing.assert_array_equal(alone[0], bits[5])  # a row's bits depend on its key and the step only
@@ -129,7 +131,7 @@ def test_drawing_among_the_top_k_picks_what_the_full_row_picks(temperature, top_
     rng = np.random.default_rng(8)
     logits = tf.constant((rng.standard_normal((8, V)) * 2).astype(np.float32))
     options = [tf.fill([8], np.float32(temperature)), tf.fill([8], np.int32(top_k)), tf.fill([8], np.float32(top_p)),
-               tf.constant(sample.row_keys(9, 8))]
+               tf.constant(row_keys(9, 8))]
     kmax = sample.top_k_size(np.array([top_k]), V)
     for step in range(100):
         full, top = (_choose(logits, *options, tf.constant(step, tf.int64), kmax=kmax, among_top=flag).numpy()
@@ -160,7 +162,7 @@ def test_rows_with_their_own_options_draw_from_their_own_distributions():
     options = [tf.constant(np.array([settings[i][0] for i in pick], np.float32)),
                tf.constant(np.array([settings[i][1] for i in pick], np.int32)),
                tf.constant(np.array([settings[i][2] for i in pick], np.float32)),
-               tf.constant(sample.row_keys(7, rows))]
+               tf.constant(row_keys(7, rows))]
     counts = np.zeros([len(settings), 2000], np.int64)
     for step in range(200):
         ids = _choose(logits, *options, tf.constant(step, tf.int64), kmax=64).numpy()
