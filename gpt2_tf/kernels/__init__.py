@@ -1,0 +1,108 @@
+"""Small C++ kernels, compiled on first use against the installed TensorFlow, with a pure-TensorFlow fallback.
+
+    y = int8_matmul(x, w, scale)                    # x [M, K] float32, w int8 [K, N], scale [N] -> [M, N]
+    y = int8_matmul(x, w, scale, transpose_w=True)  # w int8 [N, K] (wte), scale [N] -> [M, N]
+
+The kernel (int8_matmul.cc) reads the int8 weights themselves and widens them
+next to the multiply, so a product streams a quarter of float32's bytes. It is
+built with the machine's g++ and TensorFlow's own compile flags into a cache
+folder ($GPT2_TF_KERNEL_CACHE, default ~/.cache/gpt2_tf/kernels), keyed by the
+source, the TensorFlow version and the CPU, so it works from a plain checkout.
+Where no compiler is there, or GPT2_TF_KERNELS=off, the same product runs as
+TensorFlow ops: the weights cast to float32, scaled, and multiplied.
+Both sum in float32; they agree to float32 rounding (the tests compare them).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+import tensorflow as tf
+
+SOURCE = pathlib.Path(__file__).with_name('int8_matmul.cc')
+CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
+SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
+
+
+def cache_folder() -> pathlib.Path:
+    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / '.cache' / 'gpt2_tf' / 'kernels')
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in open('/proc/cpuinfo') if line.startswith('flags'))
+    except (OSError, StopIteration):
+        flags = ''
+    return flags
+
+
+def _library_path() -> pathlib.Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + tf.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
+    return cache_folder() / f'int8_matmul-{key}.so'
+
+
+def _compile(target: pathlib.Path) -> None:
+    """Builds the kernel into target, through a temporary file renamed into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix='.so', dir=target.parent)
+    os.close(handle)
+    command = ['g++', '-shared', '-fPIC', '-O3', '-march=native', '-w', *tf.sysconfig.get_compile_flags(),
+               str(SOURCE), '-o', partial, *tf.sysconfig.get_link_flags()]
+    try:
+        subprocess.run(command, check=True, capture_output=True, timeout=600)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+@functools.lru_cache(maxsize=1)
+def _library():
+    """The loaded op library, or the reason it is not there (a str)."""
+    if os.environ.get(SWITCH_ENV, '').lower() == 'off':
+        return f'{SWITCH_ENV}=off'
+    if not sys.platform.startswith('linux'):
+        return 'the kernel is built on Linux only'
+    target = _library_path()
+    try:
+        if not target.exists():
+            _compile(target)
+        return tf.load_op_library(str(target))
+    except FileNotFoundError:
+        return 'no g++ on this machine'
+    except subprocess.CalledProcessError as e:
+        return 'g++ failed: ' + (e.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]
+    except (subprocess.TimeoutExpired, OSError, tf.errors.OpError) as e:
+        return f'the kernel could not be built or loaded: {e}'
+
+
+def available() -> bool:
+    return not isinstance(_library(), str)
+
+
+def unavailable_reason() -> Optional[str]:
+    library = _library()
+    return library if isinstance(library, str) else None
+
+
+def int8_matmul(x, w, scale, *, transpose_w: bool = False, kernel: Optional[bool] = None):
+    """x float32 [M, K] times int8 w with one float32 scale per output channel -> float32 [M, N].
+
+    kernel: None uses the C++ kernel when it is available, True requires it, False uses TensorFlow ops.
+    """
+    use = available() if kernel is None else kernel
+    if use:
+        library = _library()
+        if isinstance(library, str):
+            raise RuntimeError(f'the int8 kernel is not available: {library}')
+        return library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w)
+    wide = tf.cast(w, tf.float32)
+    wide = wide * (scale[:, None] if transpose_w else scale)
+    return tf.matmul(x, wide, transpose_b=transpose_w)

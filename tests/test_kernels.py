@@ -1,0 +1,60 @@
+"""The int8 product: the C++ kernel and the TensorFlow fallback against a float64 numpy product."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpt2_tf import kernels
+
+SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 96, 1000, True),
+          (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True)]
+
+
+def case(m, k, n, transpose, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.integers(-127, 128, (n, k) if transpose else (k, n)).astype(np.int8)
+    scale = (rng.random(n) * 0.02 + 1e-3).astype(np.float32)
+    reference = x.astype(np.float64) @ ((w.T if transpose else w).astype(np.float64) * scale)
+    return x, w, scale, reference
+
+
+def test_the_kernel_builds_here():
+    # CI's machines have g++; elsewhere the fallback is used and this says why.
+    if os.environ.get('CI') == 'true':
+        assert kernels.available(), kernels.unavailable_reason()
+    elif not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+
+
+@pytest.mark.parametrize('kernel', [True, False])
+@pytest.mark.parametrize('m, k, n, transpose', SHAPES)
+def test_int8_product_equals_the_float64_product(m, k, n, transpose, kernel):
+    if kernel and not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    x, w, scale, reference = case(m, k, n, transpose)
+    y = kernels.int8_matmul(tf.constant(x), tf.constant(w), tf.constant(scale), transpose_w=transpose,
+                            kernel=kernel).numpy()
+    assert y.shape == reference.shape
+    # float32 sums of k terms: a few ulps of the largest partial sum, far below one step of the int8 grid.
+    assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
+
+
+def test_kernel_and_fallback_agree_in_a_compiled_function():
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    x, w, scale, _ = case(4, 768, 3072, False, seed=1)
+    run = tf.function(lambda x, kernel: kernels.int8_matmul(x, w, scale, kernel=kernel))
+    np.testing.assert_allclose(run(tf.constant(x), True).numpy(), run(tf.constant(x), False).numpy(),
+                               rtol=0, atol=2e-6 * np.abs(x @ (w * scale)).max())
+
+
+def test_off_switch_uses_the_fallback():
+    script = ('import os; os.environ["GPT2_TF_KERNELS"] = "off"; from gpt2_tf import kernels; '
+              'print(kernels.available(), kernels.unavailable_reason())')
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ['False', 'GPT2_TF_KERNELS=off']
