@@ -11,8 +11,9 @@ error records here, never a failed pipeline), RunInference, Format, Write.
 
 Element seeds derive from the pipeline's seed and the element's key, so a
 result does not depend on how Beam batches; batches are padded to 1, 2, 4 or 8
-rows so that workers compile a few shapes. Needs the beam extra:
-pip install -e '.[beam]'.
+rows so that workers compile a few shapes. Inputs are checked by the library's
+rules (validate.py): options when the handler is made, each element's window
+and token ids in Tokenize. Needs the beam extra: pip install -e '.[beam]'.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from apache_beam.io import fileio
 from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-BATCH_SIZES = (1, 2, 4, 8)  # rows per model call; a batch is padded up to the next of these
+from . import validate
+
+# Rows per model call; a batch is padded up to the next of these. Rows pad by powers of two, not by
+# compiled.bucket (8, 16, 32, ...: for sequence lengths, where 8 is small): a lone element would cost 8 rows.
+BATCH_SIZES = (1, 2, 4, 8)
+TASKS = ('score', 'generate')
 
 
 def element_seed(seed: int, key: str) -> list:
@@ -46,6 +52,7 @@ class Loaded:
 
 
 def _padded(rows: list) -> list:
+    """rows, with the first repeated up to the next of BATCH_SIZES."""
     size = next(s for s in BATCH_SIZES if s >= len(rows)) if len(rows) <= BATCH_SIZES[-1] else len(rows)
     return rows + [rows[0]] * (size - len(rows))
 
@@ -61,8 +68,13 @@ class GPT2ModelHandler(ModelHandler):
 
     def __init__(self, model_dir: str, task: str, *, length: int = 40, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stride: Optional[int] = None, max_batch_size: int = 8):
-        if task not in ('score', 'generate'):
-            raise ValueError(f"task must be 'score' or 'generate', got {task!r}")
+        if task not in TASKS:
+            raise validate.GPT2Error(f'task must be one of {TASKS}, got {task!r}')
+        validate.check_sampling(temperature, top_k, top_p, 1)
+        if task == 'generate':
+            from .hparams import HParams
+
+            validate.check_length(length, HParams.from_json(f'{model_dir}/hparams.json').n_ctx)
         self.model_dir, self.task, self.length, self.seed, self.stride = model_dir, task, length, seed, stride
         self.options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.max_batch_size = min(max_batch_size, BATCH_SIZES[-1])
@@ -130,17 +142,22 @@ class Tokenize(beam.DoFn):
     def process(self, element):
         key, text = element
         ids = self.encoder.encode(text)
-        n_ctx = self.hparams.n_ctx
-        if self.task == 'score' and len(ids) < 2:
-            yield beam.pvalue.TaggedOutput('errors', {'key': key, 'error': f'{len(ids)} token(s): scoring needs 2'})
-        elif self.task == 'generate' and not ids:
-            yield beam.pvalue.TaggedOutput('errors', {'key': key, 'error': 'empty prompt'})
-        elif self.task == 'generate' and len(ids) + self.length - 1 > n_ctx:
-            yield beam.pvalue.TaggedOutput('errors', {
-                'key': key, 'error': f'{len(ids)} prompt tokens + length {self.length} exceed the window '
-                                     f'(prompt + length - 1 <= n_ctx = {n_ctx})'})
+        try:
+            self.check(ids)
+        except validate.GPT2Error as e:
+            yield beam.pvalue.TaggedOutput('errors', {'key': key, 'error': str(e)})
         else:
             yield {'key': key, 'ids': ids}
+
+    def check(self, ids: list) -> None:
+        """Raises GPT2Error for token ids the task cannot take."""
+        validate.check_token_ids(ids, self.hparams.n_vocab)
+        if self.task == 'score' and len(ids) < 2:
+            raise validate.GPT2Error(f'{len(ids)} token(s): scoring needs 2')
+        if self.task == 'generate':
+            if not ids:
+                raise validate.GPT2Error('empty prompt')
+            validate.check_window(len(ids), self.length, self.hparams.n_ctx)
 
 
 def _lines(readable) -> Iterable:
@@ -171,7 +188,7 @@ def pipeline(p, *, task: str, model_dir: str, input_glob: str, output: str, hand
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gpt2_tf.beam', description=__doc__.splitlines()[0])
-    parser.add_argument('task', choices=['score', 'generate'])
+    parser.add_argument('task', choices=TASKS)
     parser.add_argument('--model_dir', required=True)
     parser.add_argument('--input', required=True, help='a file or glob: text lines, or .jsonl with key and text')
     parser.add_argument('--output', required=True, help='the output prefix (sharded .jsonl files)')
@@ -182,15 +199,12 @@ def main(argv=None) -> int:
     parser.add_argument('--seed', type=int, default=0, help="the pipeline's seed; each element's derives from it")
     parser.add_argument('--stride', type=int, default=None, help='score: the window stride (default n_ctx // 2)')
     args, beam_args = parser.parse_known_args(argv)
-    from .validate import check_sampling
-
     try:
-        check_sampling(args.temperature, args.top_k, args.top_p, 1)
-    except ValueError as e:
+        handler = GPT2ModelHandler(args.model_dir, args.task, length=args.length, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stride=args.stride)
+    except validate.GPT2Error as e:
         print(f'gpt2_tf.beam: error: {e}', file=sys.stderr)
         return 2
-    handler = GPT2ModelHandler(args.model_dir, args.task, length=args.length, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stride=args.stride)
     with beam.Pipeline(options=PipelineOptions(beam_args)) as p:
         pipeline(p, task=args.task, model_dir=args.model_dir, input_glob=args.input, output=args.output,
                  handler=handler)

@@ -10,7 +10,7 @@ import numpy as np
 from .encoder import END_OF_TEXT, Encoder, get_encoder
 from .model import Model
 from .sample import sample_chunks
-from .validate import default_length
+from .validate import GPT2Error, default_length, is_int
 
 
 def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[int] = None, *,
@@ -25,16 +25,17 @@ def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[in
     number of new tokens after each compiled chunk of the loop.
     """
     encoder = encoder or get_encoder()
-    if batch_size < 1:
-        raise ValueError(f'batch_size must be at least 1, got {batch_size}')
-    if nsamples is not None and (nsamples < 1 or nsamples % batch_size):
-        raise ValueError(f'nsamples ({nsamples}) must be a positive multiple of batch_size ({batch_size})')
+    if not is_int(batch_size) or batch_size < 1:
+        raise GPT2Error(f'batch_size must be a positive integer, got {batch_size!r}')
+    if nsamples is not None and (not is_int(nsamples) or nsamples < 1 or nsamples % batch_size):
+        raise GPT2Error(f'nsamples ({nsamples!r}) must be a positive multiple of batch_size ({batch_size}), '
+                        'or None for no end')
     if prompt is None:
         request = dict(start_token=encoder.encoder[END_OF_TEXT], batch_size=batch_size)
     else:
         context = encoder.encode(prompt)
         if not context:
-            raise ValueError('the prompt is empty: it encodes to no tokens')
+            raise GPT2Error('the prompt is empty: it encodes to no tokens; give some text, or None for unconditional')
         request = dict(context=context, batch_size=batch_size)
     if length is None:
         length = default_length(model.hparams.n_ctx, prompt is not None)

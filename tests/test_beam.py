@@ -16,7 +16,8 @@ from conftest import require
 
 require('apache_beam')
 
-from gpt2_tf.beam import element_seed  # noqa: E402
+from gpt2_tf.beam import GPT2ModelHandler, Tokenize, _padded, element_seed, main  # noqa: E402
+from gpt2_tf.validate import GPT2Error  # noqa: E402
 
 
 def inputs(tmp_path, n=200):
@@ -86,3 +87,32 @@ def test_jsonl_input_keeps_its_keys(tmp_path):
     path.write_text('\n'.join(json.dumps({'key': f'doc-{i}', 'text': f'Hello number {i}'}) for i in range(5)) + '\n')
     by_key, _ = run('score', tmp_path, path)
     assert sorted(by_key) == [f'doc-{i}' for i in range(5)]
+
+
+# --- the checks, without a pipeline ------------------------------------------------------------
+
+def test_tokenize_refuses_by_the_librarys_window_rule_at_its_exact_boundary():
+    tokenize = Tokenize(bundled_checkpoint(), 'generate', 10)
+    tokenize.setup()
+    assert tokenize.hparams.n_ctx == 128
+    tokenize.check([1] * 119)  # 119 + 10 - 1 = 128 = n_ctx: fits
+    with pytest.raises(GPT2Error, match=r'120 tokens \+ length 10 exceeds the window by 1'):
+        tokenize.check([1] * 120)
+    with pytest.raises(GPT2Error, match=r'token id 50257 is outside the vocabulary \[0, 50257\)'):
+        tokenize.check([1, 50257])
+    with pytest.raises(GPT2Error, match='empty prompt'):
+        tokenize.check([])
+
+
+def test_bad_options_are_refused_when_the_handler_is_made(capsys):
+    with pytest.raises(GPT2Error, match=r'top_p must be in \[0, 1\]'):
+        GPT2ModelHandler(bundled_checkpoint(), 'generate', top_p=1.5)
+    with pytest.raises(GPT2Error, match='length 129 is longer than the window'):
+        GPT2ModelHandler(bundled_checkpoint(), 'generate', length=129)
+    args = ['generate', '--model_dir', bundled_checkpoint(), '--input', 'x', '--output', 'y']
+    assert main(args + ['--top_k', '-1']) == 2  # before any pipeline is built
+    assert 'top_k must be an integer >= 0' in capsys.readouterr().err
+
+
+def test_batches_pad_to_powers_of_two_rows():
+    assert [len(_padded([[n]] * n)) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]

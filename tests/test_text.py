@@ -5,6 +5,7 @@ import pytest
 import gpt2_tf
 from gpt2_tf.assets import bundled_checkpoint
 from gpt2_tf.encoder import encoder_for
+from gpt2_tf.validate import GPT2Error
 
 
 @pytest.fixture(scope='module')
@@ -36,3 +37,13 @@ def test_empty_prompt_is_an_error(model):
 
 def test_bundled_checkpoint_uses_the_bundled_vocabulary():
     assert encoder_for(bundled_checkpoint()).n_vocab == 50257
+
+
+@pytest.mark.parametrize('options, message', [
+    (dict(batch_size=0), 'batch_size must be a positive integer'),
+    (dict(nsamples=3, batch_size=2), r'nsamples \(3\) must be a positive multiple of batch_size \(2\)'),
+    (dict(nsamples=0), 'nsamples .* must be a positive multiple'),
+])
+def test_bad_counts_are_refused_with_the_projects_error(model, options, message):
+    with pytest.raises(GPT2Error, match=message):
+        gpt2_tf.generate(model, 'Hello', 5, **options)
