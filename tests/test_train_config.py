@@ -97,3 +97,12 @@ def test_an_unknown_option_is_named():
 def test_a_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         FinetuneConfig().steps = 3
+
+
+def test_the_finetune_command_takes_its_flags_and_defaults_from_the_config():
+    from gpt2_tf.cli import parser as command_line
+
+    args = command_line().parse_args(['finetune', 'corpus.txt'])
+    assert from_arguments(args) == FinetuneConfig()
+    args = command_line().parse_args(['finetune', 'corpus.txt', '--use_memory_saving_gradients', '--steps', '7'])
+    assert from_arguments(args) == FinetuneConfig(recompute=True, steps=7)
