@@ -22,7 +22,8 @@ import tensorflow as tf  # noqa: E402
 
 import gpt2_tf  # noqa: E402
 from gpt2_tf import HParams  # noqa: E402
-from gpt2_tf.sample import bucket, sample_sequence  # noqa: E402
+from gpt2_tf.compiled import bucket  # noqa: E402
+from gpt2_tf.sample import sample_sequence  # noqa: E402
 from gpt2_tf.tf1_reference import Reference  # noqa: E402
 from support import write_random_checkpoint  # noqa: E402
 

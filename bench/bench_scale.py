@@ -26,7 +26,8 @@ import tensorflow as tf
 cpu = tf.config.list_physical_devices('CPU')[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import numpy as np, gpt2_tf
-from gpt2_tf.train import Trainer, make_strategy
+from gpt2_tf.distribute import make_strategy
+from gpt2_tf.train import Trainer
 folder, steps, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 tokens = np.random.default_rng(0).integers(0, 50257, (2, length)).astype(np.int32)
 out = {}
