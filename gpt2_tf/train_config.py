@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from typing import Optional
 
-from .validate import GPT2Error, is_int
+from .validate import INT64, GPT2Error, is_int
 
 OPTIMIZERS = ('adam', 'sgd')
 RESTORE_FROM = ('latest', 'fresh')
@@ -123,8 +123,10 @@ def check(config: FinetuneConfig) -> None:
     for name in ('run_name', 'checkpoint_dir', 'sample_dir'):
         if not isinstance(getattr(config, name), str) or not getattr(config, name):
             raise GPT2Error(f'{name} must be a non-empty string, got {_shown(getattr(config, name))}')
-    if config.seed is not None:
+    if config.seed is not None:  # the samples' seed is the pair (seed, step), each within int64
         check_integer('seed', config.seed, 0, ' (or None)')
+        if config.seed > INT64.max:
+            raise GPT2Error(f'seed {config.seed} is out of range: use an integer in [0, {INT64.max}]')
     if not isinstance(config.only_train_transformer_layers, bool) or not isinstance(config.recompute, bool):
         raise GPT2Error('only_train_transformer_layers and recompute must be True or False')
 
