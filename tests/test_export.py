@@ -98,3 +98,26 @@ def test_export_refuses_a_folder_in_use(tmp_path):
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'export', str(HOT), str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and 'exists and is not empty' in done.stderr
+
+
+def test_the_signature_checks_by_the_librarys_rules_at_the_exact_boundary(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')  # n_ctx = 32, n_vocab = 512
+    gpt2_tf.export.export_saved_model(model, tmp_path / 'e')
+    generate = tf.saved_model.load(str(tmp_path / 'e')).signatures['generate']
+
+    def call(tokens, length, **options):
+        options = {'temperature': 1.0, 'top_k': 0, 'top_p': 1.0, **options}
+        return generate(tokens=tf.constant(tokens, tf.int32), length=tf.constant(length),
+                        seed=tf.constant([1, 1], tf.int64), **{k: tf.constant(v) for k, v in options.items()})
+
+    assert call([[1, 2, 3]], 30)['tokens'].shape == (1, 33)  # 3 + 30 - 1 = 32 = n_ctx: fits
+    for tokens, length, options, message in [
+            ([[1, 2, 3]], 31, {}, r'prompt \+ length - 1 must be <= n_ctx = 32'),
+            ([[1, 512]], 5, {}, r'token ids must be in the vocabulary \[0, 512\)'),
+            ([[-1, 2]], 5, {}, r'token ids must be in the vocabulary'),
+            (np.zeros([1, 0]), 5, {}, 'tokens must hold at least one token per row'),
+            ([[1]], 5, {'temperature': 2.5}, r'temperature must be in \[0, 2\]'),
+            ([[1]], 5, {'top_p': 1.5}, r'top_p must be in \[0, 1\]'),
+            ([[1]], 5, {'top_k': -1}, 'top_k must be >= 0')]:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            call(tokens, length, **options)
