@@ -1,4 +1,4 @@
-"""Fine-tuning against the original training graph (TF1 Adam and SGD), data, run folders, resumption."""
+"""Fine-tuning against the original training graph (TF1 Adam and SGD), data, run folders, resumption, Ctrl-C."""
 
 import errno
 import os
@@ -17,7 +17,8 @@ from gpt2_tf import HParams, train
 from gpt2_tf.assets import bundled_checkpoint
 from gpt2_tf.encoder import get_encoder
 from gpt2_tf.tf1_reference import Reference, ReferenceTrainer
-from gpt2_tf.train import Sampler, Trainer, finetune, load_dataset
+from gpt2_tf.dataset import Sampler, encode_dataset, load_dataset
+from gpt2_tf.train import Trainer, finetune
 
 from conftest import FIXTURES, tolerance
 
@@ -116,7 +117,7 @@ def test_an_npz_of_tokens_loads_unchanged_and_encode_writes_one(tmp_path):
     loaded = load_dataset(str(tmp_path / 'gpt2-simple.npz'), get_encoder())
     assert [c.tolist() for c in loaded] == [a.tolist() for a in arrays]
     (tmp_path / 'text.txt').write_text('Hello there. ' * 50)
-    count = train.encode_dataset(str(tmp_path / 'text.txt'), str(tmp_path / 'out.npz'), get_encoder())
+    count = encode_dataset(str(tmp_path / 'text.txt'), str(tmp_path / 'out.npz'), get_encoder())
     again = load_dataset(str(tmp_path / 'out.npz'), get_encoder())
     assert sum(c.size for c in again) == count == len(get_encoder().encode('Hello there. ' * 50)) + 1
 
