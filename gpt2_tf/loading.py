@@ -115,7 +115,8 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
                 raise ModelNotFound(f'no model folder at {model_dir}')
             return _folder(model_dir)
         if model_dir != BUNDLED and OLD_NAMES.get(model_dir, model_dir) not in PUBLISHED:
-            raise ModelNotFound(f'no model folder at {model_dir}')
+            raise ModelNotFound(f'no model folder at {model_dir}, and {model_dir!r} is not a model name '
+                                f'({", ".join(PUBLISHED)}, or {BUNDLED} for the bundled test checkpoint)')
         model_name = model_dir  # a bare name: a published model or the bundled one
     chosen = os.path.expanduser(os.fspath(models_dir or DEFAULT_MODELS_DIR))
     if models_dir is not None and not os.path.isdir(chosen):
@@ -200,3 +201,15 @@ def _load_hf(model_dir: str, **options):
     for name, variable in model.variables_by_name().items():
         variable.assign(tf.cast(tensors[name], variable.dtype))
     return model
+
+
+def stored_shapes(model_dir) -> dict:
+    """{checkpoint name: shape} of the tensors a model folder holds, in either layout (HF names mapped to
+    the original's), read without loading a model: what parameter accounting counts."""
+    folder = model_dir if isinstance(model_dir, ModelFolder) else resolve(model_dir)
+    if folder.layout == 'hf':
+        tensors = hf.to_original(hf.read_tensors(folder.path), folder.hparams(), source=folder.path)
+        return {name: tuple(value.shape) for name, value in tensors.items()}
+    from .checkpoint import checkpoint_shapes, find_checkpoint
+
+    return checkpoint_shapes(find_checkpoint(folder.path))

@@ -147,9 +147,10 @@ class _QuietLoader(importlib.abc.Loader):
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.loader  # TensorFlow sees its own loader
         os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-        _start(lambda: self.loader.exec_module(module))
         logger = logging.getLogger('tensorflow')
-        if logger.level == logging.NOTSET and not logger.handlers:  # a program's own setting stays
+        chosen = logger.level != logging.NOTSET or bool(logger.handlers)  # before TensorFlow adds its handler
+        _start(lambda: self.loader.exec_module(module))
+        if not chosen:  # retracing and deprecation warnings, as the command line hides them
             logger.setLevel(logging.ERROR)
 
 

@@ -215,3 +215,51 @@ def test_no_warning_for_float32_folders(hf_folder):
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         gpt2_tf.load_model(hf_folder[0])
+
+
+# --- what save_hf writes, and read errors --------------------------------------------------------------
+
+def test_tokenizer_json_alone_gives_autotokenizer_our_ids(tmp_path):
+    gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path)
+    for name in hf.TOKENIZER_FILES:  # only tokenizer.json left: the fast tokenizer must come from it
+        (tmp_path / name).unlink()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert theirs.is_fast
+    cases = [json.loads(line) for line in (FIXTURES / 'bpe-cases.jsonl').read_text(encoding='utf-8').split('\n') if line]
+    ours = gpt2_tf.get_encoder()
+    for case in cases:
+        assert theirs(case['text'], split_special_tokens=True)['input_ids'] == ours.encode(case['text']) == case['ids']
+    assert theirs.convert_tokens_to_ids('<|endoftext|>') == 50256
+
+
+def test_every_file_gets_the_same_mode(tmp_path):
+    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'hf')
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in os.listdir(tmp_path / 'hf')}
+    assert set(modes) == {'config.json', 'model.safetensors', 'vocab.json', 'merges.txt', 'tokenizer.json'}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_special_token_ids_only_when_the_vocabulary_has_them(tmp_path):
+    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'small')  # 512 tokens
+    config = json.loads((tmp_path / 'small' / 'config.json').read_text())
+    assert 'bos_token_id' not in config and 'eos_token_id' not in config
+    gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path / 'gpt2')  # 50257 tokens
+    config = json.loads((tmp_path / 'gpt2' / 'config.json').read_text())
+    assert config['bos_token_id'] == config['eos_token_id'] == 50256
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garbage header'])
+def test_an_unreadable_weights_file_is_named(hf_folder, tmp_path, damage):
+    folder = tmp_path / 'broken'
+    shutil.copytree(hf_folder[0], folder)
+    weights = folder / 'model.safetensors'
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2] if damage == 'truncate' else b'\xff' * 64)
+    with pytest.raises(hf.HFFormatError, match=f'{weights}: cannot be read'):
+        gpt2_tf.load_model(folder)
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'sample', '--length', '2', '--model_dir', str(folder)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1].startswith(f'gpt2-tf: error: {weights}: cannot be read'), done.stderr

@@ -1,0 +1,64 @@
+"""Quiet as a library and on the command line: nothing on stderr but what the caller asked for."""
+
+import os
+import subprocess
+import sys
+
+LIBRARY = '''
+import numpy as np
+import gpt2_tf
+
+model = gpt2_tf.load_model('test')
+ids = gpt2_tf.encode("Hello, I'm a language model,")
+model(np.array([ids], np.int32))
+for length in (3, 5, 9, 17):  # several shapes, as a program makes them
+    gpt2_tf.sample_sequence(model, length, context=ids, batch_size=2, top_k=40, seed=1)
+    gpt2_tf.score(model, [ids[:length % 7 + 2]], top=2)
+gpt2_tf.generate(model, 'Hello', 4, nsamples=2, seed=1)
+gpt2_tf.perplexity(model, ids * 20, stride=64)
+gpt2_tf.score_completion(model, ids, gpt2_tf.encode(' yes'))
+gpt2_tf.save_checkpoint(model, 'saved')
+gpt2_tf.load_model('saved')
+print('done')
+'''
+
+
+def env(**extra) -> dict:
+    values = dict(os.environ)
+    values.pop('TF_CPP_MIN_LOG_LEVEL', None)  # what a user's shell has
+    values.update(extra)
+    return values
+
+
+def test_the_library_prints_nothing_it_was_not_asked_to(tmp_path):
+    done = subprocess.run([sys.executable, '-c', LIBRARY], cwd=tmp_path, capture_output=True, text=True, env=env(),
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout == 'done\n', done.stderr
+    assert done.stderr == ''
+
+
+def test_a_program_that_configures_tensorflow_keeps_its_settings(tmp_path):
+    script = ('import logging, sys; logging.getLogger("tensorflow").setLevel(logging.INFO); import gpt2_tf; '
+              'gpt2_tf.load_model("test"); print(logging.getLogger("tensorflow").level, '
+              '[type(f).__name__ for f in sys.meta_path if "Quiet" in type(f).__name__])')
+    done = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, capture_output=True, text=True, env=env(),
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == '20 []', done.stderr  # INFO kept; the hook gone
+    chosen = subprocess.run([sys.executable, '-c', 'import gpt2_tf, sys; import tensorflow; '
+                             'print(type(sys.modules["tensorflow"].__spec__.loader).__name__)'],
+                            cwd=tmp_path, capture_output=True, text=True, env=env(TF_CPP_MIN_LOG_LEVEL='0'),
+                            timeout=300)
+    assert chosen.returncode == 0 and 'Quiet' not in chosen.stdout, chosen.stdout
+    assert 'oneDNN' in chosen.stderr or 'cuda' in chosen.stderr.lower()  # the program asked for TensorFlow's lines
+
+
+def test_encode_loads_no_tensorflow(tmp_path):
+    (tmp_path / 'corpus.txt').write_text('Hello world. ' * 100)
+    command = [sys.executable, '-m', 'gpt2_tf.cli', 'encode', 'corpus.txt', 'out.npz']
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env(), timeout=120)
+    assert done.returncode == 0 and done.stderr == '', done.stderr
+    assert done.stdout == 'out.npz: 302 tokens\n'  # 3 per sentence, the last space, then <|endoftext|>
+    timed = subprocess.run([sys.executable, '-X', 'importtime', *command[1:]], cwd=tmp_path, capture_output=True,
+                           text=True, env=env(), timeout=120)
+    imported = {line.rsplit('|', 1)[-1].strip() for line in timed.stderr.splitlines() if '|' in line}
+    assert 'gpt2_tf.cli' in imported and 'tensorflow' not in imported
