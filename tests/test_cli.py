@@ -206,3 +206,137 @@ def test_generate_and_score_in_bfloat16(capsys, monkeypatch, tmp_path):
     (tmp_path / 'text.txt').write_text('Hello there, how are you today?')
     code, out, _ = run(capsys, monkeypatch, tmp_path, 'score', 'text.txt', '--dtype', 'bfloat16', '--quiet')
     assert code == 0 and 'perplexity' in out
+
+
+# --- messages and help ---------------------------------------------------------------------------------
+
+def test_a_mistyped_flag_shows_the_subcommands_usage_and_the_closest_flag(tmp_path):
+    done = subprocess.run([*GPT2_TF, 'generate', 'Hello', '--temprature', '0.5'], cwd=tmp_path, capture_output=True,
+                          text=True, env=subprocess_env(), timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith('usage: gpt2-tf generate ')
+    assert done.stderr.splitlines()[-1] == ('gpt2-tf generate: error: unrecognized arguments: --temprature '
+                                            '(did you mean --temperature?) 0.5')
+    done = subprocess.run([*GPT2_TF, 'finetune', 'x.txt', '--learning-rat', '1'], cwd=tmp_path, capture_output=True,
+                          text=True, env=subprocess_env(), timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith('usage: gpt2-tf finetune ')
+    assert '(did you mean --learning_rate?)' in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--temperature', '3'], 'temperature must be in [0, 2] (0 is greedy), got 3'),
+    (['--top_p=1.50'], 'top_p must be in [0, 1] (1: no truncation), got 1.50'),
+    (['--temperature', '-0.25'], 'temperature must be in [0, 2] (0 is greedy), got -0.25'),
+])
+def test_numbers_in_messages_are_as_typed_and_range_errors_exit_2(tmp_path, argv, message):
+    done = subprocess.run([*GPT2_TF, 'generate', 'Hello', *argv], cwd=tmp_path, capture_output=True, text=True,
+                          env=subprocess_env(), timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f'gpt2-tf: error: {message}']
+
+
+def test_every_options_help_names_its_default():
+    from gpt2_tf.cli import parser
+
+    commands = next(a for a in parser()._actions if a.dest == 'command').choices
+    missing = [f'{name} {action.option_strings[0]}' for name, command in commands.items()
+               for action in command._actions if action.option_strings and action.dest != 'help'
+               and 'default' not in (action.help or '')]
+    assert missing == []
+    done = subprocess.run([*GPT2_TF, 'serve', '--help'], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=60)
+    assert re.search(r'--port PORT\s+port to listen on \(default: 8000\)', done.stdout), done.stdout
+
+
+def test_finetunes_flags_are_the_configs_fields_with_its_defaults():
+    import dataclasses
+
+    from gpt2_tf.cli import parser
+    from gpt2_tf.train_config import FinetuneConfig
+
+    commands = next(a for a in parser()._actions if a.dest == 'command').choices
+    finetune = {a.dest: a for a in commands['finetune']._actions}
+    for field in dataclasses.fields(FinetuneConfig):
+        assert finetune[field.name].default == field.default, field.name
+        assert 'default' in finetune[field.name].help, field.name
+
+
+def test_choices_are_the_modules_own():
+    from gpt2_tf import compiled, precision
+    from gpt2_tf.cli import common, parser
+
+    assert common.DTYPES == precision.DTYPES and common.MODES == compiled.MODES
+    commands = next(a for a in parser()._actions if a.dest == 'command').choices
+    for name in ('generate', 'sample', 'score', 'serve', 'export', 'explore'):
+        actions = {a.dest: a for a in commands[name]._actions}
+        assert tuple(actions['dtype'].choices) == precision.DTYPES, name
+        if 'mode' in actions:
+            assert tuple(actions['mode'].choices) == compiled.MODES, name
+
+
+def test_only_the_projects_errors_are_one_line(capsys, monkeypatch, tmp_path):
+    from gpt2_tf.cli import generation
+    from gpt2_tf.validate import GPT2Error
+
+    monkeypatch.setattr(generation, 'checked_options', lambda args: (_ for _ in ()).throw(GPT2Error('named')))
+    assert main(['generate', 'x']) == 2 and capsys.readouterr().err == 'gpt2-tf: error: named\n'
+    monkeypatch.setattr(generation, 'checked_options', lambda args: (_ for _ in ()).throw(ValueError('a bug')))
+    with pytest.raises(ValueError, match='a bug'):  # a bug keeps its traceback
+        main(['generate', 'x'])
+
+
+# --- interrupts ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ctrl_c_during_an_interactive_generation_returns_to_the_prompt(tmp_path):
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        argv = [*GPT2_TF, 'generate', '--length', '100', '--nsamples', '1000', '--chunk', '1', '--seed', '1',
+                '--mode', 'function', '--quiet']
+        os.execvpe(argv[0], argv, subprocess_env())
+    output, sent, deadline = b'', [], time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+        if not sent and output.endswith(b'>>> '):
+            os.write(fd, b'Hello\r')
+            sent.append('prompt')
+        elif sent == ['prompt'] and output.count(b'SAMPLE') >= 2:  # mid-way through a thousand samples
+            os.write(fd, b'\x03')
+            sent.append('ctrl-c')
+        elif sent == ['prompt', 'ctrl-c'] and output.endswith(b'>>> '):
+            os.write(fd, b'\x04')
+            sent.append('ctrl-d')
+    _, status = os.waitpid(pid, 0)
+    text = output.decode('utf-8', errors='replace')
+    assert sent == ['prompt', 'ctrl-c', 'ctrl-d'], text[-2000:]
+    assert text.count('Model prompt >>> ') == 2 and 'interrupted' in text and text.count('SAMPLE') < 1000
+    assert os.waitstatus_to_exitcode(status) == 0  # Ctrl-D at the prompt: a normal end
+
+
+@pytest.mark.slow
+def test_an_interrupted_finetune_saves_and_exits_130(tmp_path):
+    import signal
+
+    (tmp_path / 'corpus.txt').write_text('It was a bright cold day in April, and the clocks were striking. ' * 200)
+    process = subprocess.Popen([*GPT2_TF, 'finetune', 'corpus.txt', '--model_name', 'test', '--sample_every', '0',
+                                '--print_every', '1'], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=subprocess_env())
+    lines = []
+    while len(lines) < 2:  # two steps done
+        line = process.stdout.readline()
+        assert line, process.stderr.read()
+        if 'loss=' in line:
+            lines.append(line)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 130, err
+    assert 'interrupted' in out + err and (tmp_path / 'checkpoint' / 'run1' / 'checkpoint').exists()
+    assert err.strip().splitlines()[-1].startswith('gpt2-tf: interrupted at step')
