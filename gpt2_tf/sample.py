@@ -126,8 +126,8 @@ def _outputs(plan: Plan, batch) -> dict:
     """Zeroed outputs, step-major: tokens [chunk, batch]; with logprobs=N, the log-probs too."""
     out = {'tokens': tf.zeros([plan.chunk, batch], tf.int32)}
     if plan.logprobs is not None:
-        out.update(log_probs=tf.zeros([plan.chunk, batch]), top_ids=tf.zeros([plan.chunk, batch, plan.logprobs],
-                   tf.int32), top_log_probs=tf.zeros([plan.chunk, batch, plan.logprobs]))
+        top = [plan.chunk, batch, plan.logprobs]
+        out.update(log_probs=tf.zeros([plan.chunk, batch]), top_ids=tf.zeros(top, tf.int32), top_log_probs=tf.zeros(top))
     return out
 
 
@@ -268,15 +268,14 @@ class Request:
 
 def run(model, request: Request, *, decoder: Decoder = DECODER) -> Iterator:
     """The loop over a checked request: yields tokens int32 [batch, n] (dicts with logprobs), chunk by chunk."""
-    start = compiled.shared(begin, model, request.mode)
-    step = compiled.shared(advance, model, request.mode)
+    first, then = (compiled.shared(fn, model, request.mode) for fn in (begin, advance))
     pads, options, chunk = tf.constant(request.pads), request.options(), request.plan.chunk
-    logits, caches = start(model, tf.constant(request.context), pads=pads, size=request.size, decoder=decoder)
+    logits, caches = first(model, tf.constant(request.context), pads=pads, size=request.size, decoder=decoder)
     loop = dict(pads=pads, prompt=tf.constant(request.context.shape[1], tf.int32), options=options,
                 length=tf.constant(request.length, tf.int32), plan=request.plan, decoder=decoder)
     done = 0
     while done < request.length:
-        out, logits, caches = step(model, logits, caches, done=tf.constant(done, tf.int32), **loop)
+        out, logits, caches = then(model, logits, caches, done=tf.constant(done, tf.int32), **loop)
         n = min(chunk, request.length - done)
         if request.plan.logprobs is None:
             yield out['tokens'].numpy()[:, :n]
