@@ -17,6 +17,10 @@ encoding each file whole while memory stays bounded by the piece size. With
 processes > 1 the pieces are encoded in parallel and written in order. The
 output appears under its name only when complete (OUT.partial, then a rename).
 No TensorFlow is imported.
+
+Training reads the file in place: Windows draws windows of n_ctx tokens at
+seeded random offsets within ranges of it, and split_documents holds out its
+last documents for a validation range.
 """
 
 from __future__ import annotations
@@ -180,7 +184,8 @@ def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Opt
     encoder_files: (encoder.json, vocab.bpe) of another vocabulary than GPT-2's
     bundled one (encoder, when given instead, is used in this process only, so
     processes must then be 1). progress, when given, is called with
-    (characters, tokens) after each piece. An interrupted run leaves no `out`.
+    (bytes, tokens) after each piece (see terminal_progress). An interrupted
+    run leaves no `out`.
     """
     out = os.fspath(out)
     files = documents(inputs, glob=glob)
@@ -212,7 +217,7 @@ def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, enc
             return
         writer.write(ids)
         if progress:
-            progress(len(piece), ids.size)
+            progress(len(piece.encode('utf-8')), ids.size)
 
     if processes == 1:
         for _, piece in stream:
@@ -229,6 +234,33 @@ def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, enc
         while pending:
             first, future = pending.popleft()
             done(first, None if future is None else future.result())
+
+
+def default_processes() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+
+
+def terminal_progress(inputs: Sequence[str], *, glob: str = '*.txt', stream=None):
+    """(progress, close) for encode_corpus: a tqdm bar of bytes read, with tokens/s, when `stream`
+    (standard error) is a terminal; (None, a no-op) otherwise."""
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        return None, lambda: None
+    from tqdm import tqdm
+
+    files = documents(inputs, glob=glob)
+    total = None if '-' in files else sum(os.path.getsize(f) for f in files)
+    bar = tqdm(total=total, unit='B', unit_scale=True, file=stream, desc='encoding')
+    counts = {'tokens': 0}
+
+    def progress(size: int, tokens: int) -> None:
+        counts['tokens'] += tokens
+        elapsed = bar.format_dict['elapsed'] or 1e-9
+        bar.set_postfix_str(f'{counts["tokens"]:,} tokens, {counts["tokens"] / elapsed:,.0f} tokens/s', refresh=False)
+        bar.update(size)
+
+    return progress, bar.close
 
 
 def read_tokens(path: str | os.PathLike) -> np.memmap:
@@ -282,15 +314,19 @@ def split_documents(tokens: np.ndarray, fraction: float, *, end: int) -> tuple:
 
 class Windows:
     """Training windows of exactly `length` tokens at random offsets within given ranges of a token file,
-    read in place (memory does not grow with the file) and reproducible from a seed."""
+    read in place (memory does not grow with the file) and reproducible from a seed.
+
+    n_vocab, when given, is checked on every window drawn (a file without a
+    sidecar says nothing of its ids, and reading it all to check would map it
+    all into memory)."""
 
     def __init__(self, tokens: np.ndarray, length: int, *, ranges: Optional[Sequence[tuple]] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, n_vocab: Optional[int] = None, name: str = 'the token file'):
         ranges = [tuple(r) for r in (ranges or [(0, len(tokens))]) if r[1] - r[0] >= length]
         if not ranges:
-            raise GPT2Error(f'the token file is shorter than one training window of {length} tokens '
+            raise GPT2Error(f'{name} is shorter than one training window of {length} tokens '
                             f'(n_ctx): give more text')
-        self.tokens, self.length, self.ranges = tokens, length, ranges
+        self.tokens, self.length, self.ranges, self.n_vocab, self.name = tokens, length, ranges, n_vocab, name
         # A window starts at any of the stop - start - length + 1 offsets of a range, each equally likely.
         self.starts = np.cumsum([stop - start - length + 1 for start, stop in ranges])
         self.rng = np.random.default_rng(seed)
@@ -302,4 +338,8 @@ class Windows:
             i = int(np.searchsorted(self.starts, pick, side='right'))
             offset = self.ranges[i][0] + pick - (self.starts[i - 1] if i else 0)
             rows.append(np.asarray(self.tokens[offset:offset + self.length], np.int32))
+            if self.n_vocab is not None and int(rows[-1].max()) >= self.n_vocab:
+                raise GPT2Error(f'{self.name} holds token id {int(rows[-1].max())} (near token {offset:,}), '
+                                f'outside the model\'s vocabulary [0, {self.n_vocab}): encode it with this '
+                                f'model\'s vocabulary')
         return np.stack(rows)

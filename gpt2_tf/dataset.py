@@ -1,8 +1,14 @@
-"""Fine-tuning's data, as gpt-2-simple reads it: token chunks from text or an .npz, and random windows.
+"""Fine-tuning's data: a token file read in place, or gpt-2-simple's token chunks from text or an .npz.
 
-load_dataset turns a text file, a folder or glob of files, or an .npz of token
-arrays into int32 chunks; Sampler draws training windows of n_ctx tokens, each
-inside one chunk, reproducibly from a seed; encode_dataset writes the .npz.
+A token file (a .bin that corpus.encode_corpus wrote, or nanoGPT's uint16
+train.bin) is never loaded: token_windows draws windows of n_ctx tokens
+through its memory map (corpus.Windows), optionally holding out its last
+documents for validation, after checking it against the model's vocabulary.
+Anything else goes through gpt-2-simple's path: load_dataset turns a text
+file, a folder or glob of files, or an .npz of token arrays into int32 chunks
+in memory, and Sampler draws windows inside one chunk each. Both samplers are
+reproducible from a seed. encode writes either kind of file (encode_dataset:
+the .npz).
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import validate
-from .encoder import END_OF_TEXT, Encoder
+from . import corpus, validate
+from .encoder import END_OF_TEXT, Encoder, encoder_for, get_encoder, vocabulary_files
 from .validate import GPT2Error
+
+TOKEN_FILE = '.bin'
+GPT2_END_OF_TEXT = 50256  # the end-of-text id of a token file without a sidecar (nanoGPT's)
 
 
 def _files(path: str) -> list:
@@ -94,10 +103,79 @@ def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress:
 
 
 def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = 50000) -> int:
-    """Encodes a text dataset to an .npz of token chunks (gpt-2-simple's format); returns the token count."""
+    """Encodes a text dataset to an .npz of token chunks (gpt-2-simple's format); returns the token count.
+    The .npz appears under its name only when complete."""
     chunks = load_dataset(path, encoder, combine)
-    np.savez_compressed(out_path, *chunks)
+    partial = os.fspath(out_path) + '.partial'
+    try:
+        with open(partial, 'wb') as f:
+            np.savez_compressed(f, *chunks)
+        os.replace(partial, out_path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
     return int(sum(c.size for c in chunks))
+
+
+def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Optional[int] = None,
+           combine: int = 50000, progress: bool = False) -> dict:
+    """`gpt2-tf encode`: text to a token file (OUT.bin, corpus.encode_corpus, streaming, in `processes`
+    processes: the CPUs by default) or to gpt-2-simple's chunks (OUT.npz, encode_dataset, each input as
+    load_dataset reads it, `combine` characters a chunk). progress: a bar on a terminal. Returns
+    {'tokens', 'documents'} (documents: None for an .npz)."""
+    out = os.fspath(out)
+    if out.endswith('.npz'):
+        if '-' in inputs or len(inputs) != 1:
+            raise GPT2Error('an .npz is encoded from one dataset (a file, folder or glob); for several inputs or '
+                            'standard input write a token file: OUT.bin')
+        return {'tokens': encode_dataset(inputs[0], out, get_encoder(), combine), 'documents': None}
+    if not out.endswith(TOKEN_FILE):
+        raise GPT2Error(f'{out}: the output must end in {TOKEN_FILE} (a token file) or .npz (gpt-2-simple\'s chunks)')
+    glob = glob or '*.txt'
+    bar, close = corpus.terminal_progress(inputs, glob=glob) if progress else (None, lambda: None)
+    try:
+        return corpus.encode_corpus(inputs, out, glob=glob, processes=processes or corpus.default_processes(),
+                                    progress=bar)
+    finally:
+        close()
+
+
+# --- token files, read in place ---------------------------------------------------------------------
+
+def is_token_file(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(TOKEN_FILE)
+
+
+def check_token_file(path: str, n_vocab: int, model_dir: Optional[str] = None) -> dict:
+    """A token file's sidecar ({} without one) once it agrees with the model: its ids fit n_vocab, and its
+    vocabulary is the model folder's when the folder has one (a folder without vocabulary files trains too)."""
+    info = corpus.read_sidecar(os.fspath(path)) or {}
+    if info.get('n_vocab', 0) > n_vocab:
+        raise GPT2Error(f'{path} was encoded with a vocabulary of {info["n_vocab"]:,} ids, and the model has '
+                        f'{n_vocab:,}: encode the text with the model\'s vocabulary')
+    if 'vocab_sha256' in info and model_dir is not None and vocabulary_files(model_dir):
+        ours = corpus.vocabulary_sha256(encoder_for(model_dir))
+        if ours != info['vocab_sha256']:
+            raise GPT2Error(f'{path} was encoded with another vocabulary than {model_dir}\'s (sha256 '
+                            f'{info["vocab_sha256"][:12]}..., the folder\'s {ours[:12]}...): encode the text with '
+                            f'the model\'s vocabulary')
+    return info
+
+
+def token_windows(path: str, length: int, *, n_vocab: int, model_dir: Optional[str] = None,
+                  seed: Optional[int] = None, val_fraction: float = 0.0, val_seed: Optional[int] = None) -> tuple:
+    """(training windows, validation windows or None) over a token file, read in place (corpus.Windows).
+    val_fraction > 0 holds out the file's last documents, about that fraction of its tokens."""
+    tokens = corpus.read_tokens(path)
+    info = check_token_file(path, n_vocab, model_dir)
+    check = None if 'n_vocab' in info else n_vocab  # a file without a sidecar: its windows are checked as drawn
+    train, held_out = (0, len(tokens)), None
+    if val_fraction:
+        train, held_out = corpus.split_documents(tokens, val_fraction,
+                                                 end=info.get('end_of_text', GPT2_END_OF_TEXT))
+        held_out = corpus.Windows(tokens, length, ranges=[held_out], seed=val_seed, n_vocab=check,
+                                  name=f'the validation part of {path}')
+    return corpus.Windows(tokens, length, ranges=[train], seed=seed, n_vocab=check, name=str(path)), held_out
 
 
 class Sampler:

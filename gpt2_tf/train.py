@@ -4,7 +4,8 @@ Read top to bottom: one training step (Trainer.step: a compiled function of
 the variables, the optimizer state and a batch), then the loop that logs,
 validates, saves and samples (finetune, over a Run). Each other job has its
 own module: the options and their defaults (train_config.FinetuneConfig), the
-data (dataset: load_dataset, Sampler), the run folder's files (runfolder:
+data (dataset: a token file's windows read in place, token_windows; or
+gpt-2-simple's chunks, load_dataset and Sampler), the run folder's files (runfolder:
 save, restore) and several devices or hosts (distribute: make_strategy,
 is_chief). Their names are importable from here too, as they always were.
 """
@@ -21,7 +22,7 @@ import tensorflow as tf
 
 from . import checkpoint, loading, runfolder
 from .checkpoint import CheckpointError
-from .dataset import Sampler, encode_dataset, load_dataset  # noqa: F401  (also importable from here)
+from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
 from .distribute import is_chief, make_strategy  # noqa: F401
 from .encoder import END_OF_TEXT, encoder_for
 from .model import Model
@@ -213,14 +214,8 @@ class Run:
             raise CheckpointError(f'{self.run_dir} holds a run of another model size '
                                   f'({runfolder.run_hparams(self.run_dir)}); use another --run_name, or the '
                                   f'base model it was trained from')
-        self.encoder = encoder_for(model_dir)
-        n_ctx = self.model.hparams.n_ctx
-        self.sampler = Sampler(self._chunks(dataset), n_ctx, config.seed)
-        self.validation = []  # fixed batches, drawn once
-        if config.val_dataset is not None and config.val_every > 0:
-            seed = 0 if config.seed is None else config.seed + 1
-            held_out = Sampler(self._chunks(config.val_dataset), n_ctx, seed)
-            self.validation = [held_out.sample(config.val_batch_size) for _ in range(config.val_batch_count)]
+        self.encoder = self._encoder(model_dir, dataset)
+        self.sampler, self.validation = self._data(model_dir, dataset)
         self.trainer = Trainer(self.model, config.learning_rate, config.optimizer, config.accumulate_gradients,
                                config.recompute, config.only_train_transformer_layers)
         if resume:
@@ -228,6 +223,38 @@ class Run:
             self.log(f'Loading checkpoint {checkpoint.find_checkpoint(self.run_dir)} (step {self.trainer.steps})')
         files = [os.path.join(model_dir, f) for f in ('encoder.json', 'vocab.bpe')]
         self.vocabulary = files if all(map(os.path.exists, files)) else None  # else the bundled one
+
+    def _encoder(self, model_dir: str, dataset):
+        """The model folder's vocabulary (or the bundled one); a token file trains without it, unsampled."""
+        try:
+            return encoder_for(model_dir)
+        except GPT2Error:
+            if not is_token_file(dataset) or self.config.sample_every:
+                raise
+            return None
+
+    def _data(self, model_dir: str, dataset) -> tuple:
+        """(the training sampler, the fixed validation batches, drawn once: [] for none)."""
+        config, n_ctx = self.config, self.model.hparams.n_ctx
+        val_seed = 0 if config.seed is None else config.seed + 1
+        options = dict(n_vocab=self.model.hparams.n_vocab, model_dir=model_dir)
+        if is_token_file(dataset):
+            sampler, held_out = token_windows(dataset, n_ctx, seed=config.seed, val_fraction=config.val_fraction,
+                                              val_seed=val_seed, **options)
+        elif config.val_fraction:
+            raise GPT2Error('val_fraction holds out documents of a token file; encode the dataset into one '
+                            '(gpt2-tf encode DATASET train.bin) or give val_dataset')
+        else:
+            sampler, held_out = Sampler(self._chunks(dataset), n_ctx, config.seed), None
+        if config.val_every == 0:
+            return sampler, []
+        if is_token_file(config.val_dataset):
+            held_out, _ = token_windows(config.val_dataset, n_ctx, seed=val_seed, **options)
+        elif config.val_dataset is not None:
+            held_out = Sampler(self._chunks(config.val_dataset), n_ctx, val_seed)
+        if held_out is None:
+            return sampler, []
+        return sampler, [held_out.sample(config.val_batch_size) for _ in range(config.val_batch_count)]
 
     def _chunks(self, dataset) -> list:
         return dataset if isinstance(dataset, list) else load_dataset(dataset, self.encoder, self.config.combine)
@@ -297,8 +324,9 @@ class Run:
 def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *,
              log: Callable[[str], None] = print, stop: Optional[Callable[[int], bool]] = None, strategy=None,
              **options) -> Trainer:
-    """Fine-tunes the model in model_dir on dataset (a path for load_dataset, or its list of token chunks);
-    checkpoints go to checkpoint_dir/run_name. Returns the Trainer.
+    """Fine-tunes the model in model_dir on dataset (a token file, OUT.bin of `gpt2-tf encode`, read in
+    place; a path for load_dataset; or a list of token chunks); checkpoints go to checkpoint_dir/run_name.
+    Returns the Trainer.
 
     The options are FinetuneConfig's fields (gpt-2-simple's, with its
     defaults): a config, keyword options that replace its values, or both.

@@ -45,7 +45,8 @@ class FinetuneConfig:
     recompute: bool = option(False, "recompute each block's activations in the backward pass (less memory)",
                              aliases=('--use_memory_saving_gradients',))
     # the data
-    combine: int = option(50000, 'characters of text per encoded chunk; training windows never cross chunks')
+    combine: int = option(50000, 'characters of text per encoded chunk; training windows never cross chunks '
+                                 '(a token file has none: windows start anywhere)')
     seed: Optional[int] = option(None, 'fix to reproduce the windows and samples')
     # what the loop prints and writes
     print_every: int = option(1, 'steps between loss lines (0: never)')
@@ -56,7 +57,10 @@ class FinetuneConfig:
     sample_num: int = option(1, 'samples each time')
     sample_dir: str = option('samples', 'where samples go, in a folder named after the run')
     # the validation loss, on fixed batches of a second dataset
-    val_dataset: Optional[str] = option(None, 'a text file, folder, glob or .npz for the validation loss')
+    val_dataset: Optional[str] = option(None, 'a token file (.bin), text file, folder, glob or .npz for the '
+                                              'validation loss')
+    val_fraction: float = option(0.0, "hold out a token file's last documents, about this fraction of its "
+                                      'tokens, for the validation loss (0: none)')
     val_every: int = option(0, 'steps between validation losses (0: never)')
     val_batch_size: int = option(2, 'windows per validation batch')
     val_batch_count: int = option(40, 'validation batches, drawn once')
@@ -117,6 +121,7 @@ def check(config: FinetuneConfig) -> None:
     for name in ('print_every', 'save_every', 'sample_every', 'val_every'):
         check_integer(name, getattr(config, name), 0, ' (0: never)')
     check_integer('steps', config.steps, -1, ' (-1: until interrupted)')
+    check_validation(config)
     check_choice('restore_from', config.restore_from, RESTORE_FROM)
     check_choice('strategy', config.strategy, (None,) + STRATEGIES)
     check_positive('collective_timeout', config.collective_timeout)
@@ -129,6 +134,17 @@ def check(config: FinetuneConfig) -> None:
             raise GPT2Error(f'seed {config.seed} is out of range: use an integer in [0, {INT64.max}]')
     if not isinstance(config.only_train_transformer_layers, bool) or not isinstance(config.recompute, bool):
         raise GPT2Error('only_train_transformer_layers and recompute must be True or False')
+
+
+def check_validation(config: FinetuneConfig) -> None:
+    fraction = config.val_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+        raise GPT2Error(f'val_fraction must be in [0, 1), got {_shown(fraction)}')
+    if fraction and config.val_dataset is not None:
+        raise GPT2Error('give val_fraction or val_dataset, not both: each names the validation data')
+    if fraction and not config.val_every:
+        raise GPT2Error('val_fraction holds out documents for a validation loss that val_every=0 never computes: '
+                        'set val_every too')
 
 
 # --- the command line's flags, from the fields ------------------------------------------------------

@@ -1,6 +1,7 @@
 """Fine-tuning against the original training graph (TF1 Adam and SGD), data, run folders, resumption, Ctrl-C."""
 
 import errno
+import json
 import os
 import pathlib
 import shutil
@@ -13,12 +14,13 @@ import pytest
 import tensorflow as tf
 
 import gpt2_tf
-from gpt2_tf import HParams, train
+from gpt2_tf import HParams, corpus, train
 from gpt2_tf.assets import bundled_checkpoint
 from gpt2_tf.encoder import get_encoder
 from gpt2_tf.tf1_reference import Reference, ReferenceTrainer
 from gpt2_tf.dataset import Sampler, encode_dataset, load_dataset
 from gpt2_tf.train import Trainer, finetune
+from gpt2_tf.validate import GPT2Error
 
 from conftest import FIXTURES, tolerance
 
@@ -339,3 +341,99 @@ def test_a_damaged_or_mismatched_optimizer_state_is_refused_and_changes_nothing(
     assert fresh.steps == 0
     for name, variable in {**fresh.model.variables_by_name(), **fresh.slots}.items():
         np.testing.assert_array_equal(variable.numpy(), before[name], name)  # read first, then assigned
+
+
+# --- token files, read in place -----------------------------------------------------------------------
+
+# Training documents are words, validation documents digits: their ids never overlap, so a window tells
+# which part of the file it came from without asking the code under test.
+WORDS = 'The cat sat on the mat and the dog sat on the log. '
+DIGITS = '1234 5678 9012 3456 7890 '
+
+
+def token_file(tmp_path, train_docs=6, val_docs=3):
+    folder = tmp_path / 'texts'
+    folder.mkdir()
+    for i in range(train_docs):
+        (folder / f'a{i}.txt').write_text((WORDS * (20 + i)).strip())
+    for i in range(val_docs):
+        (folder / f'b{i}.txt').write_text((DIGITS * (30 + i)).strip())
+    corpus.encode_corpus([folder], tmp_path / 'train.bin')
+    encoder = get_encoder()
+    words, digits = set(encoder.encode((WORDS * 2).strip())), set(encoder.encode((DIGITS * 2).strip()))
+    assert not words & digits
+    return tmp_path / 'train.bin', words, digits
+
+
+def finetune_lines(model_dir, dataset, tmp_path, **options):
+    lines = []
+    common = dict(steps=3, checkpoint_dir=str(tmp_path / 'checkpoint'), restore_from='fresh', batch_size=2,
+                  accumulate_gradients=1, learning_rate=1e-3, sample_every=0, save_every=0, log=lines.append)
+    trainer = finetune(str(model_dir), str(dataset), **{**common, **options})
+    return trainer, lines
+
+
+def test_finetune_on_a_token_file_is_seeded_and_holds_out_whole_documents(tmp_path):
+    path, words, digits = token_file(tmp_path)
+    run = train.Run(bundled_checkpoint(), str(path), train.configure(seed=4, val_fraction=0.3, val_every=1,
+                                                                       val_batch_count=4, sample_every=0))
+    end = {50256}
+    for _ in range(20):  # training windows only from the word documents, validation ones only from the digits
+        assert set(run.sampler.sample(4).ravel().tolist()) <= words | end
+    for batch in run.validation:
+        assert set(batch.ravel().tolist()) <= digits | end
+    # the same seed, the same windows and losses; another seed, others
+    _, first = finetune_lines(bundled_checkpoint(), path, tmp_path, seed=4, val_fraction=0.3, val_every=2)
+    _, again = finetune_lines(bundled_checkpoint(), path, tmp_path, seed=4, val_fraction=0.3, val_every=2)
+    _, other = finetune_lines(bundled_checkpoint(), path, tmp_path, seed=5, val_fraction=0.3, val_every=2)
+    losses = lambda lines: [line.split('] ')[1] for line in lines if 'loss' in line]  # noqa: E731
+    assert len(losses(first)) == 5 and any('validation loss' in line for line in first)
+    assert losses(first) == losses(again) and losses(first) != losses(other)
+
+
+def test_a_token_file_trains_a_model_folder_without_vocabulary_files(tmp_path):
+    folder = tmp_path / 'model'
+    shutil.copytree(bundled_checkpoint(), folder)
+    (folder / 'tokenizer.json').write_text('{}')  # no encoder.json, vocab.bpe, vocab.json or merges.txt
+    with pytest.raises(GPT2Error, match='only a tokenizer.json'):
+        gpt2_tf.encoder.encoder_for(folder)
+    path, _, _ = token_file(tmp_path)
+    trainer, lines = finetune_lines(folder, path, tmp_path, seed=1)
+    assert trainer.steps == 3 and (tmp_path / 'checkpoint' / 'run1' / 'model-3.index').exists()
+    with pytest.raises(GPT2Error, match='only a tokenizer.json'):  # samples need text: the vocabulary
+        finetune_lines(folder, path, tmp_path, seed=1, sample_every=2)
+
+
+def test_a_token_file_of_another_vocabulary_is_refused_in_one_line(tmp_path):
+    path, _, _ = token_file(tmp_path)
+    with pytest.raises(GPT2Error, match=r'vocabulary of 50,257 ids, and the model has 300') as refused:
+        finetune_lines(HOT, path, tmp_path)  # a tiny model of 300 ids
+    assert '\n' not in str(refused.value)
+    folder = tmp_path / 'model'
+    shutil.copytree(bundled_checkpoint(), folder)
+    table = json.loads((pathlib.Path(gpt2_tf.encoder.__file__).parent / 'assets' / 'encoder.json').read_text())
+    table['a'], table['b'] = table['b'], table['a']  # the same size, another vocabulary
+    (folder / 'encoder.json').write_text(json.dumps(table))
+    shutil.copy(pathlib.Path(gpt2_tf.encoder.__file__).parent / 'assets' / 'vocab.bpe', folder)
+    with pytest.raises(GPT2Error, match=r"encoded with another vocabulary than .*model's \(sha256"):
+        finetune_lines(folder, path, tmp_path)
+    # nanoGPT's train.bin has no sidecar: its ids are checked as windows are drawn
+    np.arange(1000, dtype='<u2').tofile(tmp_path / 'nano.bin')
+    with pytest.raises(GPT2Error, match=r"nano.bin holds token id \d+ .*outside the model's vocabulary \[0, 300\)"):
+        finetune_lines(HOT, tmp_path / 'nano.bin', tmp_path)
+    (np.arange(1000) % 300).astype('<u2').tofile(tmp_path / 'nano.bin')
+    assert finetune_lines(HOT, tmp_path / 'nano.bin', tmp_path, steps=1)[0].steps == 1
+
+
+def test_val_dataset_takes_a_token_file_and_val_fraction_needs_one(tmp_path):
+    path, words, digits = token_file(tmp_path)
+    (tmp_path / 'held').mkdir()
+    (tmp_path / 'held' / 'h.txt').write_text((DIGITS * 40).strip())
+    corpus.encode_corpus([tmp_path / 'held'], tmp_path / 'held.bin')
+    run = train.Run(bundled_checkpoint(), str(path), train.configure(
+        seed=1, val_dataset=str(tmp_path / 'held.bin'), val_every=1, val_batch_count=3, sample_every=0))
+    assert len(run.validation) == 3 and all(set(b.ravel().tolist()) <= digits | {50256} for b in run.validation)
+    assert set(run.sampler.sample(8).ravel().tolist()) & words  # the whole file trains: no split asked
+    (tmp_path / 'corpus.txt').write_text(WORDS * 40)
+    with pytest.raises(GPT2Error, match='val_fraction holds out documents of a token file'):
+        finetune_lines(bundled_checkpoint(), tmp_path / 'corpus.txt', tmp_path, val_fraction=0.2, val_every=1)

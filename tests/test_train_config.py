@@ -59,7 +59,7 @@ def test_every_flags_help_ends_with_its_default():
              'only_train_transformer_layers': 'off', 'recompute': 'off', 'combine': '50000', 'seed': 'none',
              'print_every': '1', 'save_every': '1000', 'max_checkpoints': '1', 'sample_every': '100',
              'sample_length': '1023', 'sample_num': '1', 'sample_dir': 'samples', 'val_dataset': 'none',
-             'val_every': '0', 'val_batch_size': '2', 'val_batch_count': '40', 'strategy': 'none',
+             'val_every': '0', 'val_fraction': '0', 'val_batch_size': '2', 'val_batch_count': '40', 'strategy': 'none',
              'collective_timeout': '300'}
     helps = {action.dest: action.help for action in parser()._actions if action.dest != 'help'}
     assert set(helps) == {f.name for f in dataclasses.fields(FinetuneConfig)} == set(shown)
@@ -81,6 +81,9 @@ def test_every_flags_help_ends_with_its_default():
     (dict(seed=-1), 'seed must be an integer >= 0'),
     (dict(seed=2**63), r'seed 9223372036854775808 is out of range: use an integer in \[0, 9223372036854775807\]'),
     (dict(run_name=''), "run_name must be a non-empty string, got ''"),
+    (dict(val_fraction=1.0, val_every=1), r'val_fraction must be in \[0, 1\), got 1.0'),
+    (dict(val_fraction=0.1, val_every=1, val_dataset='v.bin'), 'give val_fraction or val_dataset, not both'),
+    (dict(val_fraction=0.1), 'val_fraction holds out documents for a validation loss that val_every=0 never'),
 ])
 def test_bad_values_are_one_line_errors(values, message):
     with pytest.raises(GPT2Error, match=message) as error:
