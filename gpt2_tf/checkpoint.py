@@ -8,7 +8,6 @@ A model folder holds `checkpoint`, `hparams.json`, `model.ckpt.index`,
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import tempfile
@@ -46,6 +45,21 @@ VARIABLES = (
     ('ln_f/b', ('e',), 'ln_f'),
 )
 BLOCK = 'h{i}/'
+
+# Per component, the original function that creates it, the line of src/model.py at revision 9b63575 where
+# that starts, and what it does (the explorer's architecture table).
+ORIGINAL_CODE = {
+    'wte': ('model', 154, 'token embedding: row i of wte is token i; the same matrix gives the logits (tied)'),
+    'wpe': ('model', 153, 'position embedding: row p is added to the token at position p'),
+    'ln_1': ('norm', 28, 'LayerNorm before attention: mean 0, variance 1 over the features (epsilon 1e-5), '
+                         'then a gain g and a bias b'),
+    'attn.c_attn': ('conv1d', 50, 'one dense layer giving queries, keys and values for every head at once'),
+    'attn.c_proj': ('attn', 69, 'mixes the heads\' outputs back into the residual stream'),
+    'ln_2': ('norm', 28, 'LayerNorm before the MLP'),
+    'mlp.c_fc': ('mlp', 115, 'widens to 4 x n_embd, then the tanh GELU'),
+    'mlp.c_proj': ('mlp', 115, 'narrows back to n_embd'),
+    'ln_f': ('model', 147, 'the final LayerNorm, before the logits'),
+}
 
 
 def _dimension(unit, hp: HParams) -> int:
@@ -95,11 +109,9 @@ def find_checkpoint(path: str | os.PathLike) -> str:
         raise FileNotFoundError(f'no model folder or checkpoint at {path}')
     state_file = os.path.join(path, 'checkpoint')
     if os.path.isfile(state_file):
-        with open(state_file, encoding='utf-8', errors='replace') as f:
-            match = re.search(r'^model_checkpoint_path:\s*"(.*)"', f.read(), re.MULTILINE)
-        if not match:
+        named, _ = read_state(path)
+        if named is None:
             raise CheckpointError(f'{state_file}: no model_checkpoint_path line')
-        named = match.group(1)
         # Fine-tuned checkpoints often name an absolute path on another machine;
         # the files themselves sit beside the `checkpoint` file.
         for candidate in (os.path.join(path, named), os.path.join(path, os.path.basename(named))):
@@ -228,16 +240,23 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
         variable.assign(tf.cast(value, variable.dtype))  # float32 on disk, the model's dtype in memory
 
 
-def checkpoint_state(model_dir: str) -> tuple:
-    """(the current prefix name, every listed prefix name) from a folder's `checkpoint` file, or (None, [])."""
+def read_state(model_dir: str) -> tuple:
+    """(the current path, every listed path) as a folder's `checkpoint` file names them, or (None, []).
+
+    The one reader of that file; the paths are as written (often absolute, from another machine)."""
     try:
         with open(os.path.join(model_dir, 'checkpoint'), encoding='utf-8', errors='replace') as f:
             text = f.read()
     except FileNotFoundError:
         return None, []
     current = re.search(r'^model_checkpoint_path:\s*"(.*)"', text, re.MULTILINE)
-    listed = re.findall(r'^all_model_checkpoint_paths:\s*"(.*)"', text, re.MULTILINE)
-    current = os.path.basename(current.group(1)) if current else None
+    return current and current.group(1), re.findall(r'^all_model_checkpoint_paths:\s*"(.*)"', text, re.MULTILINE)
+
+
+def checkpoint_state(model_dir: str) -> tuple:
+    """(the current prefix name, every listed prefix name) from a folder's `checkpoint` file, or (None, [])."""
+    current, listed = read_state(model_dir)
+    current = os.path.basename(current) if current else None
     names = [os.path.basename(name) for name in listed]
     return current, names if current in names else names + [current] if current else names
 
@@ -307,7 +326,9 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     prefix = os.path.join(model_dir, name)
     write_tensors(prefix, {n: tf.cast(v, tf.float32) for n, v in model.variables_by_name().items()})  # always float32
     if not os.path.exists(hparams_path):
-        replace_atomically(hparams_path, json.dumps(model.hparams.to_dict(), indent=2) + '\n')
+        temporary = f'{hparams_path}.tmp-{os.getpid()}'
+        model.hparams.to_json(temporary)
+        os.replace(temporary, hparams_path)  # whole or absent, as the `checkpoint` file
     kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]
     replace_atomically(os.path.join(model_dir, 'checkpoint'),
                         f'model_checkpoint_path: "{name}"\n'

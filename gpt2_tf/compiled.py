@@ -3,9 +3,14 @@
 A tf.function that reads a model's variables captures them: each model then
 compiles its own copy (XLA takes seconds for 124M), and the function keeps the
 model alive. Here the weights go in as arguments instead. While the function
-traces, the module tree of the model being called has its variables swapped
-for those argument tensors, so the model code runs unchanged; afterwards the
+traces, the model code runs on a copy of the model's module tree whose leaves
+are those argument tensors (`bound`); the model itself is never touched, so an
+eager call on it from another thread sees its own variables. Afterwards the
 function holds no reference to any model.
+
+Each function traces once per (model shape, static arguments, shapes after the
+leading batch dimension): a new batch size reuses the trace (XLA still compiles
+per shape), so a library session traces each function once per option set.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 _functions = {}
-_tracing = threading.RLock()  # one trace at a time: tracing swaps a model's attributes
 _variables = weakref.WeakKeyDictionary()  # model -> its variables; tf.Module takes 2.5 ms to list 148
 
 
@@ -29,23 +33,40 @@ def weights(model) -> tuple:
     return tuple(v.value() for v in _variables[model])
 
 
-@contextlib.contextmanager
 def bound(model, tensors):
-    """Within the block, the model's modules hold `tensors` where they held their variables."""
-    paths = [path for path, _ in model._flatten(predicate=lambda v: isinstance(v, tf.Variable), with_path=True)]
-    assert len(paths) == len(tensors), 'weights of another model shape'
-    saved = []
-    for path, tensor in zip(paths, tensors):
-        owner = model
-        for step in path[:-1]:
-            owner = owner[step] if isinstance(step, int) else getattr(owner, step)
-        saved.append((owner, path[-1], getattr(owner, path[-1])))
-        setattr(owner, path[-1], tensor)
-    try:
-        yield model
-    finally:
-        for owner, name, variable in saved:
-            setattr(owner, name, variable)
+    """A copy of the model's module tree whose variables are `tensors` (in tf.Module order); the model
+    and its modules stay as they are. Lists of modules are copied as lists; other values are shared."""
+    variables = _variables[model] if model in _variables else model.variables
+    assert len(variables) == len(tensors), 'weights of another model shape'
+    leaves = {id(v): t for v, t in zip(variables, tensors)}
+    copies = {}
+
+    def copy(value):
+        if isinstance(value, tf.Variable):
+            return leaves[id(value)]
+        if isinstance(value, tf.Module):
+            if id(value) not in copies:
+                copies[id(value)] = twin = object.__new__(type(value))
+                twin.__dict__.update({name: copy(v) for name, v in vars(value).items()})
+            return copies[id(value)]
+        if isinstance(value, (list, tuple)) and any(isinstance(v, (tf.Module, tf.Variable)) for v in value):
+            return [copy(v) for v in value]
+        return value
+
+    return copy(model)
+
+
+def placement(model):
+    """The model's device context (runtime.Model.on_device), or none for a bare graph."""
+    on_device = getattr(model, 'on_device', None)
+    return on_device() if on_device else contextlib.nullcontext()
+
+
+def open_batch(value):
+    """A tensor's spec with its leading (batch) dimension left open; other values as they are."""
+    if isinstance(value, tf.Tensor) and value.shape.rank:
+        return tf.TensorSpec([None] + value.shape.as_list()[1:], value.dtype)
+    return value
 
 
 class Shared:
@@ -53,28 +74,39 @@ class Shared:
 
     mode: 'xla' (XLA-compiled), 'function' (a plain tf.function) or 'eager'
     (fn runs on the model's own variables). Static arguments are Python values;
-    each new one traces anew.
+    each new one traces anew. Every tensor argument's leading dimension is its
+    batch: a new batch size does not retrace.
     """
 
     def __init__(self, fn: Callable, mode: str):
         self.fn = fn
         self.mode = mode
         self._model = threading.local()
+        self._signatures = set()
         if mode != 'eager':
             # The code uses tf.while_loop and tf.cond itself: AutoGraph's conversion would only cost seconds.
             self._compiled = tf.function(self._traced, jit_compile=(mode == 'xla'), autograph=False)
 
     def _traced(self, tensors, *args, **static):
-        with _tracing, bound(self._model.value, tensors) as model:
-            return self.fn(model, *args, **static)
+        return self.fn(bound(self._model.value, tensors), *args, **static)
+
+    def _trace(self, tensors, args, static):
+        """Traces once for these shapes with the batch open; later calls of any batch dispatch to it."""
+        args, static = tf.nest.map_structure(open_batch, (list(args), static))
+        key = repr((tuple((t.shape, t.dtype) for t in tensors), args, sorted(static.items())))
+        if key not in self._signatures:
+            self._compiled.get_concrete_function(tensors, *args, **static)
+            self._signatures.add(key)
 
     def __call__(self, model, *args, **static):
-        with model.on_device():
+        with placement(model):
             if self.mode == 'eager':
                 return self.fn(model, *args, **static)
             self._model.value = model
             try:
-                return self._compiled(weights(model), *args, **static)
+                tensors = weights(model)
+                self._trace(tensors, args, static)
+                return self._compiled(tensors, *args, **static)
             finally:
                 self._model.value = None
 

@@ -5,14 +5,15 @@ a compiled loop cannot keep them. Here each layer's keys and values go into a
 cache [batch, 2, heads, S, f] of fixed size S, written at the step's slots, and
 a mask says which slots each query sees: the earlier tokens of its own row
 (never the left padding of a shorter prompt) and itself, through the original's
--1e10 mask. The projections, norms and MLP are the model's own modules.
+-1e10 mask. The cache is the blocks' key/value source (Cache); the blocks
+themselves are the model's own.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from .model import Model, multihead_attn, shape_list
+from .model import Model, shape_list
 from .precision import f32
 
 
@@ -41,14 +42,17 @@ def positions(pads, queries):
     return tf.maximum(queries[None, :] - pads[:, None], 0)
 
 
-def cached_block(block, x, cache, index, mask):
-    """The original block over a cache: x [batch, n, nx] at slots index.. -> x [batch, n, nx], cache."""
-    q, k, v = block.attn.qkv(block.ln_1(x))
-    cache = write_cache(cache, tf.cast(tf.stack([k, v], axis=1), cache.dtype), index)
-    k, v = tf.unstack(f32(cache), axis=1)  # [batch, heads, S, f] each; attention itself stays float32
-    x = x + block.attn.project(multihead_attn(q, k, v, mask))
-    x = x + block.mlp(block.ln_2(x))
-    return x, cache
+class Cache:
+    """A block's key/value source over its cache: this call's keys and values written at slots index..,
+    then every slot under the mask. The block's present is the updated cache."""
+
+    def __init__(self, cache, index, mask):  # cache [batch, 2, heads, S, f], mask [batch, 1, n, S]
+        self.cache, self.index, self.mask = cache, index, mask
+
+    def __call__(self, k, v):  # k, v [batch, heads, n, f] -> k, v [batch, heads, S, f], mask, cache
+        cache = write_cache(self.cache, tf.cast(tf.stack([k, v], axis=1), self.cache.dtype), self.index)
+        k, v = tf.unstack(f32(cache), axis=1)  # attention itself stays float32
+        return k, v, self.mask, cache
 
 
 def decode(model: Model, X, *, pads, caches, index):
@@ -57,9 +61,5 @@ def decode(model: Model, X, *, pads, caches, index):
     queries = index + tf.range(tf.shape(X)[1])
     mask = cache_mask(pads, queries, size)
     h = model.embed(X, positions(pads, queries))
-    updated = []
-    for block, cache in zip(model.h, caches):
-        h, cache = cached_block(block, h, cache, index, mask)
-        updated.append(cache)
-    h = model.ln_f(h[:, -1:])  # only the last token's logits are needed
-    return model.logits(h)[:, 0], updated
+    h, caches = model.blocks(h, [Cache(cache, index, mask) for cache in caches])
+    return model.logits(h[:, -1:])[:, 0], caches  # only the last token's logits are needed

@@ -1,7 +1,9 @@
 """Seeing inside the model: parameter accounting, named block states, and a block-by-block diff against TF1.
 
 The named states of each block (STATE_NAMES), and on request attn_weights,
-the softmaxed attention [batch, heads, dst, src].
+the softmaxed attention [batch, heads, dst, src], are what the model's own
+blocks record as they run (model.Block's record). The components and their
+variables derive from checkpoint.VARIABLES, the one table of the graph's names.
 """
 
 from __future__ import annotations
@@ -12,29 +14,26 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .checkpoint import checkpoint_shapes, find_checkpoint, variable_shapes
+from .checkpoint import VARIABLES, checkpoint_shapes, find_checkpoint, in_block, variable_shapes
 from .loading import load_model
 from .hparams import HParams
-from . import model as graph
-from .model import Model, attention_mask, positions_for
+from .model import Model, positions_for
 
 # The states trace records per block, in forward order.
 STATE_NAMES = {
     'x': 'x_n, the block input (the embeddings for h0)',
-    'z1': 'ln_1(x_n)',
+    'z1': 'the first norm of x_n, ln_1(x_n)',
     'attn': 'the attention delta, attn(z1)',
     'x_attn': "x'_n = x_n + attention delta",
-    'z2': "ln_2(x'_n)",
+    'z2': "the second norm of x'_n, ln_2(x'_n)",
     'mlp': 'the mlp delta, mlp(z2)',
     'out': "x_{n+1} = x'_n + mlp delta, the block output",
 }
 
-# The model's parts: (component, scope under model/ with {i} for the block, instances per n_layer or 1).
-COMPONENTS = [('wte', 'wte', False), ('wpe', 'wpe', False),
-              ('ln_1', 'h{i}/ln_1', True), ('attn.c_attn', 'h{i}/attn/c_attn', True),
-              ('attn.c_proj', 'h{i}/attn/c_proj', True), ('ln_2', 'h{i}/ln_2', True),
-              ('mlp.c_fc', 'h{i}/mlp/c_fc', True), ('mlp.c_proj', 'h{i}/mlp/c_proj', True),
-              ('ln_f', 'ln_f', False)]
+# The model's parts, from checkpoint.VARIABLES: (component, scope under model/ with {i} for the block,
+# whether there is one per block), in the table's order.
+COMPONENTS = list({component: (component, name if '/' not in name else name.rsplit('/', 1)[0], in_block(name))
+                   for name, _, component in VARIABLES}.values())
 
 def variable_name(scope: str, variable: str, layer: int = 0) -> str:
     """The checkpoint name of a component's variable: ('h{i}/ln_1', 'g', 3) -> model/h3/ln_1/g."""
@@ -76,8 +75,10 @@ def parameter_table(model_dir: str | os.PathLike) -> dict:
                      'per_instance': per_instance, 'instances': instances,
                      'expected': per_instance * instances, 'checkpoint': found,
                      'match': found == per_instance * instances})
-    groups = {'attn': ('attn.c_attn', 'attn.c_proj'), 'mlp': ('mlp.c_fc', 'mlp.c_proj'),
-              'block': ('ln_1', 'attn.c_attn', 'attn.c_proj', 'ln_2', 'mlp.c_fc', 'mlp.c_proj')}
+    # The sublayers' sums (attn, mlp: their components 'attn.*', 'mlp.*') and the whole block's.
+    in_blocks = [name for name, _, per_block in COMPONENTS if per_block]
+    groups = {group: [name for name in in_blocks if name.startswith(group + '.')] for group in ('attn', 'mlp')}
+    groups['block'] = in_blocks
     by_name = {row['component']: row for row in rows}
     subtotals = [{'group': group, 'per_instance': sum(by_name[m]['per_instance'] for m in members),
                   'instances': hp.n_layer, 'expected': sum(by_name[m]['expected'] for m in members),
@@ -114,29 +115,18 @@ def format_table(table: dict) -> str:
 def trace(model: Model, tokens, *, attention_weights: bool = False) -> list:
     """Runs tokens [batch, sequence] eagerly; returns per block a dict of its named states as numpy.
 
-    The names are STATE_NAMES; attention_weights adds 'attn_weights'. The block is
-    walked step by step through the model's own modules, as Block does it, so
-    'out' of the last block equals what the model computes before ln_f.
+    The names are STATE_NAMES; attention_weights adds 'attn_weights'. The states
+    are what the model's own blocks record as they run (Block's record), so 'out'
+    of the last block is what the model computes before ln_f.
     """
     tokens = tf.constant(model.check_inputs(tokens), tf.int32)
-    x = model.embed(tokens, positions_for(tokens, 0))
-    sequence = tokens.shape[1]
-    mask = tf.reshape(attention_mask(sequence, sequence, dtype=tf.float32), [1, 1, sequence, sequence])
-    states = []
-    for block in model.h:
-        z1 = block.ln_1(x)
-        q, k, v = block.attn.qkv(z1)
-        w = graph.attention_weights(q, k, mask)
-        a = block.attn.project(tf.matmul(w, v))
-        x_attn = x + a
-        z2 = block.ln_2(x_attn)
-        m = block.mlp(z2)
-        out = x_attn + m
-        named = dict(x=x, z1=z1, attn=a, x_attn=x_attn, z2=z2, mlp=m, out=out)
-        if attention_weights:
-            named['attn_weights'] = w
-        states.append({name: value.numpy() for name, value in named.items()})
-        x = out
+    states = [{} for _ in model.h]
+
+    def record(layer, **named):
+        states[layer].update({name: value.numpy() for name, value in named.items()
+                              if name in STATE_NAMES or attention_weights})
+
+    model.blocks(model.embed(tokens, positions_for(tokens, 0)), record=record)
     return states
 
 

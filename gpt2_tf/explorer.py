@@ -17,25 +17,13 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from .checkpoint import ORIGINAL_CODE
 from .diagnostics import COMPONENTS, parameter_table, trace
 from .encoder import Encoder
 from .model import Model
 from .scoring import score
 
 ORIGINAL = 'https://github.com/openai/gpt-2/blob/9b63575/src/model.py'
-# The original function behind each component, and the line of src/model.py at revision 9b63575 where it starts.
-CODE = {
-    'wte': ('model', 154, 'token embedding: row i of wte is token i; the same matrix gives the logits (tied)'),
-    'wpe': ('model', 153, 'position embedding: row p is added to the token at position p'),
-    'ln_1': ('norm', 28, 'LayerNorm before attention: mean 0, variance 1 over the features (epsilon 1e-5), '
-                         'then a gain g and a bias b'),
-    'attn.c_attn': ('conv1d', 50, 'one dense layer giving queries, keys and values for every head at once'),
-    'attn.c_proj': ('attn', 69, 'mixes the heads\' outputs back into the residual stream'),
-    'ln_2': ('norm', 28, 'LayerNorm before the MLP'),
-    'mlp.c_fc': ('mlp', 115, 'widens to 4 x n_embd, then the tanh GELU'),
-    'mlp.c_proj': ('mlp', 115, 'narrows back to n_embd'),
-    'ln_f': ('model', 147, 'the final LayerNorm, before the logits'),
-}
 BLOCK = ('block', 123, "x'_n = x_n + attn(ln_1(x_n)); x_{n+1} = x'_n + mlp(ln_2(x'_n))")
 RESIDUAL = ['x_n', 'attention delta', "x'_n", 'MLP delta', 'x_{n+1}']
 
@@ -57,7 +45,7 @@ def explore(model: Model, tokens) -> dict:
     names = ['x', 'attn', 'x_attn', 'mlp', 'out']
     norms = np.stack([np.stack([np.linalg.norm(block[n][0], axis=-1) for n in names], axis=-1) for block in states])
     outs = tf.constant(np.stack([block['out'][0] for block in states]))  # [n_layer, T, n_embd]
-    probs = tf.nn.softmax(model.logits(model.ln_f(outs)), axis=-1)  # [n_layer, T, n_vocab]
+    probs = tf.nn.softmax(model.logits(outs), axis=-1)  # [n_layer, T, n_vocab]: ln_f, then the tied wte
     lens_probs, lens_ids = tf.math.top_k(probs, k=5)
     next_probs, next_ids = tf.math.top_k(probs[-1, -1], k=10)
     log_probs = score(model, tokens[None])[0] if tokens.size >= 2 else np.zeros([0], np.float32)
@@ -147,7 +135,7 @@ def _architecture(model_dir: Optional[str], model: Model) -> str:
     out.append('<table><tr><th class="l">component</th><th class="l">original code</th><th>per instance</th>'
                '<th>instances</th><th>parameters</th><th class="l">what it does</th></tr>')
     for name, _, _ in COMPONENTS:
-        function, line, what = CODE[name]
+        function, line, what = ORIGINAL_CODE.get(name, ('', 0, ''))
         row = rows.get(name)
         counts = (f'<td>{row["per_instance"]:,}</td><td>{row["instances"]}</td><td>{row["checkpoint"]:,}</td>'
                   if row else '<td></td><td></td><td></td>')

@@ -1,21 +1,23 @@
 """The GPT-2 graph as tf.Modules, function for function after openai/gpt-2 src/model.py.
 
-Variables are created under the original scopes, so a variable's name is its
-checkpoint name (model/h0/attn/c_attn/w). The numerics are the original's: the
-tanh GELU, LayerNorm epsilon 1e-5, the -1e10 attention mask. Weights may be held
-in bfloat16 or float16 (gpt2_tf.precision): only the matrix products change.
-"""
+Variables are created under the original scopes, so a variable's name is its checkpoint name
+(model/h0/attn/c_attn/w). The numerics are the original's: the tanh GELU, LayerNorm epsilon 1e-5,
+the -1e10 mask. The weights' dtype is an argument (gpt2_tf.precision): only matrix products change.
+The block is written once; where its keys and values come from (Past, or decoding's cache) and what
+it records (diagnostics' states) are arguments. Compiled calls and devices are gpt2_tf.runtime's."""
 
 from __future__ import annotations
 
-import contextlib
+from typing import NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
+import contextlib
+
 from . import validate
 from .hparams import HParams
-from .precision import f32, product, weight, weights_in
+from .precision import check_dtype, f32, product, weight
 
 
 def shape_list(x):
@@ -39,13 +41,13 @@ def gelu(x):
 class Norm(tf.Module):
     """Normalize to mean 0 and std 1 over the last axis, then a diagonal affine map."""
 
-    def __init__(self, n_state: int, scope: str, *, axis: int = -1, epsilon: float = 1e-5):
+    def __init__(self, n_state: int, scope: str, *, dtype: str, axis: int = -1, epsilon: float = 1e-5):
         super().__init__(name=scope)
         self.axis = axis
         self.epsilon = epsilon  # 1e-5, not a library default
         with self.name_scope:
-            self.g = weight([n_state], 'g', ones=True)
-            self.b = weight([n_state], 'b')
+            self.g = weight([n_state], 'g', dtype, ones=True)
+            self.b = weight([n_state], 'b', dtype)
 
     def __call__(self, x):  # [..., n_state] -> [..., n_state]
         u = tf.reduce_mean(x, axis=self.axis, keepdims=True)
@@ -70,11 +72,11 @@ def merge_states(x):
 class Conv1D(tf.Module):
     """A dense layer whose weight keeps the checkpoint's [1, nx, nf] shape."""
 
-    def __init__(self, nx: int, scope: str, nf: int):
+    def __init__(self, nx: int, scope: str, nf: int, *, dtype: str):
         super().__init__(name=scope)
         with self.name_scope:
-            self.w = weight([1, nx, nf], 'w')
-            self.b = weight([nf], 'b')
+            self.w = weight([1, nx, nf], 'w', dtype)
+            self.b = weight([nf], 'b', dtype)
 
     def __call__(self, x):  # [..., nx] -> [..., nf]
         *start, nx = shape_list(x)
@@ -84,10 +86,7 @@ class Conv1D(tf.Module):
 
 
 def attention_mask(nd, ns, *, dtype):
-    """1s in the lower triangle, counting from the lower right corner: [nd, ns].
-
-    Destination i sees source j when j <= i + ns - nd, i.e. the past plus itself.
-    """
+    """[nd, ns]: 1 where destination i sees source j, j <= i + ns - nd (the past plus itself)."""
     i = tf.range(nd)[:, None]
     j = tf.range(ns)
     m = i >= j - ns + nd
@@ -95,8 +94,8 @@ def attention_mask(nd, ns, *, dtype):
 
 
 def mask_attn_weights(w, b):
-    """w [batch, heads, dst, src]; b is 1 where dst may see src, broadcastable to w."""
-    # The original's -1e10, not -inf: a fully masked row stays finite.
+    """w [batch, heads, dst, src]; b is 1 where dst may see src, broadcastable to w. The original's -1e10,
+    not -inf: a fully masked row stays finite."""
     return w * b - tf.cast(1e10, w.dtype) * (1 - b)
 
 
@@ -107,19 +106,28 @@ def attention_weights(q, k, b):
     return softmax(mask_attn_weights(w, b))
 
 
-def multihead_attn(q, k, v, b):
-    """q [batch, heads, dst, f]; k, v [batch, heads, src, f] -> [batch, heads, dst, f]"""
-    return tf.matmul(attention_weights(q, k, b), v)
+class Past(NamedTuple):
+    """The original's key/value source: the past's keys and values, then this call's, under the causal mask."""
+    past: Optional[tf.Tensor] = None  # [batch, 2, heads, past_sequence, f], or no past
+
+    def __call__(self, k, v):  # k, v [batch, heads, dst, f] -> k, v [.., src, f], mask [1, 1, dst, src], present
+        present = tf.stack([k, v], axis=1)  # [batch, 2, heads, dst, f]
+        if self.past is not None:
+            pk, pv = tf.unstack(self.past, axis=1)
+            k = tf.concat([pk, k], axis=-2)  # [batch, heads, src, f]
+            v = tf.concat([pv, v], axis=-2)
+        nd, ns = shape_list(present)[3], shape_list(k)[2]
+        return k, v, tf.reshape(attention_mask(nd, ns, dtype=k.dtype), [1, 1, nd, ns]), present
 
 
 class Attn(tf.Module):
-    def __init__(self, nx: int, scope: str, n_state: int, *, hparams: HParams):
+    def __init__(self, nx: int, scope: str, n_state: int, *, hparams: HParams, dtype: str):
         super().__init__(name=scope)
         assert n_state % hparams.n_head == 0
         self.n_head = hparams.n_head
         with self.name_scope:
-            self.c_attn = Conv1D(nx, 'c_attn', n_state * 3)
-            self.c_proj = Conv1D(n_state, 'c_proj', n_state)
+            self.c_attn = Conv1D(nx, 'c_attn', n_state * 3, dtype=dtype)
+            self.c_proj = Conv1D(n_state, 'c_proj', n_state, dtype=dtype)
 
     def split_heads(self, x):  # [batch, sequence, features] -> [batch, heads, sequence, features / heads]
         return tf.transpose(split_states(x, self.n_head), [0, 2, 1, 3])
@@ -127,50 +135,44 @@ class Attn(tf.Module):
     def merge_heads(self, x):  # [batch, heads, sequence, f] -> [batch, sequence, heads * f]
         return merge_states(tf.transpose(x, [0, 2, 1, 3]))
 
-    def qkv(self, x):  # [batch, sequence, nx] -> q, k, v, each [batch, heads, sequence, f]
-        return map(self.split_heads, tf.split(self.c_attn(x), 3, axis=2))
-
-    def project(self, a):  # [batch, heads, sequence, f] -> [batch, sequence, n_state]
-        return self.c_proj(self.merge_heads(a))
-
-    def __call__(self, x, *, past=None):
-        """x [batch, dst, nx], past [batch, 2, heads, src, f] -> a [batch, dst, n_state], present [.., dst, f]"""
-        q, k, v = self.qkv(x)
-        present = tf.stack([k, v], axis=1)
-        if past is not None:
-            pk, pv = tf.unstack(past, axis=1)
-            k = tf.concat([pk, k], axis=-2)  # [batch, heads, src + dst, f]
-            v = tf.concat([pv, v], axis=-2)
-        nd, ns = shape_list(q)[2], shape_list(k)[2]
-        a = multihead_attn(q, k, v, tf.reshape(attention_mask(nd, ns, dtype=q.dtype), [1, 1, nd, ns]))
-        return self.project(a), present
+    def __call__(self, x, *, kv, record=None):  # x [batch, dst, nx] -> a [batch, dst, n_state], present
+        q, k, v = map(self.split_heads, tf.split(self.c_attn(x), 3, axis=2))
+        k, v, b, present = kv(k, v)
+        w = attention_weights(q, k, b)
+        if record is not None:
+            record(attn_weights=w)
+        return self.c_proj(self.merge_heads(tf.matmul(w, v))), present
 
 
 class MLP(tf.Module):
-    def __init__(self, nx: int, scope: str, n_state: int):
+    def __init__(self, nx: int, scope: str, n_state: int, *, dtype: str):
         super().__init__(name=scope)
         with self.name_scope:
-            self.c_fc = Conv1D(nx, 'c_fc', n_state)
-            self.c_proj = Conv1D(n_state, 'c_proj', nx)
+            self.c_fc = Conv1D(nx, 'c_fc', n_state, dtype=dtype)
+            self.c_proj = Conv1D(n_state, 'c_proj', nx, dtype=dtype)
 
     def __call__(self, x):  # [batch, sequence, nx] -> [batch, sequence, nx]
         return self.c_proj(gelu(self.c_fc(x)))
 
 
 class Block(tf.Module):
-    def __init__(self, nx: int, scope: str, *, hparams: HParams):
+    def __init__(self, nx: int, scope: str, *, hparams: HParams, dtype: str):
         super().__init__(name=scope)
         with self.name_scope:
-            self.ln_1 = Norm(nx, 'ln_1')
-            self.attn = Attn(nx, 'attn', nx, hparams=hparams)
-            self.ln_2 = Norm(nx, 'ln_2')
-            self.mlp = MLP(nx, 'mlp', nx * 4)
+            self.ln_1 = Norm(nx, 'ln_1', dtype=dtype)
+            self.attn = Attn(nx, 'attn', nx, hparams=hparams, dtype=dtype)
+            self.ln_2 = Norm(nx, 'ln_2', dtype=dtype)
+            self.mlp = MLP(nx, 'mlp', nx * 4, dtype=dtype)
 
-    def __call__(self, x, *, past=None):  # [batch, sequence, nx] -> [batch, sequence, nx], present
-        a, present = self.attn(self.ln_1(x), past=past)
+    def __call__(self, x, *, kv=None, record=None):  # [batch, sequence, nx] -> [batch, sequence, nx], present
+        x0, z1 = x, self.ln_1(x)
+        a, present = self.attn(z1, kv=kv or Past(), record=record)
         x = x + a
-        m = self.mlp(self.ln_2(x))
+        x1, z2 = x, self.ln_2(x)
+        m = self.mlp(z2)
         x = x + m
+        if record is not None:
+            record(x=x0, z1=z1, attn=a, x_attn=x1, z2=z2, mlp=m, out=x)
         return x, present
 
 
@@ -179,39 +181,23 @@ def past_shape(*, hparams: HParams, batch_size=None, sequence=None):
 
 
 def positions_for(tokens, past_length):  # [batch, sequence] -> [batch, sequence]
-    batch_size = tf.shape(tokens)[0]
-    nsteps = tf.shape(tokens)[1]
+    batch_size, nsteps = tf.shape(tokens)[0], tf.shape(tokens)[1]
     return tf.tile((past_length + tf.range(nsteps))[None], [batch_size, 1])
 
 
-class Model(tf.Module):
-    """GPT-2: model(tokens [batch, sequence], past=None) -> {'logits': [batch, sequence, n_vocab],
-    'present': [batch, n_layer, 2, n_head, sequence, head_size]}; with past, positions start at its length.
-    Calls run as tf.functions with an input signature (new shapes do not retrace); jit_compile=True
-    XLA-compiles them, anew for each input shape. dtype: the weights' (gpt2_tf.precision).
-    """
+class Graph(tf.Module):
+    """GPT-2's graph: forward(tokens [batch, sequence], past=None) -> {'logits': [batch, sequence, n_vocab],
+    'present': [batch, n_layer, 2, n_head, sequence, head_size]}; with past, positions start at its length."""
 
-    strategy = None  # a tf.distribute strategy, when load_model created the variables under one
-
-    def __init__(self, hparams: HParams, scope: str = 'model', *, device: str | None = None,
-                 jit_compile: bool = False, dtype: str = 'float32'):
+    def __init__(self, hparams: HParams, scope: str = 'model', *, dtype: str = 'float32'):
         super().__init__(name=scope)
         self._name_scope = tf.name_scope(scope + '/')  # names from this scope alone, not the caller's
-        self.hparams = hparams
-        self.device = device
-        self.dtype = dtype
-        with self.on_device(), self.name_scope, weights_in(dtype):
-            self.wpe = weight([hparams.n_ctx, hparams.n_embd], 'wpe')
-            self.wte = weight([hparams.n_vocab, hparams.n_embd], 'wte')
-            self.h = [Block(hparams.n_embd, 'h%d' % layer, hparams=hparams) for layer in range(hparams.n_layer)]
-            self.ln_f = Norm(hparams.n_embd, 'ln_f')
-        tokens, past = tf.TensorSpec([None, None], tf.int32), tf.TensorSpec(past_shape(hparams=hparams), tf.float32)
-        options = dict(jit_compile=jit_compile, autograph=False)  # explicit control flow: AutoGraph only costs time
-        self._forward = tf.function(lambda X: self.forward(X), input_signature=[tokens], **options)
-        self._forward_past = tf.function(self.forward, input_signature=[tokens, past], **options)
-
-    def on_device(self):
-        return tf.device(self.device) if self.device else contextlib.nullcontext()
+        self.hparams, self.dtype = hparams, dtype
+        with self.name_scope:
+            self.wpe = weight([hparams.n_ctx, hparams.n_embd], 'wpe', dtype)
+            self.wte = weight([hparams.n_vocab, hparams.n_embd], 'wte', dtype)
+            self.h = [Block(hparams.n_embd, 'h%d' % i, hparams=hparams, dtype=dtype) for i in range(hparams.n_layer)]
+            self.ln_f = Norm(hparams.n_embd, 'ln_f', dtype=dtype)
 
     def embed(self, X, positions):  # [batch, sequence] x2 -> [batch, sequence, n_embd]
         # Gather from dense reads: tf.gather on the variable itself puts it in copy-on-read
@@ -219,22 +205,61 @@ class Model(tf.Module):
         wte, wpe = tf.convert_to_tensor(self.wte), tf.convert_to_tensor(self.wpe)
         return f32(tf.gather(wte, X)) + f32(tf.gather(wpe, positions))
 
-    def logits(self, h):  # [batch, sequence, n_embd] -> [batch, sequence, n_vocab]
+    def blocks(self, h, kvs=None, *, wrap=None, record=None):
+        """The residual stream through every block: h [batch, sequence, n_embd] -> h, [present per block].
+        kvs: a key/value source per block (default Past()); wrap(block), when given, makes each block
+        h -> h (training's recompute, from outside); record(layer, **states) sees the named states."""
+        presents = []
+        for layer, (block, kv) in enumerate(zip(self.h, kvs or [None] * len(self.h))):
+            note = record and (lambda **states: record(layer, **states))  # called within this step
+            h, present = (wrap(block)(h), None) if wrap else block(h, kv=kv, record=note)
+            presents.append(present)
+        return h, presents
+
+    def logits(self, h):  # [batch, sequence, n_embd] -> [batch, sequence, n_vocab]: ln_f, then the tied wte
         batch, sequence, n_embd = shape_list(h)
-        logits = product(tf.reshape(h, [batch * sequence, n_embd]), self.wte, transpose_b=True)
+        logits = product(tf.reshape(self.ln_f(h), [batch * sequence, n_embd]), self.wte, transpose_b=True)
         return tf.reshape(logits, [batch, sequence, self.hparams.n_vocab])
 
     def forward(self, X, past=None):
         """The original model(): X [batch, sequence], past [batch, n_layer, 2, n_head, past_sequence, head_size]."""
         past_length = 0 if past is None else tf.shape(past)[-2]
         h = self.embed(X, positions_for(X, past_length))
-        presents = []
         pasts = tf.unstack(past, axis=1) if past is not None else [None] * self.hparams.n_layer
-        for block, layer_past in zip(self.h, pasts):
-            h, present = block(h, past=layer_past)
-            presents.append(present)
-        h = self.ln_f(h)
+        h, presents = self.blocks(h, [Past(p) for p in pasts])
         return {'logits': self.logits(h), 'present': tf.stack(presents, axis=1)}
+
+    def variables_by_name(self) -> dict:  # {checkpoint name: variable}, e.g. 'model/h0/attn/c_attn/w'
+        return {v.name.split(':')[0]: v for v in self.variables}
+
+
+# The runtime below moves to its own module once loading constructs the model from there.
+def placed(device: Optional[str]):
+    """A context that pins variables and computation to device; by default TensorFlow places them."""
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+class Model(Graph):
+    """GPT-2: model(tokens [batch, sequence], past=None) -> {'logits': [batch, sequence, n_vocab],
+    'present': [batch, n_layer, 2, n_head, sequence, head_size]}, the graph's forward compiled.
+    device pins the variables and the calls; dtype: the weights' (gpt2_tf.precision).
+    """
+
+    strategy = None  # a tf.distribute strategy, when load_model created the variables under one
+
+    def __init__(self, hparams: HParams, scope: str = 'model', *, device: Optional[str] = None,
+                 jit_compile: bool = False, dtype: str = 'float32'):
+        with placed(device):
+            super().__init__(hparams, scope, dtype=check_dtype(dtype))
+        self.device = device
+        tokens = tf.TensorSpec([None, None], tf.int32)
+        past = tf.TensorSpec(past_shape(hparams=hparams), tf.float32)
+        options = dict(jit_compile=jit_compile, autograph=False)  # explicit control flow: AutoGraph only costs time
+        self._forward = tf.function(lambda X: self.forward(X), input_signature=[tokens], **options)
+        self._forward_past = tf.function(self.forward, input_signature=[tokens, past], **options)
+
+    def on_device(self):
+        return placed(self.device)
 
     def __call__(self, tokens, past=None):
         if past is not None:
@@ -250,12 +275,9 @@ class Model(tf.Module):
     def check_inputs(self, tokens, past=None) -> np.ndarray:
         """tokens as a checked integer array (see validate.check_model_inputs)."""
         hp = self.hparams
-        return validate.check_model_inputs(tokens, past, past_shape(hparams=hp), n_vocab=hp.n_vocab, n_ctx=hp.n_ctx)
+        shape = past_shape(hparams=hp)
+        return validate.check_model_inputs(tokens, past, shape, n_vocab=hp.n_vocab, n_ctx=hp.n_ctx)
 
     @property
     def tracing_count(self) -> int:
         return sum(f.experimental_get_tracing_count() for f in (self._forward, self._forward_past))
-
-    def variables_by_name(self) -> dict:
-        """{checkpoint name: variable}, e.g. 'model/h0/ln_1/g'."""
-        return {v.name.split(':')[0]: v for v in self.variables}

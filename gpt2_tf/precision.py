@@ -6,34 +6,26 @@ kernels accumulate in float32; the residual stream, LayerNorm statistics,
 attention scores with their mask and softmax, and the logits stay float32,
 because reduced precision there costs accuracy for no speed (they are small,
 or sums whose rounding compounds). For float32 weights every cast here is a
-no-op, so the float32 graph is the original's.
+no-op, so the float32 graph is the original's. The dtype is an argument of
+every module that creates weights (weight(shape, name, dtype)), never a global.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import tensorflow as tf
 
 DTYPES = ('float32', 'bfloat16', 'float16')
-_creating = ['float32']  # the dtype new weights are created in, set while a model builds
 
 
-@contextlib.contextmanager
-def weights_in(dtype: str):
-    """Within the block, weight() creates variables in dtype."""
+def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f'dtype must be one of {DTYPES}, got {dtype!r}')
-    _creating.append(dtype)
-    try:
-        yield
-    finally:
-        _creating.pop()
+    return dtype
 
 
-def weight(shape: list, name: str, *, ones: bool = False) -> tf.Variable:
-    """A model variable of zeros (or ones), made directly in the dtype of the model being built."""
-    return tf.Variable((tf.ones if ones else tf.zeros)(shape, _creating[-1]), name=name)
+def weight(shape: list, name: str, dtype: str, *, ones: bool = False) -> tf.Variable:
+    """A model variable of zeros (or ones), made directly in dtype, the dtype of the model being built."""
+    return tf.Variable((tf.ones if ones else tf.zeros)(shape, check_dtype(dtype)), name=name)
 
 
 def f32(v):

@@ -21,19 +21,17 @@ import tensorflow as tf
 from . import compiled, validate
 from .model import Model, positions_for
 
-END_OF_TEXT = 50256  # <|endoftext|>, the context GPT-2 evaluations put before a text
+BOS_ID = 50256  # the id of <|endoftext|> (encoder.END_OF_TEXT): the context GPT-2 evaluations put before a text
 
 
 def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
-    """The original model() up to ln_f: X [batch, T] -> h [batch, T, n_embd], without the logits.
+    """The residual stream after the last block: X [batch, T] -> h [batch, T, n_embd]; model.logits(h) ends
+    the original model() (ln_f, then the tied wte).
 
     wrap, when given, turns each block into the function h -> h that runs it
     (training passes tf.recompute_grad this way, from outside the model).
     """
-    h = model.embed(X, positions_for(X, 0))
-    for block in model.h:
-        h = wrap(block)(h) if wrap else block(h)[0]
-    return model.ln_f(h)
+    return model.blocks(model.embed(X, positions_for(X, 0)), wrap=wrap)[0]
 
 
 def mean_loss(model: Model, tokens, *, wrap: Optional[Callable] = None):
@@ -69,12 +67,6 @@ def _scored(model: Model, tokens, first, *, count: int, top: int):
     return log_probs(logits, tf.gather(tokens, positions + 1, batch_dims=1), top=top)
 
 
-def _bucket(n: int, n_ctx: int) -> int:
-    """Padded lengths, so that nearby lengths share compiled code: 8, 16, 32, 64, then multiples of 64."""
-    size = max(8, 1 << (n - 1).bit_length()) if n <= 64 else -(-n // 64) * 64
-    return min(size, n_ctx)
-
-
 def _rows(tokens, n_vocab: int, n_ctx: int) -> list:
     """tokens ([batch, T], or a list of rows of any lengths) as checked lists of ints."""
     if isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], (list, tuple, np.ndarray)):
@@ -106,7 +98,7 @@ def score(model: Model, tokens, *, top: int = 0, mode: Optional[str] = None):
     rows = _rows(tokens, hp.n_vocab, hp.n_ctx)
     if not validate.is_int(top) or not 0 <= top <= 50:
         raise ValueError(f'top must be an integer in [0, 50], got {top!r}')
-    length = _bucket(max(len(row) for row in rows), hp.n_ctx)
+    length = compiled.bucket(max(len(row) for row in rows), hp.n_ctx)
     padded = np.zeros([len(rows), length], np.int32)
     for i, row in enumerate(rows):
         padded[i, :len(row)] = row
@@ -140,7 +132,7 @@ def windows(n: int, n_ctx: int, stride: int) -> list:
 
 def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False, batch_size: int = 4,
                      mode: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
-                     end_of_text: int = END_OF_TEXT) -> np.ndarray:
+                     end_of_text: int = BOS_ID) -> np.ndarray:
     """log p of every token of ids from position 1 on (from 0 with bos), over the windows of `windows`.
 
     bos prepends end_of_text (<|endoftext|>, 50256) as context, as GPT-2
@@ -165,7 +157,7 @@ def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False,
     out = np.zeros(len(ids) - 1, np.float32)
     for at in range(0, len(spans), batch_size):
         group = spans[at:at + batch_size]
-        length = _bucket(max(end - start for start, end, _ in group), hp.n_ctx)
+        length = compiled.bucket(max(end - start for start, end, _ in group), hp.n_ctx)
         padded = np.zeros([len(group), length], np.int32)
         first = np.zeros([len(group)], np.int32)
         for i, (start, end, scored) in enumerate(group):

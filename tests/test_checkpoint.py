@@ -217,3 +217,24 @@ def test_saving_a_model_of_another_size_into_a_folder_is_refused(tmp_path):
     gpt2_tf.save_checkpoint(gpt2_tf.load_model(TINY), tmp_path)
     with pytest.raises(CheckpointError, match='holds a model of another size'):
         gpt2_tf.save_checkpoint(gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot'), tmp_path)
+
+
+def test_the_index_is_moved_into_place_after_the_data(tmp_path, monkeypatch):
+    """A crash between the two moves must never leave an index whose data is missing."""
+    tensors = {'model/wte': tf.ones([3, 2])}
+    prefix = str(tmp_path / 'model.ckpt')
+    real_replace, moved = os.replace, []
+
+    def crash_on_the_second(source, destination):
+        if moved:
+            raise OSError('simulated crash')
+        moved.append(destination)
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(os, 'replace', crash_on_the_second)
+    with pytest.raises(OSError, match='simulated crash'):
+        gpt2_tf.checkpoint.write_tensors(prefix, tensors)
+    monkeypatch.undo()
+    assert moved == [prefix + '.data-00000-of-00001']
+    assert not os.path.exists(prefix + '.index')
+    assert os.listdir(tmp_path) == ['model.ckpt.data-00000-of-00001']  # the staging folder is gone too

@@ -13,7 +13,7 @@ from gpt2_tf import HParams, compiled, scoring
 from gpt2_tf.assets import bundled_checkpoint
 from gpt2_tf.tf1_reference import Reference
 
-from conftest import FIXTURES, assert_close
+from conftest import FIXTURES, FLOAT32, assert_close
 
 
 def reference_log_probs(logits, tokens):
@@ -97,6 +97,32 @@ def test_perplexity_equals_the_windows_computed_from_the_tf1_graph(hot, stride, 
     assert result['tokens'] == len(full) - 1
     assert result['nll'] == pytest.approx(-expected.mean(), rel=1e-5)
     assert result['perplexity'] == pytest.approx(np.exp(-expected.mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize('stride, bos', [(63, False), (20, False), (7, True)])
+def test_perplexity_equals_a_plain_loop_over_windows(hot, stride, bos):
+    # Written out here, not through scoring.windows: window k scores positions 1 + k * stride onwards
+    # (stride of them) and sees the n_ctx tokens that end at its last one; a float64 log-softmax of
+    # the model's full logits for each window.
+    model, _ = hot
+    n_ctx = model.hparams.n_ctx
+    ids = np.random.default_rng(8).integers(0, model.hparams.n_vocab, 2 * n_ctx + 5, dtype=np.int32)
+    bos_token = model.hparams.n_vocab - 1
+    full = np.concatenate([[bos_token], ids]) if bos else ids
+    expected = []
+    for first in range(1, len(full), stride):
+        end = min(first + stride, len(full))
+        start = max(0, end - n_ctx)
+        logits = model(full[None, start:end])['logits'].numpy()[0].astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        log_softmax = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        expected += [log_softmax[p - 1 - start, full[p]] for p in range(first, end)]
+    expected = np.array(expected)
+    lp = scoring.window_log_probs(model, ids, stride=stride, bos=bos, end_of_text=bos_token)
+    assert_close(lp, expected, 'windowed log-probs', rel=FLOAT32)
+    result = gpt2_tf.perplexity(model, ids, stride=stride, bos=bos, end_of_text=bos_token)
+    assert result['tokens'] == len(full) - 1
+    assert result['nll'] == pytest.approx(-expected.mean(), rel=1e-6)
 
 
 def test_score_completion_is_the_sum_over_the_completion(hot):
