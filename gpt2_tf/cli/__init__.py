@@ -36,8 +36,8 @@ __all__ = ['BANNER', 'CommandError', 'main', 'parser']
 
 
 def parser() -> Parser:
-    top = Parser(prog='gpt2-tf', description='GPT-2 on TensorFlow 2, faithful to the original. Every command '
-                                             'takes the bundled test checkpoint as --model_name test.')
+    top = Parser(prog='gpt2-tf', description='GPT-2 on TensorFlow 2, faithful to the original. The bundled test '
+                                             'checkpoint is named test: --model_name test, or MODEL_DIR test.')
     commands = top.add_subparsers(dest='command', required=True, metavar='COMMAND')
     generation.add_commands(commands)  # generate, sample, score
     training.add_commands(commands)  # finetune, encode

@@ -107,7 +107,8 @@ def add_mode(parser) -> None:
 
 def add_verbose(parser) -> None:
     parser.add_argument('--verbose', action='store_true',
-                        help="show TensorFlow's start-up messages, and tracebacks (default: off)")
+                        help="show TensorFlow's start-up messages, and a TensorFlow error's traceback "
+                             "(default: off)")
 
 
 def add_quiet(parser) -> None:
