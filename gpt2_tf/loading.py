@@ -40,7 +40,7 @@ class ModelFolder:
     """A model folder found by resolve(): where it is, its layout, and the names it answers to."""
     path: str
     layout: str  # 'original' (OpenAI's layout, and fine-tuning run folders) or 'hf'
-    names: tuple  # the served model ids: its own name first, then its folder's and published names
+    names: tuple  # the ids a server answers to: the folder's name first, then its published name or 'test'
     notice: Optional[str] = None  # a line to show before loading it (why the bundled checkpoint is used)
 
     @property
@@ -64,11 +64,11 @@ class ModelFolder:
 
 
 def _names(path: str) -> tuple:
-    """A folder's name, and the published name it stands for ('117M' is 124M's old name); the bundled
-    checkpoint is 'test' first."""
+    """A folder's name, and the published name it stands for ('117M' is 124M's old name), or 'test' for
+    the bundled checkpoint."""
     own = os.path.basename(os.path.normpath(path))
     if os.path.realpath(path) == os.path.realpath(bundled_checkpoint()):
-        return BUNDLED, own
+        return own, BUNDLED
     names = [own]
     if OLD_NAMES.get(own, own) in PUBLISHED:
         names.append(OLD_NAMES.get(own, own))

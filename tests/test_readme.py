@@ -133,7 +133,7 @@ def start_server(text: str, state: dict) -> None:
     while 'serving' not in seen and time.monotonic() < deadline and process.poll() is None:
         if select.select([process.stderr], [], [], 1)[0]:
             seen += process.stderr.readline()
-    assert 'serving test on http://127.0.0.1:8000/v1' in seen, seen
+    assert 'serving test-checkpoint on http://127.0.0.1:8000/v1' in seen, seen
 
 
 @pytest.mark.slow

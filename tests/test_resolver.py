@@ -66,16 +66,16 @@ def test_each_kind_resolves_without_tensorflow(kinds):
     done = subprocess.run([sys.executable, '-c', script, kinds['original'][0], kinds['run'][0], kinds['hf'][0],
                            kinds['models_dir'][1]], capture_output=True, text=True, env=env(), timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str([('original', ('test', 'test-checkpoint'), 128),
+    assert done.stdout.strip() == str([('original', ('test-checkpoint', 'test'), 128),
                                        ('original', ('run1',), 128), ('hf', ('hf',), 128),
-                                       ('original', ('test', 'test-checkpoint'), 128),
+                                       ('original', ('test-checkpoint', 'test'), 128),
                                        ('original', ('124M',), 128)])
 
 
 def test_served_names(tmp_path):
     shutil.copytree(bundled_checkpoint(), tmp_path / '117M')
     assert resolve(tmp_path / '117M').names == ('117M', '124M')  # 124M's old name, and the published one
-    assert resolve(model_name='test').names == ('test', 'test-checkpoint')
+    assert resolve(model_name='test').names == ('test-checkpoint', 'test')
     assert resolve(tmp_path / '117M').name == '117M'
 
 
@@ -159,7 +159,7 @@ def test_serve_passes_every_name_of_the_model(monkeypatch, tmp_path):
     assert served['checked'] == ('127.0.0.1', 8123)
     assert (served['model_id'], tuple(served['aliases'])) == ('124M', ())
     assert main(['serve', '--model_name', 'test', '--served-model-name', 'mine']) == 0
-    assert (served['model_id'], tuple(served['aliases'])) == ('mine', ('test', 'test-checkpoint'))
+    assert (served['model_id'], tuple(served['aliases'])) == ('mine', ('test-checkpoint', 'test'))
 
 
 # --- importing from the folder above a clone named gpt2_tf -------------------------------------------
