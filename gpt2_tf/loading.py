@@ -50,7 +50,10 @@ class ModelFolder:
     def hparams(self) -> HParams:
         if self.layout == 'hf':
             return hf.read_config(self.path)
-        return HParams.from_json(os.path.join(self.path, 'hparams.json'))
+        try:
+            return HParams.from_json(os.path.join(self.path, 'hparams.json'))
+        except ValueError as e:  # not JSON, a missing or unknown key, a value HParams refuses
+            raise GPT2Error(str(e)) from None
 
     def encoder(self) -> Encoder:
         """The folder's own vocabulary; a folder without one gets GPT-2's bundled one, with a warning

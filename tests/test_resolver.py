@@ -171,3 +171,13 @@ def test_import_from_above_a_clone_named_gpt2_tf(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == 'gpt2_tf.loading', done.stderr
     config = (ROOT / 'pyproject.toml').read_text()
     assert 'package-dir = { "" = "." }' in config  # what makes an editable install put the clone on sys.path
+
+
+def test_a_broken_hparams_json_is_one_line(tmp_path):
+    shutil.copytree(bundled_checkpoint(), tmp_path / 'broken')
+    (tmp_path / 'broken' / 'hparams.json').write_text('{"n_vocab": 50257, "n_ctx": 128}')
+    done = cli('generate', 'Hello', '--model_dir', tmp_path / 'broken')
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"gpt2-tf: error: {tmp_path / 'broken' / 'hparams.json'}: missing key(s) "
+                                        f"['n_embd', 'n_head', 'n_layer']; expected exactly "
+                                        f"['n_vocab', 'n_ctx', 'n_embd', 'n_head', 'n_layer']"]
