@@ -2,12 +2,19 @@
 
     python -m gpt2_tf.beam score    --model_dir D --input 'texts/*.txt' --output out/scores [beam options]
     python -m gpt2_tf.beam generate --model_dir D --input prompts.jsonl --output out/samples --length 40
+    python -m gpt2_tf.beam encode   --input 'texts/' --output train.bin [--model_dir D] [--glob '*.txt']
 
 Input is text lines (key = file:line) or JSONL objects with `key` and `text`;
 output is JSONL, one record per input with its key and the result (`text` and
 `tokens` for generate; `log_probs`, `nll`, `tokens` for score) or an `error`.
 The pipeline is a few named transforms: Read, Tokenize (bad inputs become
 error records here, never a failed pipeline), RunInference, Format, Write.
+
+encode writes the token file gpt2_tf.corpus.encode_corpus writes for the same
+files, byte for byte, sidecar included: each file is an element, encoded in
+pieces to its own shard next to the output (in parallel, on any runner whose
+workers see that path), and one last step joins the shards in path order into
+OUT.partial and renames it.
 
 Element seeds derive from the pipeline's seed and the element's key, so a
 result does not depend on how Beam batches; batches are padded to 1, 2, 4 or 8
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from typing import Any, Dict, Iterable, Optional, Sequence
 
@@ -30,12 +38,13 @@ from apache_beam.io import fileio
 from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from . import validate
+from . import corpus, validate
 
 # Rows per model call; a batch is padded up to the next of these. Rows pad by powers of two, not by
 # compiled.bucket (8, 16, 32, ...: for sequence lengths, where 8 is small): a lone element would cost 8 rows.
 BATCH_SIZES = (1, 2, 4, 8)
-TASKS = ('score', 'generate')
+INFERENCE = ('score', 'generate')
+TASKS = INFERENCE + ('encode',)
 
 
 def element_seed(seed: int, key: str) -> list:
@@ -68,8 +77,8 @@ class GPT2ModelHandler(ModelHandler):
 
     def __init__(self, model_dir: str, task: str, *, length: int = 40, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stride: Optional[int] = None, max_batch_size: int = 8):
-        if task not in TASKS:
-            raise validate.GPT2Error(f'task must be one of {TASKS}, got {task!r}')
+        if task not in INFERENCE:
+            raise validate.GPT2Error(f'task must be one of {INFERENCE}, got {task!r}')
         validate.check_sampling(temperature, top_k, top_p, 1)
         if task == 'generate':
             from .hparams import HParams
@@ -89,7 +98,10 @@ class GPT2ModelHandler(ModelHandler):
         return Loaded(load_model(self.model_dir), encoder_for(self.model_dir))
 
     def batch_elements_kwargs(self) -> Dict[str, Any]:
-        return {'min_batch_size': 1, 'max_batch_size': self.max_batch_size}
+        # Always full batches, as a plain loop takes them: BatchElements' adaptive sizing otherwise starts at
+        # one row and settles on 2 or 3 (padded to 4), each batch a new shape and the rows' cost at its worst.
+        # Only a bundle's last batch is short, padded by _padded.
+        return {'min_batch_size': self.max_batch_size, 'max_batch_size': self.max_batch_size}
 
     def run_inference(self, batch: Sequence[dict], model: Loaded, inference_args=None) -> Iterable[dict]:
         if self.task == 'generate':
@@ -186,12 +198,133 @@ def pipeline(p, *, task: str, model_dir: str, input_glob: str, output: str, hand
             | 'Write' >> beam.io.WriteToText(output, file_name_suffix='.jsonl'))
 
 
+# --- encode: text files to one token file ------------------------------------------------------------
+
+def _encoder(model_dir: Optional[str]):
+    from .encoder import encoder_for, get_encoder
+
+    return encoder_for(model_dir) if model_dir else get_encoder()
+
+
+def text_files(inputs: Sequence[str], glob: str = '*.txt') -> list:
+    """The files, in encode_corpus's order: local files and folders as corpus.documents finds them,
+    anything else (gs://..., a pattern) through Beam's file systems, sorted."""
+    from apache_beam.io.filesystems import FileSystems
+
+    found = []
+    for item in inputs:
+        if item == '-':
+            raise validate.GPT2Error('a pipeline reads files, not standard input: give files, folders or globs')
+        if os.path.exists(item):
+            found += corpus.documents([item], glob=glob)
+            continue
+        matched = sorted(m.path for m in FileSystems.match([item])[0].metadata_list)
+        if not matched:
+            raise validate.GPT2Error(f'{item}: no files match it; give text files, folders or globs')
+        found += matched
+    return found
+
+
+class EncodeFile(beam.DoFn):
+    """(index, path) -> (index, shard, tokens): the file's ids and <|endoftext|>, written to shards/index."""
+
+    def __init__(self, model_dir: Optional[str], shards: str, piece: int):
+        self.model_dir, self.shards, self.piece = model_dir, shards, piece
+
+    def setup(self):
+        self.encoder = _encoder(self.model_dir)
+        self.dtype = corpus.dtype_for(self.encoder.n_vocab)
+
+    def process(self, element):
+        import io
+
+        from apache_beam.io.filesystem import CompressionTypes
+        from apache_beam.io.filesystems import FileSystems
+
+        index, path = element
+        shard, tokens = f'{self.shards}/{index:09d}.bin', 0
+        raw = CompressionTypes.UNCOMPRESSED
+        with FileSystems.open(path, compression_type=raw) as f, FileSystems.create(shard, compression_type=raw) as out:
+            text = io.TextIOWrapper(f, encoding='utf-8', newline='')  # the text as it is, as encode_corpus reads it
+            try:
+                for piece in corpus.pieces(text, self.piece):
+                    ids = np.asarray(self.encoder.encode(piece), self.dtype)
+                    out.write(ids.tobytes())
+                    tokens += ids.size
+            except UnicodeDecodeError as e:
+                raise validate.GPT2Error(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); '
+                                         f'convert it to UTF-8 or leave it out') from None
+            out.write(np.asarray([self.encoder.encoder['<|endoftext|>']], self.dtype).tobytes())
+        yield index, shard, tokens + 1
+
+
+def join_shards(shards: list, *, output: str, model_dir: Optional[str]) -> dict:
+    """Concatenates the shards in index order into output.partial, writes the sidecar, renames both into
+    place (as encode_corpus does) and removes the shards; returns the sidecar."""
+    from apache_beam.io.filesystems import FileSystems
+
+    encoder = _encoder(model_dir)
+    shards = sorted(shards)
+    partial = output + '.partial'
+    with FileSystems.create(partial) as out:
+        for _, shard, _ in shards:
+            with FileSystems.open(shard) as f:
+                while block := f.read(1 << 24):
+                    out.write(block)
+    sidecar = {'dtype': corpus.dtype_for(encoder.n_vocab).name, 'n_vocab': encoder.n_vocab,
+               'vocab_sha256': corpus.vocabulary_sha256(encoder), 'tokens': sum(t for _, _, t in shards),
+               'documents': len(shards), 'end_of_text': encoder.encoder['<|endoftext|>']}
+    with FileSystems.create(output + corpus.SIDECAR + '.partial') as f:
+        f.write((json.dumps(sidecar, indent=2) + '\n').encode('utf-8'))
+    FileSystems.rename([partial, output + corpus.SIDECAR + '.partial'], [output, output + corpus.SIDECAR])
+    FileSystems.delete([shard for _, shard, _ in shards])
+    return sidecar
+
+
+def encode_pipeline(p, files: list, *, output: str, model_dir: Optional[str] = None, piece: int = corpus.PIECE):
+    """The named transforms of encode: Files, Encode (one element a file, in parallel), Join (in order)."""
+    shards = output + '.partial.shards'
+    return (p
+            | 'Files' >> beam.Create(list(enumerate(files)))
+            | 'Reshuffle' >> beam.Reshuffle()  # spread the files over the workers
+            | 'Encode' >> beam.ParDo(EncodeFile(model_dir, shards, piece))
+            | 'Gather' >> beam.combiners.ToList()
+            | 'Join' >> beam.Map(join_shards, output=output, model_dir=model_dir))
+
+
+def encode_main(args, beam_args) -> int:
+    """python -m gpt2_tf.beam encode: the files first (errors before any pipeline), then the pipeline."""
+    if not args.output.endswith('.bin'):
+        raise validate.GPT2Error(f'{args.output}: the output of encode is a token file: OUT.bin')
+    files = text_files(args.input, args.glob)
+    _encoder(args.model_dir)  # a vocabulary that cannot be read fails here, not on a worker
+    try:
+        with beam.Pipeline(options=PipelineOptions(beam_args)) as p:
+            encode_pipeline(p, files, output=args.output, model_dir=args.model_dir)
+    finally:
+        _remove_shards(args.output)
+    return 0
+
+
+def _remove_shards(output: str) -> None:
+    import shutil
+
+    if os.path.isdir(output + '.partial.shards'):
+        shutil.rmtree(output + '.partial.shards', ignore_errors=True)
+    for leftover in (output + '.partial', output + corpus.SIDECAR + '.partial'):
+        if os.path.exists(leftover):
+            os.remove(leftover)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gpt2_tf.beam', description=__doc__.splitlines()[0])
     parser.add_argument('task', choices=TASKS)
-    parser.add_argument('--model_dir', required=True)
-    parser.add_argument('--input', required=True, help='a file or glob: text lines, or .jsonl with key and text')
-    parser.add_argument('--output', required=True, help='the output prefix (sharded .jsonl files)')
+    parser.add_argument('--model_dir', help='the model (score, generate); encode: its vocabulary (default GPT-2\'s)')
+    parser.add_argument('--input', required=True, nargs='+',
+                        help='a file or glob: text lines, or .jsonl with key and text; encode: text files, folders '
+                             'or globs')
+    parser.add_argument('--output', required=True, help='the output prefix (sharded .jsonl files); encode: OUT.bin')
+    parser.add_argument('--glob', default='*.txt', help="encode: the files taken from folders (default: '*.txt')")
     parser.add_argument('--length', type=int, default=40, help='generate: new tokens per element')
     parser.add_argument('--temperature', type=float, default=1.0)
     parser.add_argument('--top_k', type=int, default=0)
@@ -200,13 +333,17 @@ def main(argv=None) -> int:
     parser.add_argument('--stride', type=int, default=None, help='score: the window stride (default n_ctx // 2)')
     args, beam_args = parser.parse_known_args(argv)
     try:
+        if args.task == 'encode':
+            return encode_main(args, beam_args)
+        if args.model_dir is None or len(args.input) != 1:
+            raise validate.GPT2Error(f'{args.task} takes --model_dir and one --input (a file or glob)')
         handler = GPT2ModelHandler(args.model_dir, args.task, length=args.length, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stride=args.stride)
     except validate.GPT2Error as e:
         print(f'gpt2_tf.beam: error: {e}', file=sys.stderr)
         return 2
     with beam.Pipeline(options=PipelineOptions(beam_args)) as p:
-        pipeline(p, task=args.task, model_dir=args.model_dir, input_glob=args.input, output=args.output,
+        pipeline(p, task=args.task, model_dir=args.model_dir, input_glob=args.input[0], output=args.output,
                  handler=handler)
     return 0
 

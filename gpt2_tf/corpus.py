@@ -214,6 +214,8 @@ def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, enc
     def done(piece: Optional[str], ids: Optional[np.ndarray]) -> None:
         if piece is None:
             writer.end_document()
+            if progress:
+                progress(0, 1)
             return
         writer.write(ids)
         if progress:

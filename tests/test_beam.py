@@ -116,3 +116,34 @@ def test_bad_options_are_refused_when_the_handler_is_made(capsys):
 
 def test_batches_pad_to_powers_of_two_rows():
     assert [len(_padded([[n]] * n)) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+# --- encode: the token file encode_corpus writes ------------------------------------------------------
+
+def test_encode_pipeline_writes_encode_corpus_s_token_file_byte_for_byte(tmp_path):
+    from gpt2_tf import corpus
+    from test_corpus import texts, write_folder
+
+    write_folder(tmp_path / 'in', texts() + ['line one\r\nline two\r\n', '', 'x' * 3000])
+    (tmp_path / 'in' / 'skipped.md').write_text('not matched by the glob')
+    expected = corpus.encode_corpus([tmp_path / 'in'], tmp_path / 'expected.bin')
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.beam', 'encode', '--input', str(tmp_path / 'in'),
+                           '--output', str(tmp_path / 'beam.bin'), '--runner', 'DirectRunner',
+                           '--direct_running_mode', 'multi_processing', '--direct_num_workers', '2'],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / 'beam.bin').read_bytes() == (tmp_path / 'expected.bin').read_bytes()
+    assert json.loads((tmp_path / 'beam.bin.json').read_text()) == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['beam.bin', 'beam.bin.json', 'expected.bin',
+                                                         'expected.bin.json', 'in']
+
+
+def test_encode_pipeline_that_fails_leaves_no_token_file(tmp_path):
+    (tmp_path / 'in').mkdir()
+    (tmp_path / 'in' / 'a.txt').write_text('fine text')
+    (tmp_path / 'in' / 'b.txt').write_bytes(b'caf\xe9 is latin-1')
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.beam', 'encode', '--input', str(tmp_path / 'in'),
+                           '--output', str(tmp_path / 'out.bin')], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and 'b.txt: not UTF-8 text' in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['in']
+    assert main(['encode', '--input', str(tmp_path / 'nowhere*'), '--output', str(tmp_path / 'x.bin')]) == 2
