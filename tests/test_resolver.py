@@ -90,13 +90,17 @@ def test_generate_and_score_take_hf_and_run_folders(kinds, kind, tmp_path):
 
 
 @pytest.mark.slow
-def test_every_command_takes_an_hf_folder(kinds, tmp_path):
+def test_explore_and_inspect_take_an_hf_folder(kinds, tmp_path):
     folder = kinds['hf'][1]
     done = cli('explore', folder, '--prompt', 'Hello there', '-o', tmp_path / 'report.html')
     assert done.returncode == 0 and (tmp_path / 'report.html').exists(), done.stderr
     done = cli('inspect', folder)
     assert done.returncode == 0 and 'wte' in done.stdout, done.stderr
-    done = cli('export', folder, tmp_path / 'export')
+
+
+@pytest.mark.slow
+def test_export_takes_an_hf_folder(kinds, tmp_path):
+    done = cli('export', kinds['hf'][1], tmp_path / 'export')
     assert done.returncode == 0 and (tmp_path / 'export' / 'saved_model.pb').exists(), done.stderr
 
 
