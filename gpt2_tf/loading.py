@@ -149,7 +149,8 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
 
 def _fallback_notice(name: str, path: str, partial: bool, resume: str) -> str:
     if partial:
-        why = f'the download of {name} is incomplete ({partial_folder(path)}); resume it with `{resume}`. Meanwhile using'
+        why = (f'the download of {name} is incomplete ({partial_folder(path)}); resume it with `{resume}`. '
+               f'Meanwhile using')
     else:
         why = f'no model at {path}, so using'
     return (f'gpt2-tf: {why} the bundled test checkpoint (--model_name {BUNDLED}: random weights, 2 tiny layers, '

@@ -225,7 +225,8 @@ def test_tokenizer_json_alone_gives_autotokenizer_our_ids(tmp_path):
         (tmp_path / name).unlink()
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert theirs.is_fast
-    cases = [json.loads(line) for line in (FIXTURES / 'bpe-cases.jsonl').read_text(encoding='utf-8').split('\n') if line]
+    lines = (FIXTURES / 'bpe-cases.jsonl').read_text(encoding='utf-8').split('\n')
+    cases = [json.loads(line) for line in lines if line]
     ours = gpt2_tf.get_encoder()
     for case in cases:
         assert theirs(case['text'], split_special_tokens=True)['input_ids'] == ours.encode(case['text']) == case['ids']

@@ -1,6 +1,5 @@
 """One resolver for every command and load_model: each kind of folder and name, with the same errors."""
 
-import json
 import os
 import pathlib
 import shutil
@@ -15,7 +14,6 @@ from gpt2_tf.assets import bundled_checkpoint
 from gpt2_tf.cli import main
 from gpt2_tf.loading import ModelNotFound, resolve
 
-from conftest import FIXTURES
 
 ROOT = pathlib.Path(__file__).parent.parent
 GPT2_TF = [sys.executable, '-m', 'gpt2_tf.cli']
@@ -135,7 +133,8 @@ def test_every_command_and_load_model_give_the_same_errors(capsys, monkeypatch, 
     assert str(raised.value).startswith(expected)
     monkeypatch.setattr(quiet, 'tensorflow', lambda **_: pytest.fail('TensorFlow loaded before the check'))
     for argv in (['generate', 'x', '--model_dir', path], ['score', 'README.md', '--model_dir', path],
-                 ['serve', '--model_dir', path], ['finetune', 'x.txt', '--model_dir', path], ['explore', path, '--prompt', 'x'],
+                 ['serve', '--model_dir', path], ['finetune', 'x.txt', '--model_dir', path],
+                 ['explore', path, '--prompt', 'x'],
                  ['inspect', path], ['compare', path, '--tokens', '1'], ['export', path, tmp_path / 'out'],
                  ['convert', path, tmp_path / 'out', '--to', 'hf']):
         assert main([str(a) for a in argv]) == 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-import warnings
 
 from .. import quiet
 from ..loading import BUNDLED, DEFAULT_MODEL, DEFAULT_MODELS_DIR, ModelFolder, resolve

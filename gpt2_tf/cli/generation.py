@@ -175,7 +175,8 @@ def cmd_score(args):
                            end_of_text=encoder.encoder.get('<|endoftext|>', 0))
             result = perplexity(model, ids, **options)
         if args.json:
-            lp = result['log_probs'] if 'log_probs' in result else window_log_probs(model, ids, **dict(options, progress=None))
+            lp = result['log_probs'] if 'log_probs' in result else \
+                window_log_probs(model, ids, **dict(options, progress=None))
             scored = [None] * (0 if args.bos else 1) + [float(x) for x in lp]
             pieces = [{'id': int(t), 'text': encoder.decode([t]), 'log_prob': scored[i]} for i, t in enumerate(ids)]
             print(json.dumps({'file': path, 'tokens': result['tokens'], 'nll': result['nll'],
