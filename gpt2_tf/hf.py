@@ -36,7 +36,7 @@ END_OF_TEXT_ID = GPT2_VOCAB - 1  # <|endoftext|>, GPT-2's bos and eos token, whe
 
 
 def hf_name(name: str) -> str:
-    """A table name's HF name (under h.<i>. for a block): 'h{i}/mlp/c_fc/w' -> 'mlp.c_fc.weight'."""
+    """A table name's HF name (under h.<i>. for a block): 'h{i}/attn/c_proj/b' -> 'attn.c_proj.bias'."""
     from .checkpoint import BLOCK, in_block
 
     *scope, variable = name[len(BLOCK):].split('/') if in_block(name) else name.split('/')
