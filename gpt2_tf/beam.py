@@ -76,7 +76,8 @@ class GPT2ModelHandler(ModelHandler):
     """
 
     def __init__(self, model_dir: str, task: str, *, length: int = 40, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stride: Optional[int] = None, max_batch_size: int = 8):
+                 top_p: float = 1.0, seed: int = 0, stride: Optional[int] = None, max_batch_size: int = 8,
+                 threads: Optional[int] = None):
         if task not in INFERENCE:
             raise validate.GPT2Error(f'task must be one of {INFERENCE}, got {task!r}')
         validate.check_sampling(temperature, top_k, top_p, 1)
@@ -87,11 +88,17 @@ class GPT2ModelHandler(ModelHandler):
         self.model_dir, self.task, self.length, self.seed, self.stride = model_dir, task, length, seed, stride
         self.options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.max_batch_size = min(max_batch_size, BATCH_SIZES[-1])
+        self.threads = threads  # TensorFlow's threads per worker (None: its own choice, every core)
 
     def load_model(self):
         from . import quiet
 
-        quiet.tensorflow()
+        tf = quiet.tensorflow()
+        if self.threads:  # before the first op; several workers on one machine then share its cores
+            try:
+                tf.config.threading.set_intra_op_parallelism_threads(self.threads)
+            except RuntimeError:  # TensorFlow already runs in this process, with the threads it has
+                pass
         from .loading import load_model
         from .encoder import encoder_for
 
@@ -316,6 +323,20 @@ def _remove_shards(output: str) -> None:
             os.remove(leftover)
 
 
+def local_threads(options: PipelineOptions) -> Optional[int]:
+    """TensorFlow's threads per worker when the DirectRunner runs several worker processes on this machine:
+    its cores shared out (each worker's TensorFlow would otherwise start a thread per core, and they fight
+    over the cores); None for other runners, whose workers have machines of their own."""
+    from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
+
+    runner = options.view_as(StandardOptions).runner
+    direct = options.view_as(DirectOptions)
+    if runner not in (None, 'DirectRunner') or direct.direct_running_mode != 'multi_processing':
+        return None
+    workers = direct.direct_num_workers or corpus.default_processes()  # 0: one a core
+    return max(1, corpus.default_processes() // workers)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gpt2_tf.beam', description=__doc__.splitlines()[0])
     parser.add_argument('task', choices=TASKS)
@@ -338,7 +359,8 @@ def main(argv=None) -> int:
         if args.model_dir is None or len(args.input) != 1:
             raise validate.GPT2Error(f'{args.task} takes --model_dir and one --input (a file or glob)')
         handler = GPT2ModelHandler(args.model_dir, args.task, length=args.length, temperature=args.temperature,
-                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stride=args.stride)
+                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stride=args.stride,
+                                   threads=local_threads(PipelineOptions(beam_args)))
     except validate.GPT2Error as e:
         print(f'gpt2_tf.beam: error: {e}', file=sys.stderr)
         return 2

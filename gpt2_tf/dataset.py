@@ -132,10 +132,10 @@ def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Opt
     if not out.endswith(TOKEN_FILE):
         raise GPT2Error(f'{out}: the output must end in {TOKEN_FILE} (a token file) or .npz (gpt-2-simple\'s chunks)')
     glob = glob or '*.txt'
+    processes = corpus.default_processes() if processes is None else processes
     bar, close = corpus.terminal_progress(inputs, glob=glob) if progress else (None, lambda: None)
     try:
-        return corpus.encode_corpus(inputs, out, glob=glob, processes=processes or corpus.default_processes(),
-                                    progress=bar)
+        return corpus.encode_corpus(inputs, out, glob=glob, processes=processes, progress=bar)
     finally:
         close()
 

@@ -1,0 +1,98 @@
+"""`gpt2-tf encode`: text to a token file (.bin) or to gpt-2-simple's chunks (.npz), through the command line."""
+
+import io
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gpt2_tf import corpus
+from gpt2_tf.encoder import get_encoder
+
+from test_corpus import MIXED
+
+END = 50256
+ENCODE = [sys.executable, '-m', 'gpt2_tf.cli', 'encode']
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def encode(tmp_path, *argv, stdin=None):
+    return subprocess.run([*ENCODE, *map(str, argv)], cwd=tmp_path, input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+def ids_of(*texts):
+    """The encoder on each whole text, each followed by <|endoftext|>."""
+    encoder = get_encoder()
+    return [i for text in texts for i in encoder.encode(text) + [END]]
+
+
+@pytest.fixture
+def texts(tmp_path):
+    (tmp_path / 'docs' / 'deeper').mkdir(parents=True)
+    files = {'docs/b.txt': 'Second file.\r\nWith a CRLF line.\n', 'docs/a.txt': MIXED,
+             'docs/deeper/c.txt': 'Third, one folder down.', 'docs/notes.md': '# Markdown, skipped unless --glob'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding='utf-8', newline='')
+    return files
+
+
+@pytest.mark.parametrize('processes', ['1', '2'])
+def test_a_folder_becomes_a_token_file_in_sorted_path_order(tmp_path, texts, processes):
+    done = encode(tmp_path, 'docs', 'train.bin', '--processes', processes)
+    assert done.returncode == 0, done.stderr
+    expected = ids_of(texts['docs/a.txt'], texts['docs/b.txt'], texts['docs/deeper/c.txt'])
+    assert np.fromfile(tmp_path / 'train.bin', '<u2').tolist() == expected
+    assert done.stdout.strip() == f'train.bin: {len(expected):,} tokens, 3 documents'
+    assert 'tokens/s' not in done.stderr  # no progress bar when standard error is not a terminal
+    assert sorted(os.listdir(tmp_path)) == ['docs', 'train.bin', 'train.bin.json']
+
+
+def test_several_inputs_a_glob_and_standard_input(tmp_path, texts):
+    done = encode(tmp_path, 'docs/deeper/c.txt', 'docs', 'md.bin', '--glob', '*.md')
+    assert done.returncode == 0, done.stderr
+    assert np.fromfile(tmp_path / 'md.bin', '<u2').tolist() == ids_of(texts['docs/deeper/c.txt'],
+                                                                       texts['docs/notes.md'])
+    done = encode(tmp_path, '-', 'stdin.bin', stdin=MIXED)
+    assert done.returncode == 0, done.stderr
+    assert np.fromfile(tmp_path / 'stdin.bin', '<u2').tolist() == ids_of(MIXED)
+
+
+def test_an_npz_is_gpt2_simples_chunks_as_before(tmp_path):
+    (tmp_path / 'corpus.txt').write_text('First document.\n<|endoftext|>\nSecond one.\n')
+    done = encode(tmp_path, 'corpus.txt', 'out.npz', '--combine', '1')  # the old call: one chunk a document
+    assert done.returncode == 0, done.stderr
+    with np.load(tmp_path / 'out.npz') as npz:
+        chunks = [npz[name].tolist() for name in npz.files]
+    assert chunks == [ids_of('First document.'), ids_of('Second one.')]
+    assert sorted(os.listdir(tmp_path)) == ['corpus.txt', 'out.npz']
+
+
+def test_a_failed_encode_leaves_no_output(tmp_path, texts):
+    (tmp_path / 'docs' / 'z.txt').write_bytes(b'caf\xe9 in latin-1')  # the last file: after the others are written
+    done = encode(tmp_path, 'docs', 'train.bin', '--processes', '2')
+    assert done.returncode == 2 and 'z.txt: not UTF-8 text' in done.stderr.splitlines()[-1]
+    assert sorted(os.listdir(tmp_path)) == ['docs']
+    done = encode(tmp_path, 'docs', 'train.txt')
+    assert done.returncode == 2 and 'must end in .bin (a token file) or .npz' in done.stderr
+    assert sorted(os.listdir(tmp_path)) == ['docs']
+
+
+def test_the_progress_bar_counts_bytes_and_tokens_on_a_terminal(tmp_path):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    (tmp_path / 'a.txt').write_text('héllo ' * 2000, encoding='utf-8')
+    screen = Terminal()
+    progress, close = corpus.terminal_progress([tmp_path], stream=screen)
+    corpus.encode_corpus([tmp_path], tmp_path / 'out.bin', piece=1000, progress=progress)
+    close()
+    last = screen.getvalue().split('\r')[-1]
+    tokens = len(ids_of('héllo ' * 2000))
+    assert '100%' in last and '14.0k/14.0k' in last and 'B/s' in last, last  # 7 bytes a word, in bytes
+    assert f'{tokens:,} tokens, ' in last and 'tokens/s' in last, last
+    assert corpus.terminal_progress([tmp_path], stream=io.StringIO())[0] is None
