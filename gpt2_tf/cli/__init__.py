@@ -5,7 +5,7 @@
     gpt2-tf sample                unconditional samples, like generate_unconditional_samples.py
     gpt2-tf score FILE...         per-token log-probabilities and perplexity of text files
     gpt2-tf finetune DATASET      fine-tuning, with gpt-2-simple's options and run folders
-    gpt2-tf encode DATASET OUT    a text dataset to an .npz of tokens
+    gpt2-tf encode TEXT... OUT    text to a token file (.bin) or to gpt-2-simple's .npz of chunks
     gpt2-tf export MODEL_DIR OUT  a SavedModel for TensorFlow Serving
     gpt2-tf serve                 an OpenAI-compatible completions server
     gpt2-tf convert SRC DST --to hf|original   Hugging Face folders, both ways

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import train_config
-from .common import CommandError, add_model_arguments, add_verbose, model_folder, start_tensorflow
+from .common import add_model_arguments, add_verbose, model_folder, start_tensorflow
 
 
 def cmd_finetune(args):
@@ -19,28 +19,12 @@ def cmd_finetune(args):
 
 def cmd_encode(args):
     """Text to a token file (.bin, read in place by finetune) or to gpt-2-simple's .npz of chunks; no TensorFlow."""
-    from ..encoder import get_encoder
+    from ..dataset import encode
 
-    if args.out.endswith('.bin'):
-        from ..corpus import encode_corpus, terminal_progress
-
-        progress, close = terminal_progress(args.inputs, glob=args.glob)
-        try:
-            info = encode_corpus(args.inputs, args.out, glob=args.glob, processes=args.processes, progress=progress)
-        finally:
-            close()
-        print(f'{args.out}: {info["tokens"]:,} tokens, {info["documents"]:,} documents')
-    elif args.out.endswith('.npz'):
-        from ..dataset import encode_dataset
-
-        if len(args.inputs) != 1:
-            raise CommandError(f'an .npz is encoded from one dataset (a file, folder or glob), got {len(args.inputs)}; '
-                               f'write a .bin to encode several')
-        count = encode_dataset(args.inputs[0], args.out, get_encoder(), args.combine)
-        print(f'{args.out}: {count:,} tokens')
-    else:
-        raise CommandError(f'{args.out}: the output must end in .bin (a token file) or .npz (gpt-2-simple\'s '
-                           f'chunks)')
+    info = encode(args.inputs, args.out, glob=args.glob, processes=args.processes, combine=args.combine,
+                  progress=True)
+    documents = '' if info['documents'] is None else f', {info["documents"]:,} documents'
+    print(f'{args.out}: {info["tokens"]:,} tokens{documents}')
 
 
 def add_commands(commands) -> None:
@@ -57,8 +41,8 @@ def add_commands(commands) -> None:
                         help='text files, folders (their files matching --glob, in sorted path order), or - for stdin')
     encode.add_argument('out', metavar='OUT', help='the .bin (a token file) or .npz to write')
     encode.add_argument('--glob', default='*.txt', help="the files of a folder to encode (default: '*.txt')")
-    encode.add_argument('--processes', type=int, default=1,
-                        help='processes encoding a .bin in parallel, in order (default: 1)')
+    encode.add_argument('--processes', type=int, default=None,
+                        help="processes encoding a .bin in parallel, in order (default: the machine's CPUs)")
     encode.add_argument('--combine', type=int, default=50000,
                         help='for an .npz: characters of text per chunk (default: 50000)')
     encode.set_defaults(run=cmd_encode, verbose=False)
