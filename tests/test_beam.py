@@ -1,6 +1,7 @@
 """The Beam pipeline on the DirectRunner with 2 worker processes: one result per input, equal to the library's."""
 
 import glob
+import os
 import json
 import subprocess
 import sys
@@ -147,3 +148,41 @@ def test_encode_pipeline_that_fails_leaves_no_token_file(tmp_path):
     assert done.returncode != 0 and 'b.txt: not UTF-8 text' in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ['in']
     assert main(['encode', '--input', str(tmp_path / 'nowhere*'), '--output', str(tmp_path / 'x.bin')]) == 2
+
+
+BATCHES = []  # the batch sizes a RecordingHandler saw (the DirectRunner in one process shares this module)
+
+
+class RecordingHandler(GPT2ModelHandler):
+    def load_model(self):
+        return None
+
+    def run_inference(self, batch, model, inference_args=None):
+        BATCHES.append(len(batch))
+        return [{'key': element['key']} for element in batch]
+
+
+def test_run_inference_takes_full_batches_as_a_plain_loop_does():
+    import apache_beam as beam
+    from apache_beam.ml.inference.base import RunInference
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    BATCHES.clear()
+    with beam.Pipeline(options=PipelineOptions(['--direct_running_mode', 'in_memory'])) as p:
+        (p | beam.Create([{'key': str(i), 'ids': [1, 2, 3]} for i in range(43)])
+         | RunInference(RecordingHandler(bundled_checkpoint(), 'score')))
+    # 43 = 5 * 8 + 3: full batches, the one short batch last (left to itself, BatchElements sends ones and twos)
+    assert sorted(BATCHES, reverse=True) == [8] * 5 + [3], BATCHES
+
+
+def test_direct_runner_workers_on_this_machine_share_its_cores():
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from gpt2_tf.beam import local_threads
+
+    cores = len(os.sched_getaffinity(0))
+    workers = lambda n: PipelineOptions(['--direct_running_mode', 'multi_processing', '--direct_num_workers', n])  # noqa: E731
+    assert local_threads(workers('2')) == max(1, cores // 2)
+    assert local_threads(workers(str(cores * 4))) == 1
+    assert local_threads(PipelineOptions([])) is None  # one process: TensorFlow's own choice
+    assert local_threads(PipelineOptions(['--runner', 'DataflowRunner'])) is None  # workers of their own
