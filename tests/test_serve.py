@@ -1,17 +1,22 @@
 """The completions server, started on 127.0.0.1 in a subprocess and spoken to through the official openai client."""
 
 import concurrent.futures
+import http.client
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
 import gpt2_tf
 from gpt2_tf.assets import bundled_checkpoint
+from gpt2_tf.validate import GPT2Error
 
 from conftest import require
 
@@ -147,6 +152,8 @@ def test_stop_strings_end_a_choice(client):
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    done = client.completions.create(model='test', prompt='Hi', max_tokens=2)  # the bundled checkpoint's name
+    assert done.model == 'test'
     import urllib.request
 
     with urllib.request.urlopen(server[0] + '/health', timeout=10) as response:
@@ -155,7 +162,7 @@ def test_models_and_health(client, server):
 
 @pytest.mark.parametrize('kwargs, error, message', [
     (dict(model='gpt-4'), 'NotFoundError', "model 'gpt-4' is not served here"),
-    (dict(max_tokens=200), 'BadRequestError', 'token\\(s\\) over the window'),
+    (dict(max_tokens=200), 'BadRequestError', 'exceeds the window'),
     (dict(temperature=3), 'BadRequestError', 'temperature'),
     (dict(best_of=2), 'BadRequestError', 'best_of is not supported'),
     (dict(logit_bias={'50256': -100}), 'BadRequestError', 'logit_bias is not supported'),
@@ -177,16 +184,23 @@ def test_a_wrong_key_is_401(server):
         bad.completions.create(model=MODEL, prompt='Hi', max_tokens=2)
 
 
-def test_a_body_over_the_limit_is_413(server):
-    import urllib.error
-    import urllib.request
-
-    body = b'{"prompt": "' + b'x' * (1 << 21) + b'"}'
-    request = urllib.request.Request(server[0] + '/v1/completions', data=body, method='POST',
-                                     headers={'Authorization': f'Bearer {KEY}', 'Content-Type': 'application/json'})
-    with pytest.raises(urllib.error.HTTPError) as raised:
-        urllib.request.urlopen(request, timeout=30)
-    assert raised.value.code == 413
+def test_a_body_over_the_limit_is_413_in_the_openai_shape(server):
+    # The body declares 2 MiB but only a few bytes are sent: the server answers from the headers, and the
+    # client reads the answer without ever writing into a closed connection (no broken pipe to race with).
+    host, port = server[0].removeprefix('http://').split(':')
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest('POST', '/v1/completions')
+    for name, value in (('Authorization', f'Bearer {KEY}'), ('Content-Type', 'application/json'),
+                        ('Content-Length', str(2 << 20))):
+        connection.putheader(name, value)
+    connection.endheaders(b'{"prompt": "xx')
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    assert response.status == 413
+    assert set(body) == {'error'} and set(body['error']) == {'message', 'type', 'param', 'code'}
+    assert body['error']['type'] == 'invalid_request_error'
+    assert '2,097,152 bytes' in body['error']['message'] and '1,048,576' in body['error']['message']
 
 
 def test_a_full_queue_is_503_with_retry_after_and_the_server_survives(client, server):
@@ -212,3 +226,183 @@ def test_a_client_that_disconnects_mid_stream_frees_its_place(client, server):
     done = client.completions.create(model=MODEL, prompt='Hi', max_tokens=3, temperature=0)
     assert done.choices[0].finish_reason in ('length', 'stop')
     assert server[1].poll() is None
+
+
+def refused(client, **kwargs):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, temperature=0, **kwargs)
+    return raised.value
+
+
+def test_the_window_is_exact_prompt_plus_max_tokens_minus_one_is_n_ctx(client):
+    n_ctx = 128  # the bundled checkpoint's hparams.json
+    done = client.completions.create(model=MODEL, prompt=[1] * 120, max_tokens=9, temperature=0)  # 120 + 9 - 1
+    assert done.usage.prompt_tokens == 120 and done.usage.completion_tokens <= 9
+    assert done.choices[0].finish_reason in ('length', 'stop')
+    for prompt, max_tokens in ((121, 9), (120, 10)):  # one over, either way
+        error = refused(client, prompt=[1] * prompt, max_tokens=max_tokens)
+        assert error.status_code == 400
+        assert error.response.json() == {'error': {
+            'message': f'prompt 0: {prompt} tokens + length {max_tokens} exceeds the window by 1 '
+                       f'(needs prompt + length - 1 <= n_ctx = {n_ctx})',
+            'type': 'invalid_request_error', 'param': 'max_tokens', 'code': None}}
+
+
+def test_options_are_refused_with_their_name(client):
+    for options, param in ((dict(top_p=1.5), 'top_p'), (dict(extra_body={'top_k': -1}), 'top_k'),
+                           (dict(seed=2 ** 63), 'seed'), (dict(prompt=[[3, -1]]), 'prompt')):
+        error = refused(client, **{'prompt': 'Hi', 'max_tokens': 2, **options})
+        assert error.response.json()['error']['param'] == param, options
+
+
+# --- the Batcher, with a fake model and a fake generate ---------------------------------------------
+
+class Inbox:
+    """A row's deliver: collects its tokens, its end and its error."""
+
+    def __init__(self):
+        self.tokens, self.error, self.ended = [], None, threading.Event()
+
+    def __call__(self, tokens, log_probs, *, error=None):
+        if error is not None or tokens is None:
+            self.error = error
+            self.ended.set()
+        else:
+            self.tokens.extend(int(t) for t in tokens)
+
+
+def fake_generate(calls: list):
+    """sample_chunks' signature; every token is 7. Records each wave's prompts."""
+    def generate(model, length, *, context, seed, mode, chunk, logprobs, temperature, top_k, top_p):
+        calls.append([list(row) for row in context])
+        assert len(seed) == len(context) == len(temperature) == len(top_k) == len(top_p)
+        return (np.full([len(context), min(chunk, length - step)], 7, np.int32) for step in range(0, length, chunk))
+    return generate
+
+
+def batcher(calls, **options):
+    from gpt2_tf.serve import Batcher
+
+    model = types.SimpleNamespace(hparams=types.SimpleNamespace(n_ctx=8))
+    return Batcher(model, generate=fake_generate(calls), **options)
+
+
+def row(prompt_length, max_tokens, inbox):
+    from gpt2_tf.serve import Row
+
+    return Row([1] * prompt_length, max_tokens, dict(temperature=1.0, top_k=0, top_p=1.0), (0, 0), None, inbox)
+
+
+def thread_cpu_seconds(thread) -> float:
+    """The user and system CPU time a thread has used, from /proc (fields 14 and 15 of its stat line)."""
+    with open(f'/proc/self/task/{thread.native_id}/stat') as f:
+        fields = f.read().rsplit(')', 1)[1].split()  # fields from the 3rd on: the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
+
+def test_a_row_that_can_never_fit_fails_with_the_window_message_and_the_worker_waits():
+    if not os.path.exists('/proc/self/task'):
+        pytest.skip('measures the worker thread through /proc')
+    calls = []
+    queue = batcher(calls)
+    try:
+        never = Inbox()
+        queue.submit([row(8, 2, never)])  # 8 + 2 - 1 = 9 > n_ctx = 8
+        assert never.ended.wait(10)
+        assert never.error == ('prompt: 8 tokens + length 2 exceeds the window by 1 '
+                               '(needs prompt + length - 1 <= n_ctx = 8)')
+        before = thread_cpu_seconds(queue.thread)
+        time.sleep(2)
+        spent = thread_cpu_seconds(queue.thread) - before
+        assert spent < 0.1, f'the idle worker used {spent:.2f} CPU-seconds in 2 s: it spins'  # blocked: ~0
+        fits = Inbox()
+        queue.submit([row(7, 2, fits)])  # 7 + 2 - 1 = 8: the exact fit still runs
+        assert fits.ended.wait(10) and fits.error is None and fits.tokens == [7, 7]
+        assert queue.waves == 1 and calls == [[[1] * 7]]
+    finally:
+        queue.close()
+
+
+def test_waves_pad_to_powers_of_two_and_keep_rows_that_do_not_fit_together_apart():
+    calls = []
+    queue = batcher(calls, capacity=8, timeout=0)  # one submit: every row is waiting when the wave forms
+    try:
+        inboxes = [Inbox() for _ in range(4)]
+        # 6 + 2 - 1 = 7 and 2 + 6 - 1 = 7 fit alone, but not together (6 + 6 - 1 = 11 > 8).
+        queue.submit([row(6, 2, inboxes[0]), row(1, 2, inboxes[1]), row(2, 6, inboxes[2]), row(1, 1, inboxes[3])])
+        assert all(inbox.ended.wait(10) for inbox in inboxes)
+    finally:
+        queue.close()
+    assert [len(wave) for wave in calls] == [4, 1]  # 3 rows padded to 4; then the one left over
+    assert [len(p) for p in calls[0][:3]] == [6, 1, 1] and calls[1] == [[1, 1]]
+    assert [inbox.tokens for inbox in inboxes] == [[7] * 2, [7] * 2, [7] * 6, [7]]
+
+
+def test_a_partial_wave_waits_for_the_timeout_and_a_full_one_runs_at_once():
+    calls = []
+    queue = batcher(calls, capacity=2, timeout=60)
+    try:
+        first, second = Inbox(), Inbox()
+        queue.submit([row(1, 2, first)])
+        assert not first.ended.wait(0.5)  # waiting for a second row, up to 60 s
+        queue.submit([row(1, 2, second)])
+        assert first.ended.wait(10) and second.ended.wait(10)
+    finally:
+        queue.close()
+    assert calls == [[[1], [1]]]
+
+
+# --- in-process: the served names, and a taken port -----------------------------------------------
+
+@pytest.fixture(scope='module')
+def named_server(model):
+    import uvicorn
+
+    from gpt2_tf.encoder import encoder_for
+    from gpt2_tf.serve import bind, create_app
+
+    app = create_app(model, encoder_for(bundled_checkpoint()), model_id='test', aliases=['test-checkpoint'],
+                     mode='eager')
+    sock = bind('127.0.0.1', 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield openai.OpenAI(base_url=f'http://127.0.0.1:{sock.getsockname()[1]}/v1', api_key='none', max_retries=0,
+                        timeout=60)
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_the_model_answers_to_its_id_and_its_aliases(named_server):
+    assert [m.id for m in named_server.models.list().data] == ['test']
+    for name in ('test', 'test-checkpoint'):
+        done = named_server.completions.create(model=name, prompt='Hi', max_tokens=2, temperature=0)
+        assert done.model == name and done.choices[0].finish_reason in ('length', 'stop')
+    with pytest.raises(openai.NotFoundError, match="this server serves 'test', 'test-checkpoint'"):
+        named_server.completions.create(model='124M', prompt='Hi', max_tokens=2)
+
+
+def test_a_taken_port_is_one_error_before_anything_is_said(model, capfd):
+    from gpt2_tf.serve import PortTaken, serve
+
+    with socket.create_server(('127.0.0.1', 0)) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(PortTaken, match=rf'^port {port} on 127\.0\.0\.1 is taken; try --port \d+$') as raised:
+            serve(model, gpt2_tf.get_encoder(), model_id='test', port=port)
+    assert isinstance(raised.value, GPT2Error)
+    assert int(str(raised.value).rsplit(' ', 1)[1]) != port
+    assert 'serving' not in capfd.readouterr().err
+
+
+def test_the_command_line_reports_a_taken_port_in_one_line():
+    with socket.create_server(('127.0.0.1', 0)) as held:
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'serve', '--model_dir', bundled_checkpoint(),
+                               '--port', str(port)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert 'Traceback' not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith('gpt2-tf: error:')]
+    assert len(errors) == 1 and errors[0].startswith(f'gpt2-tf: error: port {port} on 127.0.0.1 is taken; try --port ')

@@ -20,27 +20,34 @@ class PortTaken(GPT2Error):
 def bind(host: str, port: int) -> socket.socket:
     """A socket listening on host:port. A port in use raises PortTaken, naming a free one to try."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as e:
         raise GPT2Error(f'cannot listen on {host!r} ({e.strerror}): give an address such as 127.0.0.1') from None
+    # proto is IPPROTO_TCP, not 0: asyncio then turns Nagle's algorithm off on each connection, as it does
+    # for the sockets it opens itself (otherwise each streamed chunk can wait for the client's delayed ACK).
+    sock = socket.socket(family, kind, proto)
     try:
-        return socket.create_server((host, port), family=family, backlog=2048)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        return sock
     except OSError as e:
+        sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise PortTaken(f'port {port} on {host} is taken; try --port {free_port(host, port, family)}') from None
+            raise PortTaken(f'port {port} on {host} is taken; try --port {free_port(host, port)}') from None
         raise GPT2Error(f'cannot listen on {host}:{port} ({e.strerror}): try another --port or --host') from None
 
 
-def free_port(host: str, taken: int, family: int) -> int:
+def free_port(host: str, taken: int) -> int:
     """The first free port after `taken` (within 100), or any free one."""
-    for port in range(taken + 1, min(taken + 100, 65535) + 1):
+    for port in [*range(taken + 1, min(taken + 100, 65535) + 1), 0]:
         try:
-            with socket.create_server((host, port), family=family):
-                return port
-        except OSError:
+            with bind(host, port) as sock:
+                return sock.getsockname()[1]
+        except PortTaken:
             continue
-    with socket.create_server((host, 0), family=family) as s:
-        return s.getsockname()[1]
+    raise AssertionError('port 0 is always free')
 
 
 def check_port(host: str, port: int) -> None:
