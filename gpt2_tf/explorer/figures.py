@@ -1,0 +1,100 @@
+"""The page's SVG, written by hand (no plotting library): the block diagram and the charts across the blocks."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+
+
+def token_color(k: int, tokens: int) -> str:
+    """The one color of token k everywhere on the page (charts, legends, tables); the script has the same rule."""
+    return f'hsl({int(360 * k / max(tokens, 1))},60%,45%)'
+
+
+def legend(labels: list) -> str:
+    """Which line is which token: a swatch of its color and its text."""
+    return ('<div class="legend">' + ''.join(
+        f'<span><i style="background:{token_color(k, len(labels))}"></i><span class="tok">{html.escape(label)}'
+        f'</span></span>' for k, label in enumerate(labels)) + '</div>')
+
+
+def line_chart(series: np.ndarray, labels: list, title: str) -> str:
+    """An SVG chart of series [layers, tokens]: one line per token across the layers."""
+    layers, tokens = series.shape
+    width, height, left, bottom = 360, 200, 44, 24
+    top = float(series.max()) or 1.0
+    scale_x = (width - left - 10) / max(layers - 1, 1)
+    parts = [f'<svg class="figure chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'role="img"><title>{html.escape(title)}</title>',
+             f'<text x="{left}" y="12" font-size="11">{html.escape(title)}</text>',
+             f'<line x1="{left}" y1="{height - bottom}" x2="{width - 10}" y2="{height - bottom}" stroke="#888"/>',
+             f'<line x1="{left}" y1="20" x2="{left}" y2="{height - bottom}" stroke="#888"/>',
+             f'<text x="2" y="26" font-size="9">{top:.3g}</text>',
+             f'<text x="{left}" y="{height - 8}" font-size="9">h0</text>',
+             f'<text x="{width - 30}" y="{height - 8}" font-size="9">h{layers - 1}</text>']
+    for k in range(tokens):
+        points = ' '.join(f'{left + i * scale_x:.1f},{height - bottom - (height - bottom - 20) * series[i, k] / top:.1f}'
+                          for i in range(layers))
+        parts.append(f'<polyline fill="none" stroke="{token_color(k, tokens)}" stroke-width="1.5" points="{points}">'
+                     f'<title>{html.escape(labels[k])}</title></polyline>')
+    return ''.join(parts) + '</svg>'
+
+
+# The diagram: (panel, label, y, height, kind) top to bottom; x_n enters at the top, x_{n+1} leaves below.
+NODES = [
+    ('embeddings', 'Embeddings (wte + wpe)', 8, 30, 'outer'),
+    ('ln_1', 'LayerNorm 1', 106, 34, 'node'),
+    ('attn', 'Attention', 162, 40, 'node'),
+    ('residual', 'dropout (inactive at inference)', 224, 26, 'dropout'),
+    ('ln_2', 'LayerNorm 2', 338, 34, 'node'),
+    ('mlp', 'MLP', 394, 40, 'node'),
+    ('residual', 'dropout (inactive at inference)', 456, 26, 'dropout'),
+    ('ln_f', 'ln_f → logits (tied wte)', 608, 30, 'outer'),
+]
+ADDS = [282, 514]  # the two + nodes' centres
+CX, WIDTH = 120, 190
+
+
+def _arrow(y1: float, y2: float) -> str:
+    return f'<line x1="{CX}" y1="{y1}" x2="{CX}" y2="{y2}" class="flow" marker-end="url(#arrow)"/>'
+
+
+def _state(name: str, sub: str, y: float) -> str:
+    """A state's name beside the stream, left of it (x_n, x'_n, x_{n+1})."""
+    return (f'<text x="{CX - 8}" y="{y}" text-anchor="end" class="state">{name}<tspan baseline-shift="sub" '
+            f'font-size="9">{sub}</tspan></text>')
+
+
+def _bypass(y_from: float, y_add: float) -> str:
+    """A residual bypass: from the stream above the norm, around the sublayer, into the + node."""
+    x = CX + WIDTH // 2 + 30
+    mid = (y_from + y_add) / 2
+    return (f'<path d="M{CX},{y_from} H{x} V{y_add} H{CX + 13}" class="bypass" marker-end="url(#arrow)"/>'
+            f'<text x="{x + 6}" y="{mid}" class="bypass-label" transform="rotate(90 {x + 6} {mid})" '
+            f'text-anchor="middle">residual</text>')
+
+
+def diagram(n_layer: int) -> str:
+    """The block as an SVG flow diagram; each component is a link (#panel-NAME) that opens its panel."""
+    parts = ['<svg id="diagram" xmlns="http://www.w3.org/2000/svg" width="300" height="648" role="navigation" '
+             'aria-label="the block, component by component">',
+             '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+             'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
+             f'<rect x="6" y="58" width="284" height="520" rx="10" class="blockbox"/>',
+             f'<text x="{CX + 8}" y="53" class="blocklabel">block <tspan class="block-number">h0</tspan> '
+             f'of {n_layer}, repeated</text>',
+             _state('x', 'n', 84), _state('x′', 'n', ADDS[0] + 34), _state('x', 'n+1', ADDS[1] + 34)]
+    # The stream, top to bottom: embeddings, x_n, ln_1, attn, dropout, +, x'_n, ln_2, mlp, dropout, +, x_{n+1}, ln_f.
+    for y1, y2 in [(38, 106), (140, 162), (202, 224), (250, ADDS[0] - 13), (ADDS[0] + 13, 338),
+                   (372, 394), (434, 456), (482, ADDS[1] - 13), (ADDS[1] + 13, 608)]:
+        parts.append(_arrow(y1, y2))
+    parts += [_bypass(80, ADDS[0]), _bypass(ADDS[0] + 30, ADDS[1])]
+    for panel, label, y, height, kind in NODES:
+        parts.append(f'<a href="#panel-{panel}" class="node {kind}" data-panel="{panel}" aria-label="{label}">'
+                     f'<rect x="{CX - WIDTH // 2}" y="{y}" width="{WIDTH}" height="{height}" rx="6"/>'
+                     f'<text x="{CX}" y="{y + height / 2 + 4}" text-anchor="middle">{html.escape(label)}</text></a>')
+    for y in ADDS:
+        parts.append(f'<a href="#panel-residual" class="node add" data-panel="residual" aria-label="residual add">'
+                     f'<circle cx="{CX}" cy="{y}" r="13"/><text x="{CX}" y="{y + 5}" text-anchor="middle">+</text></a>')
+    return ''.join(parts) + '</svg>'

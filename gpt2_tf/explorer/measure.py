@@ -1,0 +1,83 @@
+"""Every number of the explorer page for one prompt, as plain numpy arrays (a notebook can plot the same views).
+
+The states are what the model's own blocks record as they run (diagnostics.trace); the MLP's inner
+values come from calling the block's own c_fc and the model's gelu on the recorded ln_2 output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from ..diagnostics import trace
+from ..model import Model, gelu
+from ..scoring import score
+from ..validate import GPT2Error
+
+# The residual stream's five norms per token and block, in forward order.
+RESIDUAL = ['x_n', 'attention delta', "x'_n", 'MLP delta', 'x_{n+1}']
+# An activation counts as near zero when |GELU(u)| is below this.
+NEAR_ZERO = 0.01
+# Bins of the histogram of the GELU's input, per block.
+BINS = 24
+
+
+def explore(model: Model, tokens) -> dict:
+    """Every number of the explorer page for one prompt, tokens int [T] (1 <= T <= n_ctx), as numpy:
+
+    residual_norms [n_layer, T, 5]   L2 norms of x_n, the attention delta, x'_n, the MLP delta, x_{n+1}
+    attention      [n_layer, n_head, T, T]   the softmaxed attention weights
+    norm_stats     [n_layer, 2, T, 4]  ln_1 then ln_2: each token's feature mean and variance before, then after
+    gelu_range     [n_layer, 2]      the smallest and largest input to the GELU (c_fc's output)
+    gelu_histogram [n_layer, BINS]   counts of the GELU's inputs in BINS equal bins over that range
+    near_zero      [n_layer]         the share of the GELU's outputs with |GELU(u)| < NEAR_ZERO
+    embedding_norms [T, 3]           |wte[token]|, |wpe[position]|, |x_0| per token
+    lens_ids, lens_probs [n_layer, T, 5]     the logit lens: the top 5 next tokens that x_{n+1} gives
+                                             through ln_f and the tied wte
+    next_ids, next_probs [10]        the model's top 10 next tokens after the prompt
+    prompt_log_probs [T - 1]         log p of each prompt token after the ones before it (scoring)
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise GPT2Error('the prompt is empty: give at least one token')
+    states = trace(model, tokens[None], attention_weights=True)
+    names = ['x', 'attn', 'x_attn', 'mlp', 'out']
+    norms = np.stack([np.stack([np.linalg.norm(block[n][0], axis=-1) for n in names], axis=-1) for block in states])
+    outs = tf.constant(np.stack([block['out'][0] for block in states]))  # [n_layer, T, n_embd]
+    probs = tf.nn.softmax(model.logits(outs), axis=-1)  # [n_layer, T, n_vocab]: ln_f, then the tied wte
+    lens_probs, lens_ids = tf.math.top_k(probs, k=5)
+    next_probs, next_ids = tf.math.top_k(probs[-1, -1], k=10)
+    log_probs = score(model, tokens[None])[0] if tokens.size >= 2 else np.zeros([0], np.float32)
+    return {'tokens': tokens, 'residual_norms': norms.astype(np.float32),
+            'attention': np.stack([block['attn_weights'][0] for block in states]),
+            'norm_stats': np.stack([[norm_stats(b['x'][0], b['z1'][0]), norm_stats(b['x_attn'][0], b['z2'][0])]
+                                    for b in states]),
+            **mlp_inside(model, states), 'embedding_norms': embedding_norms(model, tokens, states[0]['x'][0]),
+            'lens_ids': lens_ids.numpy(), 'lens_probs': lens_probs.numpy(),
+            'next_ids': next_ids.numpy(), 'next_probs': next_probs.numpy(), 'prompt_log_probs': log_probs}
+
+
+def norm_stats(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """[T, n_embd] x2 -> [T, 4]: each token's feature mean and variance before the norm, then after it."""
+    return np.stack([before.mean(-1), before.var(-1), after.mean(-1), after.var(-1)], axis=-1).astype(np.float32)
+
+
+def mlp_inside(model: Model, states: list) -> dict:
+    """The GELU's input (the block's own c_fc on its recorded ln_2 output) per block: range, histogram, near zero."""
+    ranges, histograms, near = [], [], []
+    for block, state in zip(model.h, states):
+        u = block.mlp.c_fc(tf.constant(state['z2']))  # [1, T, 4 n_embd]
+        a = gelu(u).numpy()
+        u = u.numpy()
+        ranges.append([u.min(), u.max()])
+        histograms.append(np.histogram(u, bins=BINS, range=(u.min(), u.max()))[0])
+        near.append(np.mean(np.abs(a) < NEAR_ZERO))
+    return {'gelu_range': np.array(ranges, np.float32), 'gelu_histogram': np.array(histograms, np.int64),
+            'near_zero': np.array(near, np.float32)}
+
+
+def embedding_norms(model: Model, tokens: np.ndarray, x0: np.ndarray) -> np.ndarray:
+    """[T, 3]: |wte[token]|, |wpe[position]| and |x_0| = |wte[token] + wpe[position]| per token."""
+    wte = tf.gather(tf.convert_to_tensor(model.wte), tokens).numpy().astype(np.float32)
+    wpe = tf.convert_to_tensor(model.wpe)[:len(tokens)].numpy().astype(np.float32)
+    return np.stack([np.linalg.norm(wte, axis=-1), np.linalg.norm(wpe, axis=-1), np.linalg.norm(x0, axis=-1)], -1)

@@ -1,0 +1,249 @@
+"""The explorer page: one self-contained HTML file, laid out from explore()'s numbers.
+
+The static parts (the diagram, each component's formula, shapes, accounting and code, the charts
+across the blocks, the logit lens) are HTML and SVG written here; the block-by-block views (norm
+statistics, attention maps, the GELU, the residual norms) are drawn by a small inline script from
+the page's own data, for the block picked in the selector, so the page grows by data, not by copies
+of the views. Nothing is loaded from a network.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from ..checkpoint import ORIGINAL_CODE
+from ..encoder import Encoder
+from ..model import Model
+from .figures import diagram, legend, line_chart, token_color
+from .measure import NEAR_ZERO, RESIDUAL, explore
+from .panels import LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code, stored_shapes
+
+STYLE = '''body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1320px}
+table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
+th{background:#f3f3f3}td.l,th.l{text-align:left}.tok{font-family:ui-monospace,monospace;white-space:pre}
+.grid{display:flex;flex-wrap:wrap;gap:10px}section{margin:28px 0}code{background:#f3f3f3;padding:0 3px}
+.explorer{display:grid;grid-template-columns:310px 1fr;gap:24px;align-items:start}
+.side{position:sticky;top:8px}.panel{border:1px solid #d8dce6;border-radius:10px;padding:4px 18px 12px;margin:0}
+.panel[hidden]{display:none}.panel h3{margin:10px 0 4px}
+#diagram .node rect,#diagram .node circle{fill:#eef3fb;stroke:#4a6fa5;stroke-width:1.5}
+#diagram .node text{font-size:13px;fill:#1d3557}#diagram .node.add text{font-size:18px}
+#diagram .node.dropout rect{fill:#f7f7f7;stroke:#999;stroke-dasharray:4 3}#diagram .node.dropout text{fill:#777;font-size:11px}
+#diagram .node.outer rect{fill:#f3efe6;stroke:#a5844a}#diagram a.node{cursor:pointer}
+#diagram .node:hover rect,#diagram .node:hover circle{fill:#dce8fb}
+#diagram .node.selected rect,#diagram .node.selected circle{fill:#ffd166;stroke:#b5651d;stroke-width:3}
+#diagram a.node:focus{outline:none}#diagram a.node:focus rect,#diagram a.node:focus circle{stroke:#d62828;stroke-width:3.5}
+#diagram .flow,#diagram .bypass{stroke:#555;fill:none;stroke-width:1.4}#diagram .bypass{stroke-dasharray:5 3}
+#diagram .bypass-label{font-size:11px;fill:#555;font-style:italic}#diagram .state{font-size:14px;font-style:italic}
+#diagram .blockbox{fill:none;stroke:#8a97ad;stroke-dasharray:6 4}#diagram .blocklabel{font-size:12px;fill:#555}
+.calc{font-family:ui-monospace,monospace;white-space:nowrap}.note{color:#555;font-size:12px;margin:2px 0}
+figure.code{margin:8px 0}figure.code pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px}
+figcaption{font-size:12px;color:#555}.shapes{font-family:ui-monospace,monospace;font-size:13px}
+.legend{display:flex;flex-wrap:wrap;gap:4px 12px;margin:4px 0}.legend i{display:inline-block;width:12px;height:12px;
+margin-right:4px;vertical-align:-1px;border-radius:2px}math{font-size:17px;margin:6px 0}
+.picker{margin:8px 0 0}td i{display:inline-block;width:10px;height:10px;margin-right:6px;border-radius:2px}.picker select{font-size:14px}'''
+
+SCRIPT = r'''(function(){
+const D=JSON.parse(document.getElementById('data').textContent), T=D.tokens.length, esc=s=>s.replace(/[&<>"]/g,
+ c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+const A=Uint8Array.from(atob(D.attention),c=>c.charCodeAt(0)), color=k=>`hsl(${Math.floor(360*k/Math.max(T,1))},60%,45%)`;
+const blue=v=>`rgb(${Math.round(255-215*v)},${Math.round(255-175*v)},${Math.round(255-75*v)})`;
+const fmt=v=>Math.abs(v)>=1e4||(Math.abs(v)<1e-3&&v!==0)?v.toExponential(2):v.toFixed(4);
+const sw=k=>`<i style="background:${color(k)}"></i>`;
+function heat(n,h){const cell=14,m=8+7*Math.min(12,Math.max(...D.tokens.map(t=>t.length))),s=m+cell*T,o=(n*D.n_head+h)*T*T;
+ let p=`<svg class="figure heatmap" xmlns="http://www.w3.org/2000/svg" width="${s}" height="${s+16}" role="img"><title>h${n} head ${h}</title><text x="2" y="11" font-size="10">h${n} head ${h}</text>`;
+ for(let i=0;i<T;i++)for(let j=0;j<T;j++)p+=`<rect x="${m+j*cell}" y="${16+m+i*cell}" width="${cell}" height="${cell}" fill="${blue(A[o+i*T+j]/255)}"/>`;
+ D.tokens.forEach((t,i)=>{const s=esc(t.slice(0,12));p+=`<text x="${m-2}" y="${16+m+i*cell+10}" font-size="9" text-anchor="end">${s}</text><text transform="translate(${m+i*cell+10},${16+m-2}) rotate(-90)" font-size="9">${s}</text>`;});
+ return p+'</svg>';}
+function table(head,rows){return '<table><tr>'+head.map(h=>`<th>${h}</th>`).join('')+'</tr>'+rows.map(r=>'<tr>'+r.map((c,i)=>i?`<td>${c}</td>`:`<td class="l tok">${c}</td>`).join('')+'</tr>').join('')+'</table>';}
+function norms(n,q){return table(['token','mean before','variance before','mean after','variance after'],
+ D.norm_stats[n][q].map((r,k)=>[sw(k)+esc(D.tokens[k])].concat(r.map(fmt))));}
+function mlp(n){const g=D.gelu[n],hist=g.histogram,top=Math.max(...hist),w=14,H=90;
+ let p=`<p>GELU input (c_fc's output, ${T} × ${D.n_inner} values) ranges from <b>${fmt(g.range[0])}</b> to <b>${fmt(g.range[1])}</b>; <b>${(100*g.near_zero).toFixed(1)}%</b> of the activations have |GELU(u)| &lt; ${D.near_zero}.</p>`;
+ p+=`<svg class="figure histogram" xmlns="http://www.w3.org/2000/svg" width="${hist.length*w+60}" height="${H+30}" role="img"><title>the GELU's input, h${n}</title>`;
+ hist.forEach((c,i)=>{const h=H*c/top;p+=`<rect x="${30+i*w}" y="${H-h+4}" width="${w-2}" height="${h}" fill="#4a6fa5"><title>${c}</title></rect>`;});
+ return p+`<text x="30" y="${H+20}" font-size="10">${fmt(g.range[0])}</text><text x="${30+hist.length*w}" y="${H+20}" font-size="10" text-anchor="end">${fmt(g.range[1])}</text></svg>`;}
+function residual(n){return table(['token','|x<sub>n</sub>|','|Δ attention|',"|x′<sub>n</sub>|",'|Δ MLP|','|x<sub>n+1</sub>|'],
+ D.residual[n].map((r,k)=>[sw(k)+esc(D.tokens[k])].concat(r.map(fmt))));}
+function draw(n){
+ document.querySelectorAll('.block-number').forEach(e=>e.textContent='h'+n);
+ document.getElementById('view-ln_1').innerHTML=norms(n,0);document.getElementById('view-ln_2').innerHTML=norms(n,1);
+ let maps='';for(let h=0;h<D.n_head;h++)maps+=heat(n,h);document.getElementById('view-attn').innerHTML=maps;
+ document.getElementById('view-mlp').innerHTML=mlp(n);document.getElementById('view-residual').innerHTML=residual(n);}
+function select(name){if(!document.getElementById('panel-'+name))name='ln_1';
+ document.querySelectorAll('.panel').forEach(p=>p.hidden=p.id!=='panel-'+name);
+ document.querySelectorAll('#diagram .node').forEach(a=>a.classList.toggle('selected',a.dataset.panel===name));}
+document.querySelectorAll('#diagram a.node').forEach(a=>a.addEventListener('click',e=>{e.preventDefault();
+ history.replaceState(null,'','#panel-'+a.dataset.panel);select(a.dataset.panel);}));
+const pick=document.getElementById('block');pick.addEventListener('change',()=>draw(+pick.value));
+window.addEventListener('hashchange',()=>select(location.hash.replace('#panel-','')));
+draw(+pick.value);select(location.hash.replace('#panel-',''));
+})();'''
+
+
+def token_label(encoder: Encoder, token: int) -> str:
+    """A token as readable text: a leading space as ·, bytes that are not UTF-8 on their own as \\xNN."""
+    raw = bytes(encoder.byte_decoder[c] for c in encoder.decoder[int(token)])
+    try:
+        text = raw.decode('utf-8')
+    except UnicodeDecodeError:
+        text = raw.decode('utf-8', errors='backslashreplace')
+    text = text.replace('\n', '\\n').replace('\t', '\\t')
+    return '·' + text[1:] if text.startswith(' ') else text
+
+
+def _rounded(array) -> list:
+    """Floats to 5 significant digits for the page's data (what a table shows, at a fifth of the bytes)."""
+    return json.loads(json.dumps(np.asarray(array, np.float64).tolist()),
+                      parse_float=lambda s: float(f'{float(s):.5g}'))
+
+
+def page_data(model: Model, found: dict, labels: list) -> str:
+    """The block-by-block views' numbers as JSON; attention weights as bytes (0..255 for 0..1), base64."""
+    hp = model.hparams
+    attention = np.round(np.clip(found['attention'], 0, 1) * 255).astype(np.uint8)
+    data = {'tokens': labels, 'n_head': hp.n_head, 'n_inner': 4 * hp.n_embd, 'near_zero': NEAR_ZERO,
+            'attention': base64.b64encode(attention.tobytes()).decode('ascii'),
+            'norm_stats': _rounded(found['norm_stats']), 'residual': _rounded(found['residual_norms']),
+            'gelu': [{'range': _rounded(r), 'histogram': h.tolist(), 'near_zero': round(float(z), 5)}
+                     for r, h, z in zip(found['gelu_range'], found['gelu_histogram'], found['near_zero'])]}
+    return json.dumps(data, separators=(',', ':')).replace('</', '<\\/')
+
+
+def panel_html(name: str, hp, counted: dict, source: str, measured: str, T: int) -> str:
+    """One component's panel: what it does, the formula, shapes, accounting, code, and the prompt's values."""
+    p = PANELS[name]
+    names = dict(hp.to_dict(), T=T, head_size=hp.n_embd // hp.n_head, n_inner=4 * hp.n_embd)
+    names = {k: f'{v:,}' if isinstance(v, int) and k != 'T' else v for k, v in names.items()}
+    out = [f'<section class="panel" id="panel-{name}"><h2>{p.title}</h2><p>{html.escape(p.text.format(**names))}</p>',
+           '<h3>Formula</h3>', *p.formulas,
+           f'<h3>Shapes</h3><p class="shapes">{html.escape(p.shapes.format(**names))}</p>']
+    if p.parts:
+        out += ['<h3>Parameters</h3>', accounting_table(p.parts, counted, source, hp.n_layer)]
+    out += ['<h3>Measured on this prompt</h3>', measured, '<h3>Code</h3>', original_link(p.original),
+            '<p class="note">This project\'s code, read from the module when the page was written:</p>',
+            source_code(p.code), '</section>']
+    return ''.join(out)
+
+
+def _global_views(encoder: Encoder, found: dict, labels: list) -> dict:
+    """The measured values of the panels that do not depend on the block (embeddings, the head)."""
+    rows = ''.join(f'<tr><td class="l tok">{html.escape(label)}</td><td>{k}</td>'
+                   + ''.join(f'<td>{v:.4f}</td>' for v in found['embedding_norms'][k]) + '</tr>'
+                   for k, label in enumerate(labels))
+    embeddings = ('<table><tr><th class="l">token</th><th>position</th><th>|wte[token]|</th><th>|wpe[position]|'
+                  f'</th><th>|x<sub>0</sub>|</th></tr>{rows}</table>')
+    top = ''.join(f'<tr><td class="l tok">{html.escape(token_label(encoder, t))}</td><td>{p:.2%}</td></tr>'
+                  for t, p in zip(found['next_ids'], found['next_probs']))
+    head = f'<table><tr><th class="l">next token</th><th>probability</th></tr>{top}</table>'
+    return {'embeddings': embeddings, 'ln_f': head}
+
+
+def _explorer(model: Model, encoder: Encoder, found: dict, labels: list, model_dir: Optional[str]) -> str:
+    """The diagram beside the panels, the block selector, and the summary table of every component."""
+    hp = model.hparams
+    stored, source = stored_shapes(model_dir, model)
+    counted = accounting(hp, stored)
+    views = {name: f'<div class="view" id="view-{name}"></div>' for name in ('ln_1', 'attn', 'ln_2', 'mlp')}
+    views['residual'] = '<div class="view" id="view-residual"></div>' + legend(labels)
+    views.update(_global_views(encoder, found, labels))
+    options = ''.join(f'<option value="{n}">h{n}</option>' for n in range(hp.n_layer))
+    panels = ''.join(panel_html(name, hp, counted, source, views[name], len(labels)) for name in PANELS)
+    out = ['<section id="architecture"><h2>The block</h2><p>' + ', '.join(f'{k} = {v}' for k, v in
+           hp.to_dict().items()) + '. Pick a component in the diagram (or Tab to it and press Enter).</p>',
+           f'<div class="explorer"><div class="side">{diagram(hp.n_layer)}<p class="picker"><label for="block">'
+           f'Block: </label><select id="block">{options}</select> of {hp.n_layer}</p></div>'
+           f'<div class="panels">{panels}</div></div>', _summary(counted, source, stored), '</section>']
+    return ''.join(out)
+
+
+def _summary(counted: dict, source: str, stored: dict) -> str:
+    out = ['<h3>Every component</h3><table id="accounting"><tr><th class="l">component</th><th class="l">original '
+           'code</th><th class="l">Calculation</th><th>per instance</th><th>instances</th><th>parameters</th>'
+           '<th class="l">what it does</th></tr>']
+    for name, c in counted.items():
+        function, line, what = ORIGINAL_CODE.get(name, ('', 0, ''))
+        out.append(f'<tr><td class="l"><code>{name}</code> {LABELS[name]}</td><td class="l"><a href="{ORIGINAL}'
+                   f'#L{line}"><code>{function}</code>, line {line}</a></td><td class="l calc">{c["calculation"]}'
+                   f'</td><td>{c["per_instance"]:,}</td><td>{c["instances"]}</td><td>{c["across"]:,}</td>'
+                   f'<td class="l">{html.escape(what)}</td></tr>')
+    total = sum(int(np.prod(s)) for s in stored.values())
+    out.append(f'<tr class="sum"><td class="l">in all</td><td></td><td></td><td></td><td></td><td id="total">'
+               f'{total:,}</td><td class="l">the logits reuse wte (tied): no parameters of their own</td></tr>'
+               f'</table><p class="note">Counted from the tensors of {html.escape(source)}: {total:,} parameters '
+               f'in {len(stored)} tensors.</p>')
+    return ''.join(out)
+
+
+def render(model: Model, encoder: Encoder, found: dict, *, model_dir: Optional[str] = None, prompt: str = '') -> str:
+    """The report as one HTML page."""
+    labels = [token_label(encoder, t) for t in found['tokens']]
+    esc = html.escape
+    n_layer = model.hparams.n_layer
+    parts = [f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>gpt2_tf explorer</title>'
+             f'<style>{STYLE}</style></head><body><h1>Inside GPT-2: {esc(model_dir or "model")}</h1>',
+             f'<p>Prompt: <span class="tok">{esc(prompt)}</span> ({len(labels)} tokens: '
+             + ' '.join(f'<span class="tok" style="border-bottom:3px solid {token_color(k, len(labels))}">'
+                        f'[{esc(label)}]</span>' for k, label in enumerate(labels)) + ')</p>',
+             _explorer(model, encoder, found, labels, model_dir)]
+    parts.append('<section id="residual"><h2>The residual stream across the blocks</h2><p>L2 norms per token '
+                 '(one line each; the legend names them) across the blocks.</p>' + legend(labels)
+                 + '<div class="grid">')
+    for q, name in enumerate(RESIDUAL):
+        parts.append(line_chart(found['residual_norms'][:, :, q], labels, f'|{name}|'))
+    parts.append('</div></section>' + _lens(encoder, found, labels, n_layer) + _prediction(encoder, found, labels))
+    parts.append(f'<script id="data" type="application/json">{page_data(model, found, labels)}</script>'
+                 f'<script>{SCRIPT}</script></body></html>')
+    return ''.join(parts)
+
+
+def _lens(encoder: Encoder, found: dict, labels: list, n_layer: int) -> str:
+    esc = html.escape
+    parts = ['<section id="lens"><h2>The logit lens</h2><p>At each block, the top 5 next tokens that its output '
+             'would give through ln_f and the tied wte, per prompt position.</p><table><tr><th>block</th>'
+             + ''.join(f'<th class="tok">{esc(label)}</th>' for label in labels) + '</tr>']
+    for layer in range(n_layer):
+        cells = []
+        for position in range(len(labels)):
+            guesses = '<br>'.join(f'<span class="tok">{esc(token_label(encoder, t))}</span> {p:.1%}' for t, p in
+                                  zip(found['lens_ids'][layer, position], found['lens_probs'][layer, position]))
+            cells.append(f'<td class="l lens">{guesses}</td>')
+        parts.append(f'<tr><th>h{layer}</th>{"".join(cells)}</tr>')
+    return ''.join(parts) + '</table></section>'
+
+
+def _prediction(encoder: Encoder, found: dict, labels: list) -> str:
+    parts = ['<section id="prediction"><h2>The final prediction</h2><table id="next"><tr><th class="l">next token'
+             '</th><th>probability</th></tr>']
+    for t, p in zip(found['next_ids'], found['next_probs']):
+        parts.append(f'<tr><td class="l tok">{html.escape(token_label(encoder, t))}</td><td>{p:.2%}</td></tr>')
+    parts.append('</table><h3>The prompt, token by token</h3><table id="prompt-log-probs"><tr><th class="l">token'
+                 '</th><th>log p</th></tr>')
+    for i, label in enumerate(labels):
+        value = '' if i == 0 else f'{found["prompt_log_probs"][i - 1]:.3f}'
+        parts.append(f'<tr><td class="l tok">{html.escape(label)}</td><td>{value}</td></tr>')
+    return ''.join(parts) + '</table></section>'
+
+
+def write_report(model: Model, encoder: Encoder, prompt: str, path: str, *, model_dir: Optional[str] = None) -> str:
+    """Renders the report for prompt and writes it to path (through a temporary file); returns path."""
+    tokens = encoder.encode(prompt)
+    if not tokens:
+        raise ValueError('the prompt is empty: give some text')
+    if len(tokens) > model.hparams.n_ctx:
+        raise ValueError(f'the prompt has {len(tokens)} tokens, more than n_ctx = {model.hparams.n_ctx}')
+    page = render(model, encoder, explore(model, tokens), model_dir=model_dir, prompt=prompt)
+    temporary = f'{path}.tmp-{os.getpid()}'
+    try:
+        with open(temporary, 'w', encoding='utf-8') as f:
+            f.write(page)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    return path
