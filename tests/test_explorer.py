@@ -1,6 +1,7 @@
 """The explorer: its numbers against the model and trace, and the page as a person sees it, in headless Chromium."""
 
 import json
+import pathlib
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from gpt2_tf.diagnostics import trace
 from gpt2_tf.encoder import get_encoder
 from gpt2_tf.explorer import explore, token_label, write_report
 
-from conftest import FIXTURES, assert_close
+from conftest import FIXTURES, assert_close, require
 
 PROMPT = "Hello, I'm a language model, not a café"
 
@@ -84,14 +85,6 @@ def chromium():
     return path
 
 
-# Reports each figure's box into the page, for the test's copy only (the report itself has no script).
-MEASURE = '''<script>
-document.body.insertAdjacentHTML('beforeend', '<pre id="boxes">' + JSON.stringify(
-  Array.from(document.querySelectorAll('svg.figure')).map(e => {
-    const r = e.getBoundingClientRect(); return [r.left, r.top + window.scrollY, r.width, r.height]; })) + '</pre>');
-</script>'''
-
-
 def page_requests(net_log) -> list:
     """The URLs a page requested, from a Chromium net log (a file that may lack its closing brackets)."""
     text = net_log.read_text()
@@ -120,44 +113,211 @@ def browse(page, tmp_path, *flags):
 
 
 def test_the_report_in_headless_chromium(model, tmp_path):
-    from PIL import Image
-
     report = tmp_path / 'report.html'
     write_report(model, get_encoder(), PROMPT, str(report), model_dir=bundled_checkpoint())
     size = report.stat().st_size
     hp = model.hparams
-    # The page as the browser builds it: every section, every figure, the predictions as text.
+    # The page as the browser builds it (its script has drawn block h0): every section, every figure,
+    # the predictions as text.
     dom = browse(report, tmp_path, '--dump-dom', f'--log-net-log={tmp_path / "net.json"}').stdout
-    for section in ('architecture', 'residual', 'attention', 'lens', 'prediction'):
-        assert f'<section id="{section}">' in dom, section
-    assert dom.count('<svg class="figure') == 5 + hp.n_layer * hp.n_head
+    dom = re.sub(r'<script.*?</script>', '', dom, flags=re.S)  # what it shows, not what draws it
+    for section in ('architecture', 'residual', 'lens', 'prediction', 'panel-attn', 'panel-mlp'):
+        assert re.search(f'<section[^>]* id="{section}"', dom), section
+    # 5 charts across the blocks, one block's heatmaps (one per head) and its GELU histogram.
+    assert dom.count('<svg class="figure') == 5 + hp.n_head + 1
+    assert dom.count('<svg class="figure heatmap"') == hp.n_head
     next_table = re.search(r'<table id="next">(.*?)</table>', dom, re.S).group(1)
     assert next_table.count('<tr>') == 11  # a header and the top 10, as text
     assert 'Hello' in dom and '·café' in dom and 'ln_1' in dom and '1e-5' in dom
     # No network: the net log holds no request that the page made (the links to GitHub are never
     # followed). Chromium's own background requests (time, updates) carry no initiator origin.
     assert not page_requests(tmp_path / 'net.json')
-    # A screenshot: no figure region is blank.
-    measured = tmp_path / 'measured.html'
-    measured.write_text(report.read_text().replace('</body>', MEASURE + '</body>'))
-    boxes = json.loads(re.search(r'<pre id="boxes">(.*?)</pre>', browse(measured, tmp_path, '--dump-dom').stdout).group(1))
-    assert len(boxes) == 5 + hp.n_layer * hp.n_head
-    browse(measured, tmp_path, f'--screenshot={tmp_path / "shot.png"}')
-    image = np.asarray(Image.open(tmp_path / 'shot.png').convert('RGB'), np.int32)
-    colorful = (image.max(axis=-1) - image.min(axis=-1)) > 40  # plot marks; text and axes are gray
-    for left, top, width, height in boxes:
-        region = colorful[int(top):int(top + height), int(left):int(left + width)]
-        assert region.size and region.mean() > 0.01, f'blank figure at {left, top}: {region.mean():.4f} colored'
     assert size < 5_000_000
 
 
+# --- the page driven in a real browser (Playwright over Debian's chromium; no browser download) --------
+
+NODES = ['Embeddings (wte + wpe)', 'LayerNorm 1', 'Attention', 'dropout (inactive at inference)', 'residual add',
+         'LayerNorm 2', 'MLP', 'dropout (inactive at inference)', 'residual add', 'ln_f → logits (tied wte)']
+PANELS = {'embeddings', 'ln_1', 'attn', 'ln_2', 'mlp', 'residual', 'ln_f'}
+# <math> elements per panel, counted from the formulas a reader expects: LayerNorm's mean and variance, then
+# its affine map (x2); attention's projection, masked softmax and output; the MLP and its GELU; the two
+# residual adds; the embedding sum; the tied logits.
+FORMULAS = 2 + 3 + 2 + 2 + 2 + 1 + 1
+
+
+@pytest.fixture(scope='module')
+def browser():
+    sync_api = require('playwright.sync_api')
+    with sync_api.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=chromium(), args=['--no-sandbox', '--disable-gpu'])
+        yield launched
+        launched.close()
+
+
+def open_page(browser, path, width=1320, height=1000):
+    """The page, with every request the page makes beyond its own file recorded (and refused)."""
+    page = browser.new_page(viewport={'width': width, 'height': height})
+    page.requests, page.errors = [], []
+    page.on('pageerror', lambda e: page.errors.append(str(e)))
+
+    def route(r):
+        if r.request.url.startswith('file://'):
+            return r.continue_()
+        page.requests.append(r.request.url)
+        return r.abort()
+
+    page.route('**/*', route)
+    page.goto(path.as_uri(), wait_until='load')
+    return page
+
+
+def visible_panels(page) -> list:
+    return page.eval_on_selector_all('.panel', 'ps => ps.filter(p => p.offsetParent !== null).map(p => p.id)')
+
+
+def colorful(png: bytes) -> float:
+    """The share of an element's pixels that are colored (plot marks; text and axes are gray)."""
+    import io
+
+    from PIL import Image
+
+    image = np.asarray(Image.open(io.BytesIO(png)).convert('RGB'), np.int32)
+    return float(((image.max(axis=-1) - image.min(axis=-1)) > 40).mean())
+
+
+def blue(v: float) -> str:
+    """The heatmaps' color of a weight v in [0, 1], written here from the page's legend: white to dark blue."""
+    return f'rgb({round(255 - 215 * v)}, {round(255 - 175 * v)}, {round(255 - 75 * v)})'
+
+
+def test_the_diagram_opens_each_panel_and_only_it(model, browser, tmp_path):
+    report = pathlib.Path(write_report(model, get_encoder(), PROMPT, str(tmp_path / 'r.html'),
+                                       model_dir=bundled_checkpoint()))
+    page = open_page(browser, report)
+    nodes = page.eval_on_selector_all('#diagram a.node', 'ns => ns.map(n => [n.getAttribute("aria-label"), '
+                                      'n.dataset.panel, n.getBoundingClientRect().top])')
+    by_height = [label for label, _, _ in sorted(nodes, key=lambda n: n[2])]
+    assert by_height == NODES  # the block's order, top to bottom
+    assert page.eval_on_selector_all('#diagram .bypass-label', 'ls => ls.map(l => l.textContent)') == ['residual'] * 2
+    assert {panel for _, panel, _ in nodes} == PANELS
+    assert page.locator('math').count() == FORMULAS
+    for index, (label, panel, _) in enumerate(nodes):
+        page.locator('#diagram a.node').nth(index).click()
+        assert visible_panels(page) == [f'panel-{panel}'], label
+        selected = page.eval_on_selector_all('#diagram .node.selected', 'ns => ns.map(n => n.dataset.panel)')
+        assert set(selected) == {panel}, label
+        for box in page.locator(f'#panel-{panel} math').all():  # MathML laid out natively, not left as text
+            assert box.evaluate('m => getComputedStyle(m).display') == 'block math'
+            assert box.bounding_box()['width'] > 40 and box.bounding_box()['height'] > 12
+        for figure in page.locator(f'#panel-{panel} svg.figure').all():
+            assert colorful(figure.screenshot()) > 0.01, (label, 'a blank figure')
+    # By keyboard: focus a node, press Enter.
+    page.locator('#diagram a.node[data-panel="ln_2"]').focus()
+    page.keyboard.press('Enter')
+    assert visible_panels(page) == ['panel-ln_2']
+    assert not page.requests and not page.errors, (page.requests, page.errors)
+
+
+def test_the_panels_show_this_prompts_values_block_by_block(model, browser, tmp_path):
+    encoder = get_encoder()
+    report = pathlib.Path(write_report(model, encoder, PROMPT, str(tmp_path / 'r.html'), model_dir=bundled_checkpoint()))
+    tokens = encoder.encode(PROMPT)
+    states = trace(model, np.array([tokens]), attention_weights=True)
+    page = open_page(browser, report)
+    hp = model.hparams
+    labels = [token_label(encoder, t) for t in tokens]
+    for n in range(hp.n_layer):
+        page.select_option('#block', str(n))
+        s = states[n]
+        # The tables show 5 significant digits, at most 4 decimals: rtol and atol 6e-5 (a half step and a little).
+        # LayerNorm 2 of block n: each token's mean and variance of x'_n and of ln_2(x'_n).
+        rows = page.eval_on_selector_all('#view-ln_2 tr', 'rs => rs.slice(1).map(r => Array.from(r.cells, c => '
+                                         'c.textContent))')
+        assert [row[0] for row in rows] == labels
+        before, after = s['x_attn'][0], s['z2'][0]
+        expected = np.stack([before.mean(-1), before.var(-1), after.mean(-1), after.var(-1)], -1)
+        np.testing.assert_allclose(np.array([[float(c) for c in row[1:]] for row in rows]), expected, rtol=6e-5, atol=6e-5)
+        # The residual adds: |x_n|, |attention delta|, |x'_n|, |MLP delta|, |x_{n+1}| per token.
+        rows = page.eval_on_selector_all('#view-residual tr', 'rs => rs.slice(1).map(r => Array.from(r.cells, c => '
+                                         'c.textContent))')
+        norms = np.stack([np.linalg.norm(s[k][0], axis=-1) for k in ('x', 'attn', 'x_attn', 'mlp', 'out')], -1)
+        np.testing.assert_allclose(np.array([[float(c) for c in row[1:]] for row in rows]), norms, rtol=6e-5, atol=6e-5)
+        # Attention: one map per head, its cells the weights (to the page's 1/255 steps).
+        titles = page.eval_on_selector_all('#view-attn svg.heatmap title', 'ts => ts.map(t => t.textContent)')
+        assert titles == [f'h{n} head {h}' for h in range(hp.n_head)]
+        fills = page.eval_on_selector_all('#view-attn svg.heatmap', 'ms => ms.map(m => Array.from('
+                                          'm.querySelectorAll("rect"), r => getComputedStyle(r).fill))')
+        weights = np.round(s['attn_weights'][0] * 255) / 255  # [heads, T, T]
+        assert fills == [[blue(v) for v in head.reshape(-1)] for head in weights]
+        # The MLP: the GELU's input is c_fc's output, z2 @ w + b, from the checkpoint's own values.
+        w, b = (model.variables_by_name()[f'model/h{n}/mlp/c_fc/{v}'].numpy() for v in 'wb')
+        u = s['z2'][0] @ w[0] + b
+        a = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u ** 3)))
+        text = page.inner_text('#view-mlp')
+        low, high, share = re.search(r'ranges from (\S+) to (\S+); (\S+)% of the activations have \|GELU\(u\)\| '
+                                     r'< 0.01', text).groups()
+        np.testing.assert_allclose([float(low), float(high)], [u.min(), u.max()], atol=1e-3)
+        assert abs(float(share) - 100 * np.mean(np.abs(a) < 0.01)) < 0.051
+    legend = page.eval_on_selector_all('#panel-residual .legend .tok', 'ts => ts.map(t => t.textContent)')
+    assert legend == labels
+
+
+def test_the_code_is_this_projects_with_its_lines_beside_the_originals(model, tmp_path):
+    import inspect
+
+    from gpt2_tf import model as graph
+
+    text = pathlib.Path(write_report(model, get_encoder(), 'Hi', str(tmp_path / 'r.html'))).read_text()
+    lines, first = inspect.getsourcelines(graph.MLP)
+    caption = f'<code>gpt2_tf/model.py</code>, lines {first}–{first + len(lines) - 1}'
+    mlp = re.search(r'<section class="panel" id="panel-mlp">(.*?)</section>', text, re.S).group(1)
+    assert caption in mlp and 'return self.c_proj(gelu(self.c_fc(x)))' in mlp
+    # The original's lines at 9b63575, looked up by hand in openai/gpt-2's src/model.py.
+    assert 'https://github.com/openai/gpt-2/blob/9b63575/src/model.py#L115-L120' in mlp
+    for panel, lines in [('ln_1', 'L28-L38'), ('attn', 'L58-L112'), ('residual', 'L123-L130'),
+                         ('embeddings', 'L152-L157'), ('ln_f', 'L167-L173')]:
+        body = re.search(f'<section class="panel" id="panel-{panel}">(.*?)</section>', text, re.S).group(1)
+        assert f'src/model.py#{lines}"' in body, panel
+
+
+# The issue of per-instance accounting, worked by hand for 124M (n_embd 768, n_layer 12, n_vocab 50,257,
+# n_ctx 1,024): each line as a reader of the model-explorer pages writes it.
+ACCOUNTING_124M = {
+    'ln_1': ['768 + 768 = 1,536', '1,536 × 12 blocks = 18,432'],
+    'attn': ['768 × 2,304 + 2,304 = 1,771,776', '768 × 768 + 768 = 590,592', '1,771,776 + 590,592 = 2,362,368',
+             '2,362,368 × 12 blocks = 28,348,416'],
+    'mlp': ['768 × 3,072 + 3,072 = 2,362,368', '3,072 × 768 + 768 = 2,360,064', '2,362,368 + 2,360,064 = 4,722,432',
+            '4,722,432 × 12 blocks = 56,669,184'],
+    'embeddings': ['50,257 × 768 = 38,597,376', '1,024 × 768 = 786,432'],
+    'ln_f': ['768 + 768 = 1,536'],
+}
+
+
 @pytest.mark.slow
-def test_a_16_token_prompt_on_a_124m_model_stays_under_5_mb(random_checkpoint, tmp_path):
-    model = gpt2_tf.load_model(random_checkpoint(gpt2_tf.HParams.named('124M'), scale=0.02))
+def test_a_124m_shaped_page_counts_its_tensors_and_stays_small(random_checkpoint, browser, tmp_path):
+    folder = random_checkpoint(gpt2_tf.HParams.named('124M'), scale=0.02)
+    model = gpt2_tf.load_model(folder)
     prompt = 'The quick brown fox jumps over the lazy dog and keeps on running far away now'
-    tokens = get_encoder().encode(prompt)
-    assert len(tokens) == 16
-    path = write_report(model, get_encoder(), prompt, str(tmp_path / 'r.html'))
-    text = (tmp_path / 'r.html').read_text()
-    assert text.count('<svg class="figure heatmap"') == 144
-    assert os.path.getsize(path) < 5_000_000, os.path.getsize(path)
+    assert len(get_encoder().encode(prompt)) == 16
+    report = pathlib.Path(write_report(model, get_encoder(), prompt, str(tmp_path / 'r.html'), model_dir=str(folder)))
+    assert report.stat().st_size < 5_000_000, report.stat().st_size
+    assert report.read_text().count('<svg class="figure heatmap"') == 0  # drawn per block, not 144 copies
+    page = open_page(browser, report)
+    timing = page.evaluate('() => performance.getEntriesByType("navigation")[0].loadEventEnd')
+    print(f'\n124M-shaped page: {report.stat().st_size:,} bytes, loaded and drawn in {timing:.0f} ms')
+    for panel, lines in ACCOUNTING_124M.items():
+        text = page.locator(f'#panel-{panel}').text_content()
+        for line in lines:
+            assert line in text, (panel, line)
+        assert 'Counted from the tensors of the checkpoint file' in text
+    assert page.text_content('#total') == '124,439,808'
+    page.select_option('#block', '11')
+    assert page.locator('#view-attn svg.heatmap').count() == 12
+    assert page.text_content('#view-attn svg.heatmap title') == 'h11 head 0'
+    docs = pathlib.Path(__file__).parent.parent / 'docs'
+    page.select_option('#block', '0')
+    page.screenshot(path=str(docs / 'explorer-overview.png'))
+    page.locator('#diagram a.node[data-panel="mlp"]').click()
+    page.screenshot(path=str(docs / 'explorer-mlp.png'))
+    assert not page.requests and not page.errors, (page.requests, page.errors)

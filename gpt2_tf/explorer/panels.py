@@ -20,7 +20,7 @@ from ..diagnostics import components, variable_name
 from ..hparams import HParams
 
 ORIGINAL = 'https://github.com/openai/gpt-2/blob/9b63575/src/model.py'
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(graph.__file__))))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(graph.__file__)))  # the folder above gpt2_tf/
 
 # What readers call the checkpoint's components (checkpoint.VARIABLES's third column).
 LABELS = {'wte': 'Token embedding (wte)', 'wpe': 'Position embedding (wpe)', 'ln_1': 'LayerNorm 1 (ln_1)',
