@@ -69,6 +69,21 @@ def open_batch(value):
     return value
 
 
+def signature(structure) -> tuple:
+    """What tracing depends on, past the weights (fixed per model shape): each tensor's shape after its
+    batch dimension and its dtype, and every other value itself (its repr when it cannot be hashed)."""
+    out = []
+    for leaf in tf.nest.flatten(structure):
+        if isinstance(leaf, tf.Tensor):
+            out.append((tuple(leaf.shape[1:]) if leaf.shape.rank else None, leaf.dtype))
+        else:
+            try:
+                out.append((hash(leaf), leaf))
+            except TypeError:
+                out.append(repr(leaf))
+    return tuple(out)
+
+
 class Shared:
     """fn(model, *tensors, **static) compiled once per (model shape, static arguments), for any model.
 
@@ -92,9 +107,9 @@ class Shared:
 
     def _trace(self, tensors, args, static):
         """Traces once for these shapes with the batch open; later calls of any batch dispatch to it."""
-        args, static = tf.nest.map_structure(open_batch, (list(args), static))
-        key = repr((tuple((t.shape, t.dtype) for t in tensors), args, sorted(static.items())))
+        key = signature((args, sorted(static.items())))
         if key not in self._signatures:
+            args, static = tf.nest.map_structure(open_batch, (list(args), static))
             self._compiled.get_concrete_function(tensors, *args, **static)
             self._signatures.add(key)
 
