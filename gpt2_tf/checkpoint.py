@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from .hparams import HParams
+from .precision import assign, stored
 from .validate import GPT2Error
 from .model import Model
 
@@ -223,7 +224,7 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
     """
     prefix = find_checkpoint(path)
     variables = model.variables_by_name()
-    expected = {name: tuple(v.shape.as_list()) for name, v in variables.items()}
+    expected = {name: tuple(v.shape.as_list()) for name, v in stored(variables).items()}
     reader = _checked_reader(prefix, expected, model.hparams, strict=strict)
 
     def read(name):
@@ -234,10 +235,9 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
                 f'checkpoint {prefix}: cannot read {name} ({_first_line(e)}); '
                 f'the .data file is corrupt or truncated') from None
 
-    values = {name: read(name) for name in variables} if all_or_nothing else None
-    for name, variable in variables.items():
-        value = values.pop(name) if values is not None else read(name)
-        variable.assign(tf.cast(value, variable.dtype))  # float32 on disk, the model's dtype in memory
+    values = {name: read(name) for name in expected} if all_or_nothing else None
+    for name in expected:  # float32 on disk, the model's dtype in memory (int8 quantized here, tensor by tensor)
+        assign(variables, name, values.pop(name) if values is not None else read(name))
 
 
 def read_state(model_dir: str) -> tuple:
@@ -308,6 +308,9 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     checkpoint loadable. The folder's other files stay. A folder whose hparams.json
     describes another model size is refused.
     """
+    if model.dtype == 'int8':
+        raise CheckpointError('an int8 model cannot be saved: the original format holds float32 weights, '
+                              'and int8 ones are a lossy copy of them; save the float32 model (dtype="float32")')
     model_dir = os.fspath(model_dir)
     os.makedirs(model_dir, exist_ok=True)
     hparams_path = os.path.join(model_dir, 'hparams.json')

@@ -14,13 +14,15 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .model import Model, shape_list
-from .precision import f32
+from .precision import activations, f32
 
 
 def empty_cache(model: Model, batch, size: int) -> list:
-    """One zeroed cache [batch, 2, n_head, size, head_size] per layer, in the dtype of the model's weights."""
+    """One zeroed cache [batch, 2, n_head, size, head_size] per layer, in the dtype of the model's weights
+    (float32 beside int8 weights)."""
     hp = model.hparams
-    return [tf.zeros([batch, 2, hp.n_head, size, hp.head_size], model.wte.dtype) for _ in range(hp.n_layer)]
+    dtype = activations(model.dtype)
+    return [tf.zeros([batch, 2, hp.n_head, size, hp.head_size], dtype) for _ in range(hp.n_layer)]
 
 
 def write_cache(cache, kv, index):

@@ -17,7 +17,7 @@ import contextlib
 
 from . import validate
 from .hparams import HParams
-from .precision import check_dtype, f32, product, weight
+from .precision import check_dtype, f32, gather, matrix, product, weight
 
 
 def shape_list(x):
@@ -75,14 +75,16 @@ class Conv1D(tf.Module):
     def __init__(self, nx: int, scope: str, nf: int, *, dtype: str):
         super().__init__(name=scope)
         with self.name_scope:
-            self.w = weight([1, nx, nf], 'w', dtype)
+            self.w, self.w_scale = matrix([1, nx, nf], 'w', dtype, channels=nf)  # int8: a scale per column
             self.b = weight([nf], 'b', dtype)
+
+    def product(self, x):  # [rows, nx] @ [nx, nf] -> [rows, nf], in the weights' dtype
+        return product(x, tf.reshape(self.w, [-1, self.w.shape[-1]]), self.w_scale)
 
     def __call__(self, x):  # [..., nx] -> [..., nf]
         *start, nx = shape_list(x)
-        nf = self.w.shape[-1]
-        c = product(tf.reshape(x, [-1, nx]), tf.reshape(self.w, [-1, nf])) + f32(self.b)  # [rows, nx] @ [nx, nf]
-        return tf.reshape(c, start + [nf])
+        c = self.product(tf.reshape(x, [-1, nx])) + f32(self.b)
+        return tf.reshape(c, start + [self.w.shape[-1]])
 
 
 def attention_mask(nd, ns, *, dtype):
@@ -195,7 +197,8 @@ class Graph(tf.Module):
         self.hparams, self.dtype = hparams, dtype
         with self.name_scope:
             self.wpe = weight([hparams.n_ctx, hparams.n_embd], 'wpe', dtype)
-            self.wte = weight([hparams.n_vocab, hparams.n_embd], 'wte', dtype)
+            self.wte, self.wte_scale = matrix([hparams.n_vocab, hparams.n_embd], 'wte', dtype,
+                                              channels=hparams.n_vocab)  # int8: a scale per row
             self.h = [Block(hparams.n_embd, 'h%d' % i, hparams=hparams, dtype=dtype) for i in range(hparams.n_layer)]
             self.ln_f = Norm(hparams.n_embd, 'ln_f', dtype=dtype)
 
@@ -203,7 +206,7 @@ class Graph(tf.Module):
         # Gather from dense reads: tf.gather on the variable itself puts it in copy-on-read
         # mode, and every later read of wte (the logits) would then copy all 154 MB of it.
         wte, wpe = tf.convert_to_tensor(self.wte), tf.convert_to_tensor(self.wpe)
-        return f32(tf.gather(wte, X)) + f32(tf.gather(wpe, positions))
+        return gather(wte, self.wte_scale, X) + f32(tf.gather(wpe, positions))
 
     def blocks(self, h, kvs=None, *, wrap=None, record=None):
         """The residual stream through every block: h [batch, sequence, n_embd] -> h, [present per block].
@@ -218,7 +221,8 @@ class Graph(tf.Module):
 
     def logits(self, h):  # [batch, sequence, n_embd] -> [batch, sequence, n_vocab]: ln_f, then the tied wte
         batch, sequence, n_embd = shape_list(h)
-        logits = product(tf.reshape(self.ln_f(h), [batch * sequence, n_embd]), self.wte, transpose_b=True)
+        logits = product(tf.reshape(self.ln_f(h), [batch * sequence, n_embd]), self.wte, self.wte_scale,
+                         transpose_b=True)
         return tf.reshape(logits, [batch, sequence, self.hparams.n_vocab])
 
     def forward(self, X, past=None):

@@ -1,20 +1,32 @@
 """The one place that decides the dtype of the weights, and so of the matrix products.
 
-The model holds its weights in float32 (the default, and exact), bfloat16 or
-float16. In the reduced dtypes, matrix products take reduced inputs and the
+The model holds its weights in float32 (the default, and exact), bfloat16,
+float16 or int8. In bfloat16 and float16, matrix products take reduced inputs and the
 kernels accumulate in float32; the residual stream, LayerNorm statistics,
 attention scores with their mask and softmax, and the logits stay float32,
 because reduced precision there costs accuracy for no speed (they are small,
 or sums whose rounding compounds). For float32 weights every cast here is a
 no-op, so the float32 graph is the original's. The dtype is an argument of
 every module that creates weights (weight(shape, name, dtype)), never a global.
+
+int8 holds only the matrices (conv1d's w and wte) in int8, with one float32
+scale per output channel (a conv1d's column, a wte row: symmetric, round to
+nearest, scale = max|w| / 127, computed at load from the float32 files); norms,
+biases, wpe, the activations and the KV cache stay float32. A product reads the
+int8 bytes themselves (gpt2_tf.kernels) and sums in float32.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import tensorflow as tf
 
-DTYPES = ('float32', 'bfloat16', 'float16')
+from . import kernels
+
+DTYPES = ('float32', 'bfloat16', 'float16', 'int8')
+SCALE = '_scale'  # an int8 matrix `name` has its scales in the variable `name + SCALE`
 
 
 def check_dtype(dtype: str) -> str:
@@ -23,9 +35,50 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
+def activations(dtype: str) -> str:
+    """The dtype products take their inputs in and the KV cache is kept in: float32 beside int8 weights."""
+    return 'float32' if check_dtype(dtype) == 'int8' else dtype
+
+
 def weight(shape: list, name: str, dtype: str, *, ones: bool = False) -> tf.Variable:
-    """A model variable of zeros (or ones), made directly in dtype, the dtype of the model being built."""
-    return tf.Variable((tf.ones if ones else tf.zeros)(shape, check_dtype(dtype)), name=name)
+    """A model variable of zeros (or ones), made directly in dtype, the dtype of the model being built
+    (float32 for an int8 model: only matrices are int8)."""
+    return tf.Variable((tf.ones if ones else tf.zeros)(shape, activations(dtype)), name=name)
+
+
+def matrix(shape: list, name: str, dtype: str, *, channels: int) -> tuple:
+    """A product's weight in dtype and, for int8, its per-channel scales (channels of them), else None."""
+    if check_dtype(dtype) != 'int8':
+        return weight(shape, name, dtype), None
+    return tf.Variable(tf.zeros(shape, tf.int8), name=name), tf.Variable(tf.ones([channels]), name=name + SCALE)
+
+
+def quantize(value: np.ndarray, *, rows: bool) -> tuple:
+    """float32 [..., n] (rows=False: one scale per last-axis column) or [n, k] (rows=True: one per row)
+    -> (int8 of the same shape, float32 scales [n]): symmetric, round to nearest, scale = max|w| / 127."""
+    value = np.asarray(value, np.float32)
+    axes = tuple(range(1, value.ndim)) if rows else tuple(range(value.ndim - 1))
+    peak = np.abs(value).max(axis=axes, keepdims=True)
+    scale = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)  # an all-zero channel
+    q = np.clip(np.rint(value / scale), -127, 127).astype(np.int8)
+    return q, scale.reshape(-1)
+
+
+def assign(variables: dict, name: str, value) -> None:
+    """Assigns a float32 checkpoint value to variables[name], in its dtype: the one place int8 is quantized."""
+    variable = variables[name]
+    if variable.dtype != tf.int8:
+        variable.assign(tf.cast(value, variable.dtype))
+        return
+    q, scale = quantize(value, rows=variable.shape.rank == 2)  # wte [n_vocab, n_embd]: a scale per row
+    variable.assign(q)
+    variables[name + SCALE].assign(scale)
+
+
+def stored(variables: dict) -> dict:
+    """{checkpoint name: variable}: the variables a checkpoint holds, without int8's scales."""
+    return {name: v for name, v in variables.items()
+            if not (name.endswith(SCALE) and name[:-len(SCALE)] in variables)}
 
 
 def f32(v):
@@ -33,6 +86,15 @@ def f32(v):
     return tf.cast(v, tf.float32)
 
 
-def product(x, w, **options):
-    """float32 x times w, in w's dtype -> float32: reduced inputs, float32 accumulation and result."""
-    return f32(tf.matmul(tf.cast(x, w.dtype), w, **options))
+def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = False):
+    """float32 x [M, K] times w [K, N] (or [N, K] with transpose_b), in w's dtype -> float32 [M, N]: reduced
+    inputs, float32 accumulation and result; int8 w is multiplied as it is, with its scales [N]."""
+    if w.dtype == tf.int8:
+        return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b)
+    return f32(tf.matmul(tf.cast(x, w.dtype), w, transpose_b=transpose_b))
+
+
+def gather(w, scale: Optional[tf.Tensor], ids):
+    """Rows ids of w (wte) as float32: int8 rows times their scales."""
+    rows = f32(tf.gather(w, ids))
+    return rows if scale is None else rows * tf.gather(scale, ids)[..., None]

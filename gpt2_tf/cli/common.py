@@ -17,7 +17,7 @@ from ..validate import GPT2Error
 
 BANNER = '=' * 40 + ' SAMPLE {} ' + '=' * 40
 # precision.DTYPES and compiled.MODES, which import TensorFlow; tests/test_cli.py holds them equal.
-DTYPES = ('float32', 'bfloat16', 'float16')
+DTYPES = ('float32', 'bfloat16', 'float16', 'int8')
 MODES = ('xla', 'function', 'eager')
 
 

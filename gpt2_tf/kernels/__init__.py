@@ -15,6 +15,7 @@ Both sum in float32; they agree to float32 rounding (the tests compare them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -22,6 +23,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Optional
 
 import tensorflow as tf
@@ -29,6 +31,7 @@ import tensorflow as tf
 SOURCE = pathlib.Path(__file__).with_name('int8_matmul.cc')
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
+_local = threading.local()  # .off: inside tensorflow_ops() on this thread
 
 
 def cache_folder() -> pathlib.Path:
@@ -92,12 +95,23 @@ def unavailable_reason() -> Optional[str]:
     return library if isinstance(library, str) else None
 
 
+@contextlib.contextmanager
+def tensorflow_ops():
+    """Within it, on this thread, products traced with kernel=None use TensorFlow ops (cast, scale, matmul):
+    for graphs another runtime converts (LiteRT keeps the int8 weights as int8 constants)."""
+    before, _local.off = getattr(_local, 'off', False), True
+    try:
+        yield
+    finally:
+        _local.off = before
+
+
 def int8_matmul(x, w, scale, *, transpose_w: bool = False, kernel: Optional[bool] = None):
     """x float32 [M, K] times int8 w with one float32 scale per output channel -> float32 [M, N].
 
     kernel: None uses the C++ kernel when it is available, True requires it, False uses TensorFlow ops.
     """
-    use = available() if kernel is None else kernel
+    use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
     if use:
         library = _library()
         if isinstance(library, str):
