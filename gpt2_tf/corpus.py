@@ -48,12 +48,12 @@ SIDECAR = '.json'  # train.bin -> train.bin.json
 # point (letter and digit runs stop there, punctuation runs hold neither, contractions start with ' and stay
 # within letters), and none looks ahead across it, so the two sides encode as they do within the whole text.
 CUT = regex.compile(r'(?<=\p{L})(?=[^\s\p{L}])|(?<=\p{N})(?=[^\s\p{N}])')
-TAIL = 4096  # characters searched for the last cut before the whole piece is
+TAILS = (256, 4096)  # characters searched, from the end, for the last cut before the whole piece is
 
 
 def cut(text: str) -> int:
     """The last position in text where it may be cut (see CUT), or 0 when there is none."""
-    for start in (max(0, len(text) - TAIL), 0):
+    for start in [max(0, len(text) - tail) for tail in TAILS] + [0]:
         last = 0
         for match in CUT.finditer(text, pos=max(start, 1)):
             last = match.start()
@@ -70,6 +70,9 @@ def pieces(readable, size: int = PIECE) -> Iterator[str]:
         if not block:
             break
         text = carry + block
+        if len(block) < size:  # short: the stream's end, as a rule (a whole small file): no cut to look for
+            carry = text
+            continue
         at = cut(text)
         if at == 0:  # no cut in it (a run of spaces, say): keep reading
             carry = text

@@ -152,3 +152,15 @@ def test_the_validation_split_falls_after_an_end_of_text():
     assert corpus.split_documents(tokens, 0.2, end=END) == ((0, 7), (7, 10))
     with pytest.raises(GPT2Error, match='at least two documents'):
         corpus.split_documents(np.array([1, 2, 3, END], '<u2'), 0.5, end=END)
+
+
+def test_short_reads_before_the_end_lose_nothing():
+    import io
+
+    class Trickle(io.StringIO):  # a pipe that hands over at most 5 characters a read, long before its end
+        def read(self, size=-1):
+            return super().read(min(size, 5))
+
+    parts = list(corpus.pieces(Trickle(MIXED * 10), size=64))
+    assert ''.join(parts) == MIXED * 10
+    assert sum((pretokens(p) for p in parts), []) == pretokens(MIXED * 10)
