@@ -123,8 +123,8 @@ def test_the_report_in_headless_chromium(model, tmp_path):
     dom = re.sub(r'<script.*?</script>', '', dom, flags=re.S)  # what it shows, not what draws it
     for section in ('architecture', 'residual', 'lens', 'prediction', 'panel-attn', 'panel-mlp'):
         assert re.search(f'<section[^>]* id="{section}"', dom), section
-    # 5 charts across the blocks, one block's heatmaps (one per head) and its GELU histogram.
-    assert dom.count('<svg class="figure') == 5 + hp.n_head + 1
+    # 5 charts across the blocks, the mask, one block's heatmaps (one per head) and its GELU histogram.
+    assert dom.count('<svg class="figure') == 5 + 1 + hp.n_head + 1
     assert dom.count('<svg class="figure heatmap"') == hp.n_head
     next_table = re.search(r'<table id="next">(.*?)</table>', dom, re.S).group(1)
     assert next_table.count('<tr>') == 11  # a header and the top 10, as text
@@ -302,7 +302,8 @@ def test_a_124m_shaped_page_counts_its_tensors_and_stays_small(random_checkpoint
     assert len(get_encoder().encode(prompt)) == 16
     report = pathlib.Path(write_report(model, get_encoder(), prompt, str(tmp_path / 'r.html'), model_dir=str(folder)))
     assert report.stat().st_size < 5_000_000, report.stat().st_size
-    assert report.read_text().count('<svg class="figure heatmap"') == 0  # drawn per block, not 144 copies
+    shown = re.sub(r'<script.*?</script>', '', report.read_text(), flags=re.S)
+    assert shown.count('<svg class="figure heatmap"') == 0  # drawn per block, not 144 copies
     page = open_page(browser, report)
     timing = page.evaluate('() => performance.getEntriesByType("navigation")[0].loadEventEnd')
     print(f'\n124M-shaped page: {report.stat().st_size:,} bytes, loaded and drawn in {timing:.0f} ms')

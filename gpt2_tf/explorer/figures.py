@@ -98,3 +98,20 @@ def diagram(n_layer: int) -> str:
         parts.append(f'<a href="#panel-residual" class="node add" data-panel="residual" aria-label="residual add">'
                      f'<circle cx="{CX}" cy="{y}" r="13"/><text x="{CX}" y="{y + 5}" text-anchor="middle">+</text></a>')
     return ''.join(parts) + '</svg>'
+
+
+def inner_flow(steps: list) -> str:
+    """A sublayer's inside as a row of boxes: steps [(name, shape)] left to right, each shape under its box."""
+    width, gap = 104, 16
+    parts = [f'<svg class="inner" xmlns="http://www.w3.org/2000/svg" width="{len(steps) * (width + gap)}" '
+             f'height="64" role="img"><title>inside: {html.escape(" → ".join(n for n, _ in steps))}</title>']
+    for k, (name, shape) in enumerate(steps):
+        x = k * (width + gap)
+        parts.append(f'<rect x="{x + 1}" y="4" width="{width}" height="30" rx="5" class="step"/>'
+                     f'<text x="{x + width / 2}" y="24" text-anchor="middle" font-size="12">{html.escape(name)}</text>'
+                     f'<text x="{x + width / 2}" y="52" text-anchor="middle" font-size="10" '
+                     f'class="shape">{html.escape(shape)}</text>')
+        if k:
+            parts.append(f'<line x1="{x - gap + 2}" y1="19" x2="{x - 1}" y2="19" stroke="#555" '
+                         f'marker-end="url(#arrow)"/>')
+    return ''.join(parts) + '</svg>'

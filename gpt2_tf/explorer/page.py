@@ -20,9 +20,10 @@ import numpy as np
 from ..checkpoint import ORIGINAL_CODE
 from ..encoder import Encoder
 from ..model import Model
-from .figures import diagram, legend, line_chart, token_color
+from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
-from .panels import LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code, stored_shapes
+from .panels import (INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code,
+                     stored_shapes)
 
 STYLE = '''body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1320px}
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
@@ -42,8 +43,9 @@ th{background:#f3f3f3}td.l,th.l{text-align:left}.tok{font-family:ui-monospace,mo
 #diagram .bypass-label{font-size:11px;fill:#555;font-style:italic}#diagram .state{font-size:14px;font-style:italic}
 #diagram .blockbox{fill:none;stroke:#8a97ad;stroke-dasharray:6 4}#diagram .blocklabel{font-size:12px;fill:#555}
 .calc{font-family:ui-monospace,monospace;white-space:nowrap}.note{color:#555;font-size:12px;margin:2px 0}
-figure.code{margin:8px 0}figure.code pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px}
-figcaption{font-size:12px;color:#555}.shapes{font-family:ui-monospace,monospace;font-size:13px}
+figure.code{margin:8px 0}pre code{background:none;padding:0}figure.code pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px}
+figcaption{font-size:12px;color:#555}table.accounting code{white-space:nowrap}
+.inner .step{fill:#eef3fb;stroke:#4a6fa5}.inner .shape{fill:#555;font-family:ui-monospace,monospace}.shapes{font-family:ui-monospace,monospace;font-size:13px}
 .legend{display:flex;flex-wrap:wrap;gap:4px 12px;margin:4px 0}.legend i{display:inline-block;width:12px;height:12px;
 margin-right:4px;vertical-align:-1px;border-radius:2px}math{font-size:17px;margin:6px 0}
 .picker{margin:8px 0 0}td i{display:inline-block;width:10px;height:10px;margin-right:6px;border-radius:2px}.picker select{font-size:14px}'''
@@ -55,25 +57,28 @@ const A=Uint8Array.from(atob(D.attention),c=>c.charCodeAt(0)), color=k=>`hsl(${M
 const blue=v=>`rgb(${Math.round(255-215*v)},${Math.round(255-175*v)},${Math.round(255-75*v)})`;
 const fmt=v=>Math.abs(v)>=1e4||(Math.abs(v)<1e-3&&v!==0)?v.toExponential(2):v.toFixed(4);
 const sw=k=>`<i style="background:${color(k)}"></i>`;
-function heat(n,h){const cell=14,m=8+7*Math.min(12,Math.max(...D.tokens.map(t=>t.length))),s=m+cell*T,o=(n*D.n_head+h)*T*T;
- let p=`<svg class="figure heatmap" xmlns="http://www.w3.org/2000/svg" width="${s}" height="${s+16}" role="img"><title>h${n} head ${h}</title><text x="2" y="11" font-size="10">h${n} head ${h}</text>`;
- for(let i=0;i<T;i++)for(let j=0;j<T;j++)p+=`<rect x="${m+j*cell}" y="${16+m+i*cell}" width="${cell}" height="${cell}" fill="${blue(A[o+i*T+j]/255)}"/>`;
+function heat(get,title,kind){const cell=14,m=8+7*Math.min(12,Math.max(...D.tokens.map(t=>t.length))),s=m+cell*T;
+ let p=`<svg class="figure ${kind}" xmlns="http://www.w3.org/2000/svg" width="${s}" height="${s+16}" role="img"><title>${title}</title><text x="2" y="11" font-size="10">${title}</text>`;
+ for(let i=0;i<T;i++)for(let j=0;j<T;j++)p+=`<rect x="${m+j*cell}" y="${16+m+i*cell}" width="${cell}" height="${cell}" fill="${blue(get(i,j))}"/>`;
  D.tokens.forEach((t,i)=>{const s=esc(t.slice(0,12));p+=`<text x="${m-2}" y="${16+m+i*cell+10}" font-size="9" text-anchor="end">${s}</text><text transform="translate(${m+i*cell+10},${16+m-2}) rotate(-90)" font-size="9">${s}</text>`;});
  return p+'</svg>';}
 function table(head,rows){return '<table><tr>'+head.map(h=>`<th>${h}</th>`).join('')+'</tr>'+rows.map(r=>'<tr>'+r.map((c,i)=>i?`<td>${c}</td>`:`<td class="l tok">${c}</td>`).join('')+'</tr>').join('')+'</table>';}
 function norms(n,q){return table(['token','mean before','variance before','mean after','variance after'],
  D.norm_stats[n][q].map((r,k)=>[sw(k)+esc(D.tokens[k])].concat(r.map(fmt))));}
 function mlp(n){const g=D.gelu[n],hist=g.histogram,top=Math.max(...hist),w=14,H=90;
- let p=`<p>GELU input (c_fc's output, ${T} × ${D.n_inner} values) ranges from <b>${fmt(g.range[0])}</b> to <b>${fmt(g.range[1])}</b>; <b>${(100*g.near_zero).toFixed(1)}%</b> of the activations have |GELU(u)| &lt; ${D.near_zero}.</p>`;
+ let p=`<p>GELU input (c_fc's output, ${T} × ${D.n_inner.toLocaleString('en-US')} values) ranges from <b>${fmt(g.range[0])}</b> to <b>${fmt(g.range[1])}</b>; <b>${(100*g.near_zero).toFixed(1)}%</b> of the activations have |GELU(u)| &lt; ${D.near_zero}.</p>`;
  p+=`<svg class="figure histogram" xmlns="http://www.w3.org/2000/svg" width="${hist.length*w+60}" height="${H+30}" role="img"><title>the GELU's input, h${n}</title>`;
  hist.forEach((c,i)=>{const h=H*c/top;p+=`<rect x="${30+i*w}" y="${H-h+4}" width="${w-2}" height="${h}" fill="#4a6fa5"><title>${c}</title></rect>`;});
- return p+`<text x="30" y="${H+20}" font-size="10">${fmt(g.range[0])}</text><text x="${30+hist.length*w}" y="${H+20}" font-size="10" text-anchor="end">${fmt(g.range[1])}</text></svg>`;}
+ const z=30+hist.length*w*(0-g.range[0])/(g.range[1]-g.range[0]);
+ if(g.range[0]<0&&g.range[1]>0)p+=`<line x1="${z}" y1="2" x2="${z}" y2="${H+8}" stroke="#d62828" stroke-dasharray="3 2"/><text x="${z}" y="${H+20}" font-size="10" text-anchor="middle">0</text>`;
+ return p+`<text x="30" y="${H+20}" font-size="10">${fmt(g.range[0])}</text><text x="${30+hist.length*w}" y="${H+20}" font-size="10" text-anchor="end">${fmt(g.range[1])}</text></svg><p class="note">Counts of the GELU's input u in ${hist.length} equal bins (hover a bar); the dashed line is u = 0, below which the GELU squashes towards 0.</p>`;}
 function residual(n){return table(['token','|x<sub>n</sub>|','|Δ attention|',"|x′<sub>n</sub>|",'|Δ MLP|','|x<sub>n+1</sub>|'],
  D.residual[n].map((r,k)=>[sw(k)+esc(D.tokens[k])].concat(r.map(fmt))));}
 function draw(n){
  document.querySelectorAll('.block-number').forEach(e=>e.textContent='h'+n);
  document.getElementById('view-ln_1').innerHTML=norms(n,0);document.getElementById('view-ln_2').innerHTML=norms(n,1);
- let maps='';for(let h=0;h<D.n_head;h++)maps+=heat(n,h);document.getElementById('view-attn').innerHTML=maps;
+ let maps='';for(let h=0;h<D.n_head;h++){const o=(n*D.n_head+h)*T*T;maps+=heat((i,j)=>A[o+i*T+j]/255,`h${n} head ${h}`,'heatmap');}
+ document.getElementById('view-attn').innerHTML=maps;
  document.getElementById('view-mlp').innerHTML=mlp(n);document.getElementById('view-residual').innerHTML=residual(n);}
 function select(name){if(!document.getElementById('panel-'+name))name='ln_1';
  document.querySelectorAll('.panel').forEach(p=>p.hidden=p.id!=='panel-'+name);
@@ -82,6 +87,7 @@ document.querySelectorAll('#diagram a.node').forEach(a=>a.addEventListener('clic
  history.replaceState(null,'','#panel-'+a.dataset.panel);select(a.dataset.panel);}));
 const pick=document.getElementById('block');pick.addEventListener('change',()=>draw(+pick.value));
 window.addEventListener('hashchange',()=>select(location.hash.replace('#panel-','')));
+document.getElementById('view-mask').innerHTML=heat((i,j)=>j<=i?1:0,'the causal mask','mask');
 draw(+pick.value);select(location.hash.replace('#panel-',''));
 })();'''
 
@@ -123,6 +129,8 @@ def panel_html(name: str, hp, counted: dict, source: str, measured: str, T: int)
     out = [f'<section class="panel" id="panel-{name}"><h2>{p.title}</h2><p>{html.escape(p.text.format(**names))}</p>',
            '<h3>Formula</h3>', *p.formulas,
            f'<h3>Shapes</h3><p class="shapes">{html.escape(p.shapes.format(**names))}</p>']
+    if name in INSIDE:
+        out.append('<h3>Inside</h3>' + inner_flow([(step, shape.format(**names)) for step, shape in INSIDE[name]]))
     if p.parts:
         out += ['<h3>Parameters</h3>', accounting_table(p.parts, counted, source, hp.n_layer)]
     out += ['<h3>Measured on this prompt</h3>', measured, '<h3>Code</h3>', original_link(p.original),
@@ -149,7 +157,10 @@ def _explorer(model: Model, encoder: Encoder, found: dict, labels: list, model_d
     hp = model.hparams
     stored, source = stored_shapes(model_dir, model)
     counted = accounting(hp, stored)
-    views = {name: f'<div class="view" id="view-{name}"></div>' for name in ('ln_1', 'attn', 'ln_2', 'mlp')}
+    views = {name: f'<div class="view" id="view-{name}"></div>' for name in ('ln_1', 'ln_2', 'mlp')}
+    views['attn'] = ('<p class="note">The mask (left: 1 where token i may see token j, j ≤ i), then each head\'s '
+                     'weights (to steps of 1/255; hover a map for its title).</p><div class="grid"><div '
+                     'id="view-mask"></div><div class="grid view" id="view-attn"></div></div>')
     views['residual'] = '<div class="view" id="view-residual"></div>' + legend(labels)
     views.update(_global_views(encoder, found, labels))
     options = ''.join(f'<option value="{n}">h{n}</option>' for n in range(hp.n_layer))

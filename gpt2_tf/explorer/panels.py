@@ -29,6 +29,16 @@ LABELS = {'wte': 'Token embedding (wte)', 'wpe': 'Position embedding (wpe)', 'ln
           'mlp.c_proj': 'Feature projection (c_proj)', 'ln_f': 'Final LayerNorm (ln_f)'}
 
 
+# The inside of the two sublayers, step by step, with the shapes (filled in as the panels' shapes are).
+INSIDE = {
+    'attn': [('c_attn', '[1, {T}, 3 × {n_embd}]'), ('split heads', '3 × [1, {n_head}, {T}, {head_size}]'),
+             ('Q Kᵀ / √d', '[1, {n_head}, {T}, {T}]'), ('causal mask', 'j ≤ i kept, else −10¹⁰'),
+             ('softmax · V', '[1, {n_head}, {T}, {head_size}]'), ('merge heads', '[1, {T}, {n_embd}]'),
+             ('c_proj', '[1, {T}, {n_embd}]')],
+    'mlp': [('c_fc', '[1, {T}, {n_inner}]'), ('GELU', '[1, {T}, {n_inner}]'), ('c_proj', '[1, {T}, {n_embd}]')],
+}
+
+
 class Panel(NamedTuple):
     title: str
     parts: tuple          # the checkpoint's components it holds (checkpoint.VARIABLES's third column)
