@@ -81,9 +81,14 @@ class Conv1D(tf.Module):
     def product(self, x):  # [rows, nx] @ [nx, nf] -> [rows, nf], in the weights' dtype
         return product(x, tf.reshape(self.w, [-1, self.w.shape[-1]]), self.w_scale)
 
+    adapter = None  # a LoRA adapter (gpt2_tf.lora): [rows, nx] -> [rows, nf], added after the bias
+
     def __call__(self, x):  # [..., nx] -> [..., nf]
         *start, nx = shape_list(x)
-        c = self.product(tf.reshape(x, [-1, nx])) + f32(self.b)
+        x2d = tf.reshape(x, [-1, nx])
+        c = self.product(x2d) + f32(self.b)
+        if self.adapter is not None:
+            c = c + self.adapter(x2d)
         return tf.reshape(c, start + [self.w.shape[-1]])
 
 

@@ -1,0 +1,288 @@
+"""LoRA adapters (Hu et al.) on the original conv1d products, read and written in PEFT's format.
+
+An adapter adds x·A·B·(alpha/rank) to a conv1d's x·w + b, on the checkpoint's own [nx, nf] layout:
+A [nx, rank] starts as PEFT starts lora_A (Kaiming-uniform, a = sqrt(5): uniform in ±1/sqrt(nx)) and
+B [rank, nf] at zero, so an adapted model starts equal to its base. On disk it is PEFT's folder for
+transformers' GPT-2 (whose Conv1D keeps the same [nx, nf] layout, hence fan_in_fan_out):
+
+    adapter_config.json        peft_type LORA, r, lora_alpha, target_modules, fan_in_fan_out, ...
+    adapter_model.safetensors  base_model.model.transformer.h.N.<module>.lora_A.weight [rank, nx] (A transposed)
+                               base_model.model.transformer.h.N.<module>.lora_B.weight [nf, rank] (B transposed)
+
+attach() puts trainable adapters on a model (fine-tuning), apply() folds a saved adapter into a model's
+weights (w + A·B·scale, what loading and merging do), merge() folds attached ones in and removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from .validate import GPT2Error
+
+TARGETS = ('c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')  # the conv1d products of a block, PEFT's names
+CONFIG, WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
+PREFIX = 'base_model.model.transformer.'
+UNSUPPORTED = {'use_rslora': False, 'use_dora': False, 'bias': 'none', 'modules_to_save': None,
+               'rank_pattern': {}, 'alpha_pattern': {}, 'layers_to_transform': None}  # PEFT's options we do not do
+
+
+class AdapterError(GPT2Error):
+    """An adapter folder that cannot be read, or does not fit the base model."""
+
+
+def module_name(target: str) -> str:
+    """A --lora_targets entry -> the block's module, as PEFT names it: c_attn -> attn.c_attn."""
+    return 'attn.c_attn' if target == 'c_attn' else target
+
+
+def check_targets(targets) -> tuple:
+    """'c_attn,mlp.c_fc' or a sequence -> a tuple of TARGETS entries; anything else is refused by name."""
+    items = [t.strip() for t in targets.split(',')] if isinstance(targets, str) else list(targets)
+    for t in items:
+        if t not in TARGETS and t != 'attn.c_attn':
+            raise GPT2Error(f'lora_targets: no module {t!r}; choose from {", ".join(TARGETS)} (comma-separated)')
+    if not items:
+        raise GPT2Error(f'lora_targets is empty; choose from {", ".join(TARGETS)}')
+    return tuple(dict.fromkeys('c_attn' if t == 'attn.c_attn' else t for t in items))
+
+
+def convs(model, targets) -> dict:
+    """{'h.N.attn.c_attn': the Conv1D} for every block and target, in block order."""
+    found = {}
+    for n, block in enumerate(model.h):
+        for target in check_targets(targets):
+            owner, name = module_name(target).split('.')
+            found[f'h.{n}.{owner}.{name}'] = getattr(getattr(block, owner), name)
+    return found
+
+
+class Adapter(tf.Module):
+    """x [rows, nx] -> dropout(x)·A·B·scale [rows, nf]. Dropout only while `training` (set by the Trainer);
+    its mask is stateless, seeded by the step and the adapter's index, so a recomputed block draws it again."""
+
+    def __init__(self, nx: int, nf: int, scope: str, *, rank: int, alpha: float, dropout: float = 0.0,
+                 index: int = 0, rng: Optional[np.random.Generator] = None):
+        super().__init__(name=scope)
+        bound = 1 / np.sqrt(nx)  # kaiming_uniform_(a=sqrt(5)) on lora_A.weight [rank, nx]: fan_in nx
+        rng = rng or np.random.default_rng()
+        with self.name_scope:
+            self.A = tf.Variable(rng.uniform(-bound, bound, (nx, rank)).astype(np.float32), name='A')
+            self.B = tf.Variable(tf.zeros([rank, nf]), name='B')
+        self.scale = alpha / rank
+        self.dropout, self.index = dropout, index
+        self.training, self.step = False, None  # step: an int64 variable the Trainer counts with
+
+    def __call__(self, x):  # [rows, nx] -> [rows, nf]
+        if self.training and self.dropout:
+            seed = tf.stack([tf.cast(self.step, tf.int64), tf.constant(self.index, tf.int64)])
+            keep = tf.random.stateless_uniform(tf.shape(x), seed) >= self.dropout
+            x = tf.where(keep, x / (1 - self.dropout), tf.zeros_like(x))
+        return tf.matmul(tf.matmul(x, self.A), self.B) * self.scale
+
+
+def attach(model, *, rank: int, alpha: Optional[float] = None, targets='c_attn', dropout: float = 0.0,
+           seed: Optional[int] = None) -> dict:
+    """Trainable adapters on the model's target products: {'h.N.attn.c_attn': Adapter}. alpha defaults to
+    2·rank. The adapters' variables are created where the model's are (its device, its strategy)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise GPT2Error(f'lora_rank must be an integer >= 1 to attach adapters, got {rank!r}')
+    alpha = 2 * rank if alpha is None else alpha
+    rng = np.random.default_rng(seed)
+    adapters = {}
+    scope = model.strategy.scope() if getattr(model, 'strategy', None) else contextlib.nullcontext()
+    with model.on_device(), scope:
+        for index, (name, conv) in enumerate(convs(model, targets).items()):
+            nx, nf = conv.w.shape[-2], conv.w.shape[-1]
+            with conv.name_scope:
+                conv.adapter = adapters[name] = Adapter(nx, nf, 'lora', rank=rank, alpha=alpha, dropout=dropout,
+                                                        index=index, rng=rng)
+    _retrace(model)
+    return adapters
+
+
+def _retrace(model) -> None:
+    """Fresh compiled calls for a Model whose products changed: its traces hold the products they saw, and
+    compiled.py's shared functions take the model's variables from a list it keeps per model."""
+    from . import compiled
+
+    compiled._variables.pop(model, None)
+    for attr in ('_forward', '_forward_past'):
+        fn = getattr(model, attr, None)
+        if fn is not None:
+            setattr(model, attr, tf.function(fn.python_function, input_signature=fn.input_signature,
+                                             jit_compile=getattr(fn, '_jit_compile', None), autograph=False))
+
+
+def detach(model) -> None:
+    for conv in convs(model, TARGETS).values():
+        conv.adapter = None
+    _retrace(model)
+
+
+def deltas(adapters: dict) -> dict:
+    """{'h.N.attn.c_attn': A·B·scale [nx, nf]} of attached adapters."""
+    return {name: (a.A.numpy() @ a.B.numpy()) * np.float32(a.scale) for name, a in adapters.items()}
+
+
+def _fold(model, deltas_: dict) -> None:
+    found = convs(model, TARGETS)
+    for name, delta in deltas_.items():
+        conv = found[name]
+        merged = tf.cast(conv.w, tf.float32) + tf.constant(delta[None], tf.float32)  # [1, nx, nf]
+        conv.w.assign(tf.cast(merged, conv.w.dtype))
+
+
+def merge(model, adapters: dict) -> None:
+    """Folds attached adapters into the weights (w + A·B·scale) and removes them: the model is then a plain
+    model with the adapted logits, which save_checkpoint and save_hf write in their formats."""
+    _fold(model, deltas(adapters))
+    detach(model)
+
+
+# --- PEFT's folder ---------------------------------------------------------------------------------
+
+def peft_config(*, rank: int, alpha: float, targets, dropout: float = 0.0, base: str = '') -> dict:
+    return {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': rank, 'lora_alpha': alpha,
+            'target_modules': [module_name(t) for t in check_targets(targets)], 'lora_dropout': dropout,
+            'fan_in_fan_out': True, 'bias': 'none', 'base_model_name_or_path': base, 'inference_mode': True,
+            'init_lora_weights': True, 'modules_to_save': None}
+
+
+def peft_tensors(adapters: dict) -> dict:
+    """{PEFT key: array} in PEFT's layout: lora_A.weight [rank, nx], lora_B.weight [nf, rank]."""
+    tensors = {}
+    for name, a in adapters.items():
+        tensors[f'{PREFIX}{name}.lora_A.weight'] = np.ascontiguousarray(a.A.numpy().T)
+        tensors[f'{PREFIX}{name}.lora_B.weight'] = np.ascontiguousarray(a.B.numpy().T)
+    return tensors
+
+
+def is_adapter_folder(path) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), CONFIG))
+
+
+def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = None) -> None:
+    """adapter_config.json and adapter_model.safetensors (each whole or absent: written aside, then renamed);
+    the step, when given, goes in the safetensors metadata, which is what a resumed run trusts."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    weights, temporary = os.path.join(folder, WEIGHTS), os.path.join(folder, f'{WEIGHTS}.tmp-{os.getpid()}')
+    metadata = {'format': 'pt'} if step is None else {'format': 'pt', 'step': str(step)}
+    save_file(peft_tensors(adapters), temporary, metadata=metadata)
+    os.replace(temporary, weights)
+    text = json.dumps(config, indent=2) + '\n'
+    temporary = os.path.join(folder, f'{CONFIG}.tmp-{os.getpid()}')
+    with open(temporary, 'w', encoding='utf-8') as f:
+        f.write(text)
+    os.replace(temporary, os.path.join(folder, CONFIG))
+
+
+def read_config(folder: str) -> dict:
+    path = os.path.join(folder, CONFIG)
+    try:
+        with open(path, encoding='utf-8') as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise AdapterError(f'cannot read {path}: {e}') from None
+    if not isinstance(config, dict) or config.get('peft_type') != 'LORA':
+        raise AdapterError(f'{path}: peft_type is {config.get("peft_type") if isinstance(config, dict) else None!r}; '
+                           f'only LORA adapters load here')
+    for key, plain in UNSUPPORTED.items():
+        value = config.get(key, plain)
+        if value != plain and not (plain in (None, {}) and not value):
+            raise AdapterError(f'{path}: {key}={value!r} is not supported here (plain LoRA only: {key}={plain!r})')
+    for key in ('r', 'lora_alpha'):
+        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
+            raise AdapterError(f'{path}: {key} must be a positive number, got {config.get(key)!r}')
+    return config
+
+
+def read(folder, model) -> tuple:
+    """(config, {'h.N.attn.c_attn': (A [nx, r], B [r, nf])}, step or None), every tensor checked against the
+    model: names, the config's rank, shapes (another model size or vocabulary), dtype, nothing left over."""
+    from safetensors import safe_open
+
+    folder = os.fspath(folder)
+    config = read_config(folder)
+    path, rank = os.path.join(folder, WEIGHTS), int(config['r'])
+    try:
+        with safe_open(path, framework='numpy') as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            metadata = f.metadata() or {}
+    except Exception as e:  # a missing, truncated or foreign file
+        raise AdapterError(f'cannot read {path}: {str(e).strip().splitlines()[0] if str(e) else type(e).__name__}') from None
+    targets = _targets(config, path)
+    found, pairs = convs(model, targets), {}
+    for name, conv in found.items():
+        nx, nf = conv.w.shape[-2], conv.w.shape[-1]
+        a = _tensor(tensors, f'{PREFIX}{name}.lora_A.weight', (rank, nx), path)
+        b = _tensor(tensors, f'{PREFIX}{name}.lora_B.weight', (nf, rank), path)
+        pairs[name] = (a.T.astype(np.float32), b.T.astype(np.float32))
+    left = sorted(set(tensors) - {f'{PREFIX}{n}.lora_{x}.weight' for n in found for x in 'AB'})
+    if left:
+        raise AdapterError(f'{path}: {left[0]} has no place in this model ({model.hparams.n_layer} layers, targets '
+                           f'{", ".join(module_name(t) for t in targets)}): an adapter for another base model?')
+    step = metadata.get('step')
+    return config, pairs, int(step) if step and step.isdigit() else None
+
+
+def _targets(config: dict, path: str) -> tuple:
+    modules = config.get('target_modules')
+    if isinstance(modules, str):
+        modules = [modules]
+    if not isinstance(modules, list) or not modules:
+        raise AdapterError(f'{path}: target_modules must be a list of module names, got {modules!r}')
+    targets = []
+    for m in modules:  # PEFT matches a suffix: c_proj names both attn.c_proj and mlp.c_proj
+        matched = [t for t in TARGETS if module_name(t) == m or module_name(t).endswith('.' + m)]
+        if not matched:
+            raise AdapterError(f'{path}: target module {m!r} is not a conv1d of a GPT-2 block '
+                               f'({", ".join(module_name(t) for t in TARGETS)})')
+        targets += matched
+    return check_targets(targets)
+
+
+def _tensor(tensors: dict, key: str, shape: tuple, path: str) -> np.ndarray:
+    if key not in tensors:
+        raise AdapterError(f'{path} has no {key}: an adapter for another model or other target modules')
+    value = tensors[key]
+    if tuple(value.shape) != shape:
+        raise AdapterError(f'{path}: {key} has shape {list(value.shape)}, this base model and rank need '
+                           f'{list(shape)} (another model size, or r in {CONFIG} does not match)')
+    if value.dtype not in (np.float32, np.float16) and str(value.dtype) != 'bfloat16':
+        raise AdapterError(f'{path}: {key} is {value.dtype}, expected floating point')
+    return value
+
+
+def scale_of(config: dict) -> float:
+    return float(config['lora_alpha']) / float(config['r'])
+
+
+def apply(model, folder) -> dict:
+    """Folds the adapter in folder (ours or PEFT's) into the model's weights; returns its config."""
+    config, pairs, _ = read(folder, model)
+    scale = np.float32(scale_of(config))
+    _fold(model, {name: (a @ b) * scale for name, (a, b) in pairs.items()})
+    return config
+
+
+def restore(model, adapters: dict, folder) -> Optional[int]:
+    """Reads folder's adapter into the attached adapters (resuming a run); returns the step it was saved at.
+    The folder must hold the same rank and targets; every tensor is checked before any is assigned."""
+    config, pairs, step = read(folder, model)
+    rank = next(iter(adapters.values())).A.shape[-1]
+    if int(config['r']) != rank or set(pairs) != set(adapters):
+        raise AdapterError(f'{os.path.join(os.fspath(folder), CONFIG)}: rank {config["r"]} on '
+                           f'{config.get("target_modules")}; this run trains rank {rank} on '
+                           f'{sorted(set(n.split(".", 2)[2] for n in adapters))}: resume with the same lora options')
+    for name, (a, b) in pairs.items():
+        adapters[name].A.assign(a)
+        adapters[name].B.assign(b)
+    return step
