@@ -23,9 +23,9 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from .train_config import LORA_TARGETS as TARGETS, check_targets
 from .validate import GPT2Error
 
-TARGETS = ('c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')  # the conv1d products of a block, PEFT's names
 CONFIG, WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.transformer.'
 UNSUPPORTED = {'use_rslora': False, 'use_dora': False, 'bias': 'none', 'modules_to_save': None,
@@ -41,17 +41,6 @@ def module_name(target: str) -> str:
     return 'attn.c_attn' if target == 'c_attn' else target
 
 
-def check_targets(targets) -> tuple:
-    """'c_attn,mlp.c_fc' or a sequence -> a tuple of TARGETS entries; anything else is refused by name."""
-    items = [t.strip() for t in targets.split(',')] if isinstance(targets, str) else list(targets)
-    for t in items:
-        if t not in TARGETS and t != 'attn.c_attn':
-            raise GPT2Error(f'lora_targets: no module {t!r}; choose from {", ".join(TARGETS)} (comma-separated)')
-    if not items:
-        raise GPT2Error(f'lora_targets is empty; choose from {", ".join(TARGETS)}')
-    return tuple(dict.fromkeys('c_attn' if t == 'attn.c_attn' else t for t in items))
-
-
 def convs(model, targets) -> dict:
     """{'h.N.attn.c_attn': the Conv1D} for every block and target, in block order."""
     found = {}
@@ -60,6 +49,25 @@ def convs(model, targets) -> dict:
             owner, name = module_name(target).split('.')
             found[f'h.{n}.{owner}.{name}'] = getattr(getattr(block, owner), name)
     return found
+
+
+class Counter:
+    """The updates applied, as the dropout's seed; a plain object, so no module lists it among the weights."""
+
+    def __init__(self):
+        self.value = tf.Variable(0, dtype=tf.int64, trainable=False, name='lora_counter')
+
+
+@contextlib.contextmanager
+def training(adapters: dict):
+    """Dropout on while the Trainer's step runs (and traces)."""
+    for a in adapters.values():
+        a.training = True
+    try:
+        yield
+    finally:
+        for a in adapters.values():
+            a.training = False
 
 
 class Adapter(tf.Module):
@@ -76,11 +84,12 @@ class Adapter(tf.Module):
             self.B = tf.Variable(tf.zeros([rank, nf]), name='B')
         self.scale = alpha / rank
         self.dropout, self.index = dropout, index
-        self.training, self.step = False, None  # step: an int64 variable the Trainer counts with
+        self.training = False  # the Trainer sets it while its step traces
+        self.counter = None  # a Counter (untracked: not a weight), the dropout's seed
 
     def __call__(self, x):  # [rows, nx] -> [rows, nf]
         if self.training and self.dropout:
-            seed = tf.stack([tf.cast(self.step, tf.int64), tf.constant(self.index, tf.int64)])
+            seed = tf.stack([self.counter.value, tf.constant(self.index, tf.int64)])
             keep = tf.random.stateless_uniform(tf.shape(x), seed) >= self.dropout
             x = tf.where(keep, x / (1 - self.dropout), tf.zeros_like(x))
         return tf.matmul(tf.matmul(x, self.A), self.B) * self.scale
@@ -97,11 +106,13 @@ def attach(model, *, rank: int, alpha: Optional[float] = None, targets='c_attn',
     adapters = {}
     scope = model.strategy.scope() if getattr(model, 'strategy', None) else contextlib.nullcontext()
     with model.on_device(), scope:
+        counter = Counter()
         for index, (name, conv) in enumerate(convs(model, targets).items()):
             nx, nf = conv.w.shape[-2], conv.w.shape[-1]
             with conv.name_scope:
                 conv.adapter = adapters[name] = Adapter(nx, nf, 'lora', rank=rank, alpha=alpha, dropout=dropout,
                                                         index=index, rng=rng)
+            conv.adapter.counter = counter
     _retrace(model)
     return adapters
 
@@ -273,16 +284,16 @@ def apply(model, folder) -> dict:
     return config
 
 
-def restore(model, adapters: dict, folder) -> Optional[int]:
-    """Reads folder's adapter into the attached adapters (resuming a run); returns the step it was saved at.
-    The folder must hold the same rank and targets; every tensor is checked before any is assigned."""
-    config, pairs, step = read(folder, model)
+def check_fits(adapters: dict, config: dict, pairs: dict, folder) -> None:
+    """A saved adapter (read()) that the attached adapters can resume: the same rank and products."""
     rank = next(iter(adapters.values())).A.shape[-1]
     if int(config['r']) != rank or set(pairs) != set(adapters):
         raise AdapterError(f'{os.path.join(os.fspath(folder), CONFIG)}: rank {config["r"]} on '
                            f'{config.get("target_modules")}; this run trains rank {rank} on '
                            f'{sorted(set(n.split(".", 2)[2] for n in adapters))}: resume with the same lora options')
+
+
+def assign(adapters: dict, pairs: dict) -> None:
     for name, (a, b) in pairs.items():
         adapters[name].A.assign(a)
         adapters[name].B.assign(b)
-    return step

@@ -140,3 +140,51 @@ def read_slots(prefix: str, expected: dict) -> dict:
             raise CheckpointError(f'optimizer state {prefix}: cannot read {name} ({_first_line(e)}); '
                                   f'the .data file is corrupt') from None
     return values
+
+
+# --- a LoRA run: the adapter in PEFT's format, never the base model's files ------------------------
+
+def is_adapter_run(run_dir: str) -> bool:
+    return os.path.isfile(os.path.join(run_dir, 'adapter_config.json'))
+
+
+def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict, step: int, *,
+                 vocabulary=None) -> str:
+    """A LoRA run's step: optimizer-<step> (the adapters' slots), then adapter_model.safetensors and
+    adapter_config.json (PEFT's folder; the step in the file's metadata is what a resumed run reads), then
+    `counter`, hparams.json and the vocabulary. Earlier optimizer states go. Returns the adapter's path."""
+    from . import lora
+
+    os.makedirs(run_dir, exist_ok=True)
+    state = os.path.join(run_dir, f'optimizer-{step}')
+    if slots:
+        checkpoint.write_tensors(state, {n: v.read_value() for n, v in slots.items()})
+    lora.save(run_dir, adapters, config, step=step)
+    for index in glob.glob(os.path.join(glob.escape(run_dir), 'optimizer-*.index')):
+        if index[:-len('.index')] != state:
+            checkpoint.remove_bundle(index[:-len('.index')])
+    checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
+    if not os.path.exists(os.path.join(run_dir, 'hparams.json')):
+        model.hparams.to_json(os.path.join(run_dir, 'hparams.json'))
+    for target, source in zip(('encoder.json', 'vocab.bpe'), vocabulary or bundled_vocabulary()):
+        if not os.path.exists(os.path.join(run_dir, target)):
+            shutil.copyfile(source, os.path.join(run_dir, target))
+    return os.path.join(run_dir, lora.WEIGHTS)
+
+
+def restore_adapter(run_dir: str, model, adapters: dict, slots: dict) -> tuple:
+    """The run's adapter into the attached adapters and, when saved, its slots: -> (step, slots restored).
+    Both are read and checked before either is assigned."""
+    from . import lora
+
+    config, pairs, step = lora.read(run_dir, model)
+    lora.check_fits(adapters, config, pairs, run_dir)
+    step = read_step(run_dir, '') if step is None else step
+    state = os.path.join(run_dir, f'optimizer-{step}')
+    values = None
+    if slots and os.path.exists(state + '.index'):
+        values = read_slots(state, {n: tuple(v.shape.as_list()) for n, v in slots.items()})
+    lora.assign(adapters, pairs)
+    for name, value in (values or {}).items():
+        slots[name].assign(value)
+    return step, values is not None

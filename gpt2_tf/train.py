@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from . import checkpoint, loading, runfolder
+from . import checkpoint, loading, lora, runfolder
 from .checkpoint import CheckpointError
 from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
 from .distribute import is_chief, make_strategy  # noqa: F401
@@ -48,15 +48,23 @@ class Trainer:
     recompute=True recomputes each block's activations in the backward pass
     (tf.recompute_grad around each block, from outside the model).
     only_train_transformer_layers=True trains the h* blocks only.
+    lora_rank=R > 0 trains LoRA adapters of rank R on the lora_targets
+    products (gpt2_tf.lora) and nothing else: the base weights stay frozen,
+    in their dtype; the run folder holds the adapter in PEFT's format, made
+    for base_model (its adapter_config.json's base_model_name_or_path).
     """
 
     def __init__(self, model: Model, learning_rate: float = FinetuneConfig.learning_rate,
                  optimizer: str = FinetuneConfig.optimizer, accumulate_gradients: int = 1,
                  recompute: bool = FinetuneConfig.recompute,
                  only_train_transformer_layers: bool = FinetuneConfig.only_train_transformer_layers, *,
-                 jit_compile: bool = False):
+                 jit_compile: bool = False, lora_rank: int = FinetuneConfig.lora_rank,
+                 lora_alpha: Optional[float] = FinetuneConfig.lora_alpha,
+                 lora_targets: str = FinetuneConfig.lora_targets, lora_dropout: float = FinetuneConfig.lora_dropout,
+                 base_model: str = ''):
         check_optimizer(learning_rate, optimizer, accumulate_gradients)
-        if model.dtype != 'float32':
+        frozen = ('float32', 'bfloat16', 'float16') if lora_rank else ('float32',)  # LoRA reads the base only
+        if model.dtype not in frozen:
             raise GPT2Error(f'fine-tuning needs float32 weights; this model holds {model.dtype} '
                             f'(load it with dtype="float32")')
         self.model = model
@@ -64,8 +72,15 @@ class Trainer:
         self.optimizer = optimizer
         self.accumulate = accumulate_gradients
         self.recompute = recompute
+        self.adapters = lora.attach(model, rank=lora_rank, alpha=lora_alpha, targets=lora_targets,
+                                    dropout=lora_dropout) if lora_rank else {}
+        self.lora_config = lora_rank and lora.peft_config(
+            rank=lora_rank, alpha=2 * lora_rank if lora_alpha is None else lora_alpha, targets=lora_targets,
+            dropout=lora_dropout, base=base_model)
         by_name = model.variables_by_name()
-        self.names = sorted(n for n in by_name if '/h' in n or not only_train_transformer_layers)
+        trained = ((lambda n: '/lora/' in n) if self.adapters
+                   else (lambda n: '/h' in n or not only_train_transformer_layers))
+        self.names = sorted(filter(trained, by_name))
         self.variables = [by_name[n] for n in self.names]
         self.steps = 0  # updates applied, the run's counter
         self.strategy = model.strategy  # data-parallel when load_model created the model under a strategy
@@ -154,9 +169,11 @@ class Trainer:
             raise GPT2Error(f'batch of {tokens.shape[0]} rows does not split into accumulate_gradients='
                             f'{self.accumulate} equal micro-batches' + (f' on each of {replicas} replicas'
                                                                         if replicas > 1 else ''))
-        with self.model.on_device():
+        with self.model.on_device(), lora.training(self.adapters):
             loss = float(self._step(tf.constant(tokens, tf.int32)))
         self.steps += 1
+        if self.adapters:
+            next(iter(self.adapters.values())).counter.value.assign_add(1)  # one counter: the next step's masks
         return loss
 
     @property
@@ -164,13 +181,21 @@ class Trainer:
         return self._step.experimental_get_tracing_count()
 
     def save(self, run_dir: str, *, max_checkpoints: int = 1, vocabulary=None) -> str:
-        """The model, the slots and the step into a run folder (runfolder.save); returns the model's prefix."""
+        """The model (or the adapter alone), the slots and the step into a run folder (runfolder.save,
+        runfolder.save_adapter); returns the model's prefix (the adapter's file)."""
+        if self.adapters:
+            return runfolder.save_adapter(run_dir, self.model, self.adapters, self.lora_config, self.slots,
+                                          self.steps, vocabulary=vocabulary)
         return runfolder.save(run_dir, self.model, self.slots, self.steps, max_checkpoints=max_checkpoints,
                               vocabulary=vocabulary)
 
     def restore(self, run_dir: str) -> None:
         """The run folder's latest step, checked (runfolder.restore); the slots start afresh when it has none."""
-        self.steps, restored = runfolder.restore(run_dir, self.model, self.slots)
+        if self.adapters:
+            self.steps, restored = runfolder.restore_adapter(run_dir, self.model, self.adapters, self.slots)
+            next(iter(self.adapters.values())).counter.value.assign(self.steps)  # the dropout masks go on
+        else:
+            self.steps, restored = runfolder.restore(run_dir, self.model, self.slots)
         if not restored:  # a gpt-2-simple run folder: as a fresh TF1 AdamOptimizer starts, whatever the step
             self.reset_slots()
 
@@ -208,7 +233,8 @@ class Run:
         self.run_dir = os.path.join(config.checkpoint_dir, config.run_name)
         self.chief = is_chief(strategy)
         self.log = log if self.chief else (lambda line: None)  # the chief speaks for the cluster
-        resume = config.restore_from == 'latest' and runfolder.has_checkpoint(self.run_dir)
+        saved = runfolder.is_adapter_run if config.lora_rank else runfolder.has_checkpoint
+        resume = config.restore_from == 'latest' and saved(self.run_dir)
         self.model = loading.load_model(model_dir, strategy=strategy)
         if resume and runfolder.run_hparams(self.run_dir) != self.model.hparams:
             raise CheckpointError(f'{self.run_dir} holds a run of another model size '
@@ -217,10 +243,13 @@ class Run:
         self.encoder = self._encoder(model_dir, dataset)
         self.sampler, self.validation = self._data(model_dir, dataset)
         self.trainer = Trainer(self.model, config.learning_rate, config.optimizer, config.accumulate_gradients,
-                               config.recompute, config.only_train_transformer_layers)
+                               config.recompute, config.only_train_transformer_layers, lora_rank=config.lora_rank,
+                               lora_alpha=config.lora_alpha, lora_targets=config.lora_targets,
+                               lora_dropout=config.lora_dropout, base_model=str(getattr(model_dir, 'path', model_dir)))
         if resume:
             self.trainer.restore(self.run_dir)
-            self.log(f'Loading checkpoint {checkpoint.find_checkpoint(self.run_dir)} (step {self.trainer.steps})')
+            found = self.run_dir if config.lora_rank else checkpoint.find_checkpoint(self.run_dir)
+            self.log(f'Loading checkpoint {found} (step {self.trainer.steps})')
         files = [os.path.join(model_dir, f) for f in ('encoder.json', 'vocab.bpe')]
         self.vocabulary = files if all(map(os.path.exists, files)) else None  # else the bundled one
 

@@ -19,6 +19,7 @@ from .validate import INT64, GPT2Error, is_int
 OPTIMIZERS = ('adam', 'sgd')
 RESTORE_FROM = ('latest', 'fresh')
 STRATEGIES = ('mirrored', 'multiworker')
+LORA_TARGETS = ('c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')  # a block's conv1d products, as PEFT names them
 
 
 def option(default, help: str, *, choices: tuple = (), aliases: tuple = ()):
@@ -44,6 +45,12 @@ class FinetuneConfig:
     only_train_transformer_layers: bool = option(False, 'train the h* blocks only, not the embeddings or ln_f')
     recompute: bool = option(False, "recompute each block's activations in the backward pass (less memory)",
                              aliases=('--use_memory_saving_gradients',))
+    # LoRA: train small adapters on the frozen base (gpt2_tf.lora), saved in PEFT's format
+    lora_rank: int = option(0, 'LoRA rank: train adapters of this rank instead of the weights (0: off)')
+    lora_alpha: Optional[float] = option(None, "LoRA's alpha: the update is x·A·B·alpha/rank (none: 2 x rank)")
+    lora_targets: str = option('c_attn', 'the products that get adapters, comma-separated: c_attn, attn.c_proj, '
+                                         'mlp.c_fc, mlp.c_proj')
+    lora_dropout: float = option(0.0, "dropout on the adapters' input while training")
     # the data
     combine: int = option(50000, 'characters of text per encoded chunk; training windows never cross chunks '
                                  '(a token file has none: windows start anywhere)')
@@ -122,6 +129,7 @@ def check(config: FinetuneConfig) -> None:
         check_integer(name, getattr(config, name), 0, ' (0: never)')
     check_integer('steps', config.steps, -1, ' (-1: until interrupted)')
     check_validation(config)
+    check_lora(config)
     check_choice('restore_from', config.restore_from, RESTORE_FROM)
     check_choice('strategy', config.strategy, (None,) + STRATEGIES)
     check_positive('collective_timeout', config.collective_timeout)
@@ -134,6 +142,27 @@ def check(config: FinetuneConfig) -> None:
             raise GPT2Error(f'seed {config.seed} is out of range: use an integer in [0, {INT64.max}]')
     if not isinstance(config.only_train_transformer_layers, bool) or not isinstance(config.recompute, bool):
         raise GPT2Error('only_train_transformer_layers and recompute must be True or False')
+
+
+def check_targets(targets) -> tuple:
+    """'c_attn,mlp.c_fc' or a sequence -> a tuple of LORA_TARGETS entries; anything else is refused by name."""
+    items = [t.strip() for t in targets.split(',')] if isinstance(targets, str) else list(targets)
+    for t in items:
+        if t not in LORA_TARGETS and t != 'attn.c_attn':
+            raise GPT2Error(f'lora_targets: no module {t!r}; choose from {", ".join(LORA_TARGETS)} (comma-separated)')
+    if not items:
+        raise GPT2Error(f'lora_targets is empty; choose from {", ".join(LORA_TARGETS)}')
+    return tuple(dict.fromkeys('c_attn' if t == 'attn.c_attn' else t for t in items))
+
+
+def check_lora(config: FinetuneConfig) -> None:
+    check_integer('lora_rank', config.lora_rank, 0, ' (0: off)')
+    if config.lora_alpha is not None:
+        check_positive('lora_alpha', config.lora_alpha)
+    check_targets(config.lora_targets)
+    dropout = config.lora_dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise GPT2Error(f'lora_dropout must be in [0, 1), got {_shown(dropout)}')
 
 
 def check_validation(config: FinetuneConfig) -> None:
