@@ -158,7 +158,7 @@ def _fallback_notice(name: str, path: str, partial: bool, resume: str) -> str:
 
 
 def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, jit_compile: bool = False,
-               strategy=None, dtype: str = 'float32'):
+               strategy=None, dtype: str = 'float32', adapter=None):
     """A Model from a folder laid out as OpenAI published it (hparams.json and a checkpoint, also a
     fine-tuning run folder), from a Hugging Face GPT-2 folder (config.json with model.safetensors or
     pytorch_model.bin; see gpt2_tf.hf), or from a name: 'test' (the bundled test checkpoint) or a
@@ -172,7 +172,10 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
     the variables under its scope (mirrored on its devices), for data-parallel
     training with gpt2_tf.train.Trainer. dtype holds the weights in 'float32'
     (the default, exact), 'bfloat16' or 'float16' (see gpt2_tf.precision); the
-    checkpoint's float32 values are rounded to it once, at load.
+    checkpoint's float32 values are rounded to it once, at load. adapter, a
+    LoRA run folder or any PEFT LoRA folder made for this base, is folded into
+    the weights (w + A·B·alpha/r, see gpt2_tf.lora): the model is the adapted
+    one, and save_checkpoint or save_hf write it merged.
     """
     from .checkpoint import find_checkpoint, restore
     from .model import Model
@@ -186,6 +189,10 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
             prefix = find_checkpoint(folder.path)
             model = Model(folder.hparams(), **options)
             restore(model, prefix, strict=strict, all_or_nothing=False)
+        if adapter is not None:
+            from . import lora
+
+            lora.apply(model, adapter)
     model.strategy = strategy
     return model
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 
 from .. import quiet
@@ -65,9 +66,13 @@ def open_model(args, folder: ModelFolder, *, device: str = None):
         quiet.check_device(getattr(args, 'device', None))
     except ValueError as e:
         raise CommandError(str(e)) from None
+    adapter = getattr(args, 'adapter', None)
+    if adapter is not None and not os.path.isfile(os.path.join(adapter, 'adapter_config.json')):
+        raise CommandError(f'--adapter {adapter}: no adapter_config.json there; give a LoRA run folder '
+                           f'(finetune --lora_rank) or a PEFT LoRA folder')
     from ..loading import load_model
 
-    return load_model(folder, device=device, dtype=getattr(args, 'dtype', 'float32'))
+    return load_model(folder, device=device, dtype=getattr(args, 'dtype', 'float32'), adapter=adapter)
 
 
 # --- the parser's pieces -----------------------------------------------------------------------
@@ -82,15 +87,23 @@ def add_model_arguments(parser, *, device: bool = True) -> None:
     parser.add_argument('--model_dir', '--model-dir', default=None,
                         help='a model folder to use directly: the original layout, a fine-tuning run folder or a '
                              'Hugging Face folder (default: none, models_dir/model_name)')
-    if device:
+    if device:  # finetune (device=False) trains its own adapter, with --lora_rank
         parser.add_argument('--device', default=None,
                             help="pin a device, e.g. '/GPU:0' or '/CPU:0' (default: TensorFlow's choice)")
+        add_adapter(parser)
 
 
 def add_model_folder(parser) -> None:
     parser.add_argument('model_dir', metavar='MODEL_DIR',
                         help=f'a model folder (original, run or Hugging Face), or a name: {DEFAULT_MODEL} '
                              f'(under {DEFAULT_MODELS_DIR}/) or {BUNDLED} (the bundled test checkpoint)')
+    add_adapter(parser)
+
+
+def add_adapter(parser) -> None:
+    parser.add_argument('--adapter', metavar='RUN', default=None,
+                        help='a LoRA adapter folder (a run folder of finetune --lora_rank, or PEFT\'s) to merge into '
+                             'the model (default: none)')
 
 
 def add_dtype(parser) -> None:
