@@ -96,8 +96,7 @@ class Batcher:
                     wave = self._take()
                     if wave:
                         return wave
-                else:
-                    self.lock.wait()
+                self.lock.wait()  # nothing to run until a submit or close
             return []
 
     def _gather(self) -> None:
