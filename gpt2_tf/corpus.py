@@ -119,8 +119,15 @@ def _open(path: str):
     return open(path, encoding='utf-8', newline='')  # the text as it is: '\r\n' stays two characters
 
 
+def ids_of(encoder: Encoder, piece: str) -> np.ndarray:
+    """encoder.encode(piece) as an array of the token file's dtype."""
+    fast = getattr(encoder, '_tiktoken', None)  # encode_ordinary: the same ids, without encode's special-token scan
+    ids = fast.encode_ordinary(piece) if fast is not None else encoder.encode(piece)
+    return np.array(ids, dtype_for(encoder.n_vocab))
+
+
 def _encode(piece: str) -> np.ndarray:
-    return np.asarray(_worker_encoder.encode(piece), np.uint32)
+    return ids_of(_worker_encoder, piece)
 
 
 _worker_encoder = None
@@ -157,7 +164,7 @@ class _Writer:
     def write(self, ids: np.ndarray) -> None:
         if ids.size and int(ids.max()) >= self.n_vocab:
             raise GPT2Error(f'token id {int(ids.max())} is outside the vocabulary [0, {self.n_vocab})')
-        self.file.write(ids.astype(self.dtype).tobytes())
+        self.file.write(ids.astype(self.dtype, copy=False).tobytes())
         self.tokens += ids.size
 
     def end_document(self) -> None:
@@ -226,7 +233,7 @@ def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, enc
 
     if processes == 1:
         for _, piece in stream:
-            done(piece, None if piece is None else np.asarray(encoder.encode(piece), np.uint32))
+            done(piece, None if piece is None else ids_of(encoder, piece))
         return
     with concurrent.futures.ProcessPoolExecutor(processes, initializer=_start_worker,
                                                 initargs=(encoder_files,)) as pool:
