@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .checkpoint import VARIABLES, checkpoint_shapes, find_checkpoint, in_block, variable_shapes
+from .checkpoint import VARIABLES, find_checkpoint, in_block, variable_shapes
+from . import loading
 from .loading import load_model
 from .hparams import HParams
 from .model import Model, positions_for
@@ -58,10 +59,10 @@ COMPARED_STATES = ['x', 'z1', 'attn_weights', 'attn', 'x_attn', 'z2', 'mlp', 'ou
 
 
 def parameter_table(model_dir: str | os.PathLike) -> dict:
-    """Per component: shapes and counts from hparams.json, and the count in the checkpoint's own tensors."""
+    """Per component: shapes and counts from the hparams, and the count in the folder's own tensors (either layout)."""
     model_dir = os.fspath(model_dir)
-    hp = HParams.from_json(os.path.join(model_dir, 'hparams.json'))
-    stored = checkpoint_shapes(find_checkpoint(model_dir))
+    folder = loading.resolve(model_dir)
+    hp, stored = folder.hparams(), loading.stored_shapes(folder)
     rows, claimed = [], set()
     for name, scope, shapes, instances in components(hp):
         per_instance = sum(int(np.prod(s)) for s in shapes.values())

@@ -102,3 +102,33 @@ def test_a_124m_shaped_model(tmp_path, random_checkpoint):
     model = gpt2_tf.load_model(random_checkpoint(HParams.named('124M'), scale=0.02))
     export_litert(model, tmp_path, max_len=64)
     check_against_library(model, tmp_path, [464, 2068, 7586, 21831, 18045, 625, 262, 16931], 16)
+
+
+def cli(*args, **options):
+    return subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600, **options)
+
+
+def test_the_command_exports_and_the_runner_continues_a_prompt(tmp_path):
+    done = cli('export', 'test', str(tmp_path / 'out'), '--format', 'litert', '--max-len', '48')
+    assert done.returncode == 0, done.stderr
+    assert 'LiteRT model written' in done.stdout
+    assert json.loads((tmp_path / 'out' / 'model.json').read_text())['max_len'] == 48
+    run = subprocess.run([sys.executable, '-m', 'gpt2_tf.litert_run', str(tmp_path / 'out'), 'Hello there',
+                          '--length', '12'], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    model = gpt2_tf.load_model(ROOT / 'gpt2_tf' / 'assets' / 'test-checkpoint')
+    encoder = gpt2_tf.get_encoder()
+    ids = encoder.encode('Hello there')
+    expected = gpt2_tf.sample_sequence(model, 12, context=ids, top_k=1)[0, len(ids):]
+    assert run.stdout.rstrip('\n') == 'Hello there' + encoder.decode(expected)
+
+
+@pytest.mark.parametrize('flags, message', [(['--max-len', '0'], '--max-len must be an integer in [1, 128]'),
+                                            (['--max-len', '129'], '--max-len must be an integer in [1, 128]'),
+                                            (['--dtype', 'bfloat16'], '--dtype for --format litert must be one of')])
+def test_bad_export_options_are_one_line(tmp_path, flags, message):
+    done = cli('export', 'test', str(tmp_path / 'out'), '--format', 'litert', *flags)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / 'out').exists()

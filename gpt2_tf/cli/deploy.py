@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 
+LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
+
 from .common import (CommandError, add_dtype, add_mode, add_model_arguments, add_model_folder, add_verbose,
                      model_folder, open_model)
 
@@ -17,9 +19,13 @@ def new_folder(path: str) -> None:
 
 
 def cmd_export(args):
-    """A SavedModel with serving_default, generate and score signatures."""
+    """A SavedModel with serving_default, generate and score signatures, or a LiteRT model (--format litert)."""
     folder = model_folder(args)
-    folder.hparams()
+    hparams = folder.hparams()
+    if args.format == 'litert':
+        return export_litert(args, folder, hparams)
+    if args.max_len is not None:
+        raise CommandError('--max-len is for --format litert; a SavedModel takes any length up to n_ctx')
     new_folder(args.out_dir)
     model = open_model(args, folder, device='/CPU:0')
     from ..export import export_saved_model
@@ -27,6 +33,25 @@ def cmd_export(args):
     export_saved_model(model, args.out_dir, xla=args.xla)
     print(f'{args.out_dir}: SavedModel written (signatures serving_default, generate, score'
           f'{"; XLA-compiled" if args.xla else ""})')
+
+
+def export_litert(args, folder, hparams) -> None:
+    """OUT_DIR/model.tflite with prefill and decode signatures, model.json, and the vocabulary files."""
+    if args.dtype not in LITERT_DTYPES:
+        raise CommandError(f'--dtype for --format litert must be one of {", ".join(LITERT_DTYPES)}, got {args.dtype}')
+    if args.max_len is not None and not 1 <= args.max_len <= hparams.n_ctx:
+        raise CommandError(f'--max-len must be an integer in [1, {hparams.n_ctx}] (n_ctx), got {args.max_len}')
+    if args.xla:
+        raise CommandError('--xla is for a SavedModel; a LiteRT model runs in the LiteRT interpreter')
+    new_folder(args.out_dir)
+    model = open_model(args, folder, device='/CPU:0')
+    from ..encoder import vocabulary_files
+    from ..litert import export_litert as write
+
+    info = write(model, args.out_dir, max_len=args.max_len, vocabulary=vocabulary_files(folder.path))
+    print(f'{args.out_dir}: LiteRT model written ({info["bytes"] / 1e6:,.1f} MB, {args.dtype}, signatures prefill and '
+          f'decode, cache of {info["max_len"]} positions; run it with: python -m gpt2_tf.litert_run {args.out_dir} '
+          f'"Hello")')
 
 
 def cmd_serve(args):
@@ -78,10 +103,15 @@ def cmd_convert(args):
 
 
 def add_commands(commands) -> None:
-    export = commands.add_parser('export', help='a SavedModel for TensorFlow Serving')
+    export = commands.add_parser('export', help='a SavedModel for TensorFlow Serving, or a LiteRT model for devices')
     add_model_folder(export)
     export.add_argument('out_dir', metavar='OUT_DIR', help='a new folder')
     add_dtype(export)
+    export.add_argument('--format', choices=['savedmodel', 'litert'], default='savedmodel',
+                        help='a SavedModel, or a LiteRT (TFLite) model with prefill and decode signatures and an '
+                             'external KV cache (default: savedmodel)')
+    export.add_argument('--max-len', '--max_len', type=int, default=None,
+                        help='with --format litert: the KV cache\'s positions (default: n_ctx)')
     export.add_argument('--xla', action='store_true',
                         help='XLA-compile the signatures; TF Serving then needs --xla_cpu_compilation_enabled on '
                              'CPU (default: off)')
