@@ -1,0 +1,228 @@
+"""LoRA: a training step against a reference written here, and the adapter folder against PEFT itself."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpt2_tf import HParams, load_model, lora
+from gpt2_tf.checkpoint import save_checkpoint
+from gpt2_tf.hf import save_hf
+from gpt2_tf.tf1_reference import Reference, gpt2_graph
+from gpt2_tf.train import Trainer, finetune
+from gpt2_tf.train_config import FinetuneConfig
+from gpt2_tf.validate import GPT2Error
+
+from conftest import FIXTURES, assert_close, require
+
+TINY = FIXTURES / 'tf1-tiny'
+v1 = tf.compat.v1
+
+
+def batch(rows=4, length=12, seed=0, n_vocab=512):
+    return np.random.default_rng(seed).integers(0, n_vocab, (rows, length)).astype(np.int32)
+
+
+def test_an_adapted_model_starts_as_its_base():
+    model = load_model(TINY)
+    tokens = batch(2)
+    base = model(tokens)['logits'].numpy()
+    adapters = lora.attach(model, rank=4, targets='c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj', seed=1)
+    np.testing.assert_array_equal(model(tokens)['logits'].numpy(), base)  # B is zero: exactly the base
+    a = adapters['h.0.attn.c_attn']
+    bound = 1 / np.sqrt(32)  # PEFT's kaiming_uniform_(a=sqrt(5)) on [r, nx]: uniform within 1/sqrt(nx)
+    assert np.abs(a.A.numpy()).max() <= bound and np.abs(a.A.numpy()).max() > 0.8 * bound
+    assert a.scale == 2.0  # alpha defaults to 2 * rank
+
+
+# --- one step against a reference: the TF1 graph over base + A·B·scale, tf.gradients, TF1 Adam by hand ---
+
+def reference_steps(tokens, a0: dict, b0: dict, *, scale, lr, steps):
+    """(losses, A, B) after `steps` TF1 Adam updates of the adapters alone, on the original graph."""
+    graph = tf.Graph()
+    with graph.as_default():
+        X = v1.placeholder(tf.int32, [None, None])
+        A = {n: v1.placeholder(tf.float32, a.shape) for n, a in a0.items()}
+        B = {n: v1.placeholder(tf.float32, b.shape) for n, b in b0.items()}
+
+        def getter(getter, name, *args, **kwargs):  # model/h0/attn/c_attn/w -> w + A·B·scale
+            w = getter(name, *args, **kwargs)
+            key = name[len('model/'):-len('/w')].replace('/', '.') if name.endswith('/w') else None
+            key = key and key.replace('h', 'h.', 1)
+            return w + (A[key] @ B[key] * scale)[None] if key in A else w
+
+        with v1.variable_scope(v1.get_variable_scope(), custom_getter=getter):
+            logits = gpt2_graph(HParams.from_json(TINY / 'hparams.json'), X)['logits']
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=X[:, 1:], logits=logits[:, :-1]))
+        names = sorted(A)
+        grads = tf.gradients(loss, [A[n] for n in names] + [B[n] for n in names])
+        session = v1.Session(graph=graph)
+        v1.train.Saver(var_list=v1.global_variables()).restore(session, str(TINY / 'model.ckpt'))
+    values = {('A', n): a0[n] for n in names} | {('B', n): b0[n] for n in names}
+    m = {k: np.zeros_like(v) for k, v in values.items()}
+    v = {k: np.zeros_like(x) for k, x in values.items()}
+    losses = []
+    for t in range(1, steps + 1):
+        feed = {X: tokens} | {A[n]: values[('A', n)] for n in names} | {B[n]: values[('B', n)] for n in names}
+        out = session.run([loss] + grads, feed)
+        losses.append(out[0])
+        lr_t = lr * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)  # TF1 Adam: bias correction in the step size
+        for key, g in zip([('A', n) for n in names] + [('B', n) for n in names], out[1:]):
+            m[key] = 0.9 * m[key] + 0.1 * g
+            v[key] = 0.999 * v[key] + 0.001 * g * g
+            values[key] = values[key] - lr_t * m[key] / (np.sqrt(v[key]) + 1e-8)
+    return losses, values
+
+
+@pytest.mark.parametrize('accumulate, recompute', [(1, False), (2, True)])
+def test_lora_steps_equal_the_reference(accumulate, recompute):
+    model = load_model(TINY)
+    trainer = Trainer(model, 1e-2, 'adam', accumulate, recompute, lora_rank=2, lora_alpha=3.0,
+                      lora_targets='c_attn,mlp.c_proj')
+    a0 = {n: a.A.numpy() for n, a in trainer.adapters.items()}
+    b0 = {n: a.B.numpy() for n, a in trainer.adapters.items()}
+    tokens = batch()
+    base = {n: v.numpy() for n, v in model.variables_by_name().items() if '/lora/' not in n}
+    losses = [trainer.step(tokens) for _ in range(3)]  # step 1 moves B only (A's gradient is 0 while B is)
+    ref_losses, ref = reference_steps(tokens, a0, b0, scale=1.5, lr=1e-2, steps=3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)  # float32 sums in another order
+    for n, a in trainer.adapters.items():
+        # Adam moves each value about lr a step whatever its gradient's size, so where a gradient is near 0
+        # float32 reassociation moves m/sqrt(v): 3e-4 of lr (3e-7 measured); a wrong beta, epsilon, bias
+        # correction or scale moves 1e-3 and more.
+        np.testing.assert_allclose(a.A.numpy(), ref[('A', n)], atol=3e-6, err_msg=n)
+        np.testing.assert_allclose(a.B.numpy(), ref[('B', n)], atol=3e-6, err_msg=n)
+        assert np.abs(a.A.numpy() - a0[n]).max() > 1e-3  # both moved
+    for name, value in model.variables_by_name().items():
+        if '/lora/' not in name:
+            np.testing.assert_array_equal(value.numpy(), base[name], err_msg=f'{name} is frozen')
+
+
+def test_a_run_resumes_with_the_adapter_and_its_slots(tmp_path):
+    tokens = batch()
+    options = dict(lora_rank=2, lora_dropout=0.2)
+    trainer = Trainer(load_model(TINY), 1e-2, 'adam', 2, True, **options)
+    trainer.step(tokens)
+    trainer.step(tokens)
+    trainer.save(str(tmp_path / 'run'))
+    files = sorted(os.listdir(tmp_path / 'run'))
+    assert 'adapter_model.safetensors' in files and 'optimizer-2.index' in files
+    assert not [f for f in files if f.startswith('model')]  # never the base model's files
+    expected = trainer.step(tokens)
+    resumed = Trainer(load_model(TINY), 1e-2, 'adam', 2, True, **options)
+    resumed.restore(str(tmp_path / 'run'))
+    assert resumed.steps == 2
+    assert resumed.step(tokens) == expected  # the same adapters, moments and dropout masks
+
+
+def test_finetune_with_lora_writes_peft_files_only(tmp_path):
+    chunks = [np.arange(200) % 512]
+    finetune(str(TINY), chunks, steps=2, lora_rank=2, checkpoint_dir=str(tmp_path), run_name='r', sample_every=0,
+             print_every=0, accumulate_gradients=1, seed=0, log=lambda line: None)
+    config = json.loads((tmp_path / 'r' / 'adapter_config.json').read_text())
+    assert (config['peft_type'], config['r'], config['lora_alpha'], config['fan_in_fan_out']) == ('LORA', 2, 4, True)
+    assert config['target_modules'] == ['attn.c_attn'] and config['base_model_name_or_path'] == str(TINY)
+    assert (tmp_path / 'r' / 'counter').read_text().strip() == '2'
+
+
+def test_lora_options_are_checked():
+    for bad in (dict(lora_rank=-1), dict(lora_alpha=0), dict(lora_targets='attn.c_fc'), dict(lora_dropout=1.0)):
+        with pytest.raises(GPT2Error, match=next(iter(bad)).replace('lora_', 'lora_')):
+            FinetuneConfig(**bad)
+
+
+# --- against PEFT and transformers --------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def peft_setup(tmp_path_factory):
+    """(our trained run folder, the base as an HF folder) with adapters on every product, B moved."""
+    require('peft')
+    folder = tmp_path_factory.mktemp('lora')
+    model = load_model(TINY)
+    trainer = Trainer(model, 0.05, 'adam', 1, False, lora_rank=3, lora_alpha=5.0,
+                      lora_targets='c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj')
+    for _ in range(3):
+        trainer.step(batch())
+    trainer.save(str(folder / 'run'))
+    save_hf(load_model(TINY), folder / 'hf')
+    return folder, model
+
+
+def peft_logits(hf_dir, adapter_dir, tokens):
+    torch, transformers, peft = require('torch'), require('transformers'), require('peft')
+    base = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def test_an_adapter_trained_here_loads_in_peft(peft_setup):
+    folder, adapted = peft_setup
+    tokens = batch(2, 16, seed=5)
+    theirs = peft_logits(folder / 'hf', folder / 'run', tokens)
+    ours = adapted(tokens)['logits'].numpy()
+    assert np.abs(ours - load_model(TINY)(tokens)['logits'].numpy()).max() > 1e-2  # the adapter matters
+    assert_close(ours, theirs, 'attached adapters vs PEFT')
+    assert_close(load_model(TINY, adapter=folder / 'run')(tokens)['logits'], theirs, 'merged vs PEFT')
+
+
+def test_the_merged_checkpoint_gives_the_adapted_logits_in_the_original_graph(peft_setup, tmp_path):
+    folder, _ = peft_setup
+    tokens = batch(2, 16, seed=6)
+    merged = load_model(TINY, adapter=folder / 'run')
+    prefix = save_checkpoint(merged, tmp_path / 'merged')
+    reference = Reference(merged.hparams, prefix)(tokens)['logits']
+    assert_close(reference, peft_logits(folder / 'hf', folder / 'run', tokens), 'TF1 graph on merged vs PEFT')
+
+
+def test_an_adapter_made_by_peft_loads_here(peft_setup, tmp_path):
+    torch, transformers, peft = require('torch'), require('transformers'), require('peft')
+    folder, _ = peft_setup
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel.from_pretrained(folder / 'hf')
+    config = peft.LoraConfig(r=4, lora_alpha=7, target_modules=['c_attn', 'c_proj'], fan_in_fan_out=True,
+                             task_type='CAUSAL_LM')
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if 'lora_' in name:
+                p.copy_(torch.randn_like(p) * 0.3)  # random A and B: B at zero would test nothing
+    model.save_pretrained(tmp_path / 'made')
+    tokens = batch(2, 16, seed=7)
+    with torch.no_grad():
+        theirs = model.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    ours = load_model(TINY, adapter=tmp_path / 'made')(tokens)['logits']
+    assert_close(ours, theirs, 'a PEFT-made adapter here vs PEFT')
+
+
+# --- adapters that do not fit -------------------------------------------------------------------
+
+def rewrite(src, dst, *, config=None, tensors=None):
+    from safetensors.numpy import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    values = load_file(os.path.join(src, lora.WEIGHTS))
+    save_file(tensors(values) if tensors else values, os.path.join(dst, lora.WEIGHTS))
+    settings = json.loads(open(os.path.join(src, lora.CONFIG)).read())
+    with open(os.path.join(dst, lora.CONFIG), 'w') as f:
+        json.dump(config(settings) if config else settings, f)
+
+
+KEY = 'base_model.model.transformer.h.1.mlp.c_fc.lora_A.weight'
+
+
+@pytest.mark.parametrize('change, message', [
+    (dict(config=lambda c: c | {'r': 4}), r'h\.0\.attn\.c_attn\.lora_A\.weight has shape \[3, 32\], .* need \[4, 32\]'),
+    (dict(tensors=lambda t: {k: v for k, v in t.items() if k != KEY}), 'has no ' + KEY.replace('.', r'\.')),
+    (dict(tensors=lambda t: t | {KEY: t[KEY][:, :16]}), KEY.replace('.', r'\.') + r' has shape \[3, 16\]'),
+    (dict(tensors=lambda t: t | {KEY.replace('h.1', 'h.2'): t[KEY]}), r'h\.2\.mlp.* has no place in this model'),
+    (dict(config=lambda c: c | {'target_modules': ['q_proj']}), "target module 'q_proj' is not a conv1d"),
+    (dict(config=lambda c: c | {'use_dora': True}), 'use_dora=True is not supported'),
+])
+def test_an_adapter_that_does_not_fit_is_refused_naming_the_tensor(peft_setup, tmp_path, change, message):
+    folder, _ = peft_setup
+    rewrite(folder / 'run', tmp_path / 'bad', **change)
+    with pytest.raises(lora.AdapterError, match=message):
+        load_model(TINY, adapter=tmp_path / 'bad')
