@@ -34,8 +34,8 @@ def line_chart(series: np.ndarray, labels: list, title: str) -> str:
              f'<text x="{left}" y="{height - 8}" font-size="9">h0</text>',
              f'<text x="{width - 30}" y="{height - 8}" font-size="9">h{layers - 1}</text>']
     for k in range(tokens):
-        points = ' '.join(f'{left + i * scale_x:.1f},{height - bottom - (height - bottom - 20) * series[i, k] / top:.1f}'
-                          for i in range(layers))
+        ys = height - bottom - (height - bottom - 20) * series[:, k] / top
+        points = ' '.join(f'{left + i * scale_x:.1f},{ys[i]:.1f}' for i in range(layers))
         parts.append(f'<polyline fill="none" stroke="{token_color(k, tokens)}" stroke-width="1.5" points="{points}">'
                      f'<title>{html.escape(labels[k])}</title></polyline>')
     return ''.join(parts) + '</svg>'

@@ -29,66 +29,116 @@ STYLE = '''body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-w
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
 th{background:#f3f3f3}td.l,th.l{text-align:left}.tok{font-family:ui-monospace,monospace;white-space:pre}
 .grid{display:flex;flex-wrap:wrap;gap:10px}section{margin:28px 0}code{background:#f3f3f3;padding:0 3px}
-.explorer{display:grid;grid-template-columns:310px 1fr;gap:24px;align-items:start}
-.side{position:sticky;top:8px}.panel{border:1px solid #d8dce6;border-radius:10px;padding:4px 18px 12px;margin:0}
-.panel[hidden]{display:none}.panel h3{margin:10px 0 4px}
+.explorer{display:grid;grid-template-columns:310px 1fr;gap:24px;align-items:start}.side{position:sticky;top:8px}
+.panel{border:1px solid #d8dce6;border-radius:10px;padding:4px 18px 12px;margin:0}.panel[hidden]{display:none}
+.panel h3{margin:10px 0 4px}
 #diagram .node rect,#diagram .node circle{fill:#eef3fb;stroke:#4a6fa5;stroke-width:1.5}
 #diagram .node text{font-size:13px;fill:#1d3557}#diagram .node.add text{font-size:18px}
-#diagram .node.dropout rect{fill:#f7f7f7;stroke:#999;stroke-dasharray:4 3}#diagram .node.dropout text{fill:#777;font-size:11px}
-#diagram .node.outer rect{fill:#f3efe6;stroke:#a5844a}#diagram a.node{cursor:pointer}
-#diagram .node:hover rect,#diagram .node:hover circle{fill:#dce8fb}
+#diagram .node.dropout rect{fill:#f7f7f7;stroke:#999;stroke-dasharray:4 3}
+#diagram .node.dropout text{fill:#777;font-size:11px}#diagram .node.outer rect{fill:#f3efe6;stroke:#a5844a}
+#diagram a.node{cursor:pointer}#diagram .node:hover rect,#diagram .node:hover circle{fill:#dce8fb}
 #diagram .node.selected rect,#diagram .node.selected circle{fill:#ffd166;stroke:#b5651d;stroke-width:3}
-#diagram a.node:focus{outline:none}#diagram a.node:focus rect,#diagram a.node:focus circle{stroke:#d62828;stroke-width:3.5}
+#diagram a.node:focus{outline:none}
+#diagram a.node:focus rect,#diagram a.node:focus circle{stroke:#d62828;stroke-width:3.5}
 #diagram .flow,#diagram .bypass{stroke:#555;fill:none;stroke-width:1.4}#diagram .bypass{stroke-dasharray:5 3}
-#diagram .bypass-label{font-size:11px;fill:#555;font-style:italic}#diagram .state{font-size:14px;font-style:italic}
+#diagram .bypass-label{font-size:11px;fill:#555;font-style:italic}
+#diagram .state{font-size:14px;font-style:italic}
 #diagram .blockbox{fill:none;stroke:#8a97ad;stroke-dasharray:6 4}#diagram .blocklabel{font-size:12px;fill:#555}
 .calc{font-family:ui-monospace,monospace;white-space:nowrap}.note{color:#555;font-size:12px;margin:2px 0}
-figure.code{margin:8px 0}pre code{background:none;padding:0}figure.code pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px}
+figure.code{margin:8px 0}pre code{background:none;padding:0}
+figure.code pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px}
 figcaption{font-size:12px;color:#555}table.accounting code{white-space:nowrap}
-.inner .step{fill:#eef3fb;stroke:#4a6fa5}.inner .shape{fill:#555;font-family:ui-monospace,monospace}.shapes{font-family:ui-monospace,monospace;font-size:13px}
-.legend{display:flex;flex-wrap:wrap;gap:4px 12px;margin:4px 0}.legend i{display:inline-block;width:12px;height:12px;
-margin-right:4px;vertical-align:-1px;border-radius:2px}math{font-size:17px;margin:6px 0}
-.picker{margin:8px 0 0}td i{display:inline-block;width:10px;height:10px;margin-right:6px;border-radius:2px}.picker select{font-size:14px}'''
+.inner .step{fill:#eef3fb;stroke:#4a6fa5}.inner .shape{fill:#555;font-family:ui-monospace,monospace}
+.shapes{font-family:ui-monospace,monospace;font-size:13px}
+.legend{display:flex;flex-wrap:wrap;gap:4px 12px;margin:4px 0}
+.legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px;border-radius:2px}
+math{font-size:17px;margin:6px 0}.picker{margin:8px 0 0}
+td i{display:inline-block;width:10px;height:10px;margin-right:6px;border-radius:2px}
+.picker select{font-size:14px}'''
 
-SCRIPT = r'''(function(){
-const D=JSON.parse(document.getElementById('data').textContent), T=D.tokens.length, esc=s=>s.replace(/[&<>"]/g,
- c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
-const A=Uint8Array.from(atob(D.attention),c=>c.charCodeAt(0)), color=k=>`hsl(${Math.floor(360*k/Math.max(T,1))},60%,45%)`;
-const blue=v=>`rgb(${Math.round(255-215*v)},${Math.round(255-175*v)},${Math.round(255-75*v)})`;
-const fmt=v=>Math.abs(v)>=1e4||(Math.abs(v)<1e-3&&v!==0)?v.toExponential(2):v.toFixed(4);
-const sw=k=>`<i style="background:${color(k)}"></i>`;
-function heat(get,title,kind){const cell=14,m=8+7*Math.min(12,Math.max(...D.tokens.map(t=>t.length))),s=m+cell*T;
- let p=`<svg class="figure ${kind}" xmlns="http://www.w3.org/2000/svg" width="${s}" height="${s+16}" role="img"><title>${title}</title><text x="2" y="11" font-size="10">${title}</text>`;
- for(let i=0;i<T;i++)for(let j=0;j<T;j++)p+=`<rect x="${m+j*cell}" y="${16+m+i*cell}" width="${cell}" height="${cell}" fill="${blue(get(i,j))}"/>`;
- D.tokens.forEach((t,i)=>{const s=esc(t.slice(0,12));p+=`<text x="${m-2}" y="${16+m+i*cell+10}" font-size="9" text-anchor="end">${s}</text><text transform="translate(${m+i*cell+10},${16+m-2}) rotate(-90)" font-size="9">${s}</text>`;});
- return p+'</svg>';}
-function table(head,rows){return '<table><tr>'+head.map(h=>`<th>${h}</th>`).join('')+'</tr>'+rows.map(r=>'<tr>'+r.map((c,i)=>i?`<td>${c}</td>`:`<td class="l tok">${c}</td>`).join('')+'</tr>').join('')+'</table>';}
-function norms(n,q){return table(['token','mean before','variance before','mean after','variance after'],
- D.norm_stats[n][q].map((r,k)=>[sw(k)+esc(D.tokens[k])].concat(r.map(fmt))));}
-function mlp(n){const g=D.gelu[n],hist=g.histogram,top=Math.max(...hist),w=14,H=90;
- let p=`<p>GELU input (c_fc's output, ${T} × ${D.n_inner.toLocaleString('en-US')} values) ranges from <b>${fmt(g.range[0])}</b> to <b>${fmt(g.range[1])}</b>; <b>${(100*g.near_zero).toFixed(1)}%</b> of the activations have |GELU(u)| &lt; ${D.near_zero}.</p>`;
- p+=`<svg class="figure histogram" xmlns="http://www.w3.org/2000/svg" width="${hist.length*w+60}" height="${H+30}" role="img"><title>the GELU's input, h${n}</title>`;
- hist.forEach((c,i)=>{const h=H*c/top;p+=`<rect x="${30+i*w}" y="${H-h+4}" width="${w-2}" height="${h}" fill="#4a6fa5"><title>${c}</title></rect>`;});
- const z=30+hist.length*w*(0-g.range[0])/(g.range[1]-g.range[0]);
- if(g.range[0]<0&&g.range[1]>0)p+=`<line x1="${z}" y1="2" x2="${z}" y2="${H+8}" stroke="#d62828" stroke-dasharray="3 2"/><text x="${z}" y="${H+20}" font-size="10" text-anchor="middle">0</text>`;
- return p+`<text x="30" y="${H+20}" font-size="10">${fmt(g.range[0])}</text><text x="${30+hist.length*w}" y="${H+20}" font-size="10" text-anchor="end">${fmt(g.range[1])}</text></svg><p class="note">Counts of the GELU's input u in ${hist.length} equal bins (hover a bar); the dashed line is u = 0, below which the GELU squashes towards 0.</p>`;}
-function residual(n){return table(['token','|x<sub>n</sub>|','|Δ attention|',"|x′<sub>n</sub>|",'|Δ MLP|','|x<sub>n+1</sub>|'],
- D.residual[n].map((r,k)=>[sw(k)+esc(D.tokens[k])].concat(r.map(fmt))));}
-function draw(n){
- document.querySelectorAll('.block-number').forEach(e=>e.textContent='h'+n);
- document.getElementById('view-ln_1').innerHTML=norms(n,0);document.getElementById('view-ln_2').innerHTML=norms(n,1);
- let maps='';for(let h=0;h<D.n_head;h++){const o=(n*D.n_head+h)*T*T;maps+=heat((i,j)=>A[o+i*T+j]/255,`h${n} head ${h}`,'heatmap');}
- document.getElementById('view-attn').innerHTML=maps;
- document.getElementById('view-mlp').innerHTML=mlp(n);document.getElementById('view-residual').innerHTML=residual(n);}
-function select(name){if(!document.getElementById('panel-'+name))name='ln_1';
- document.querySelectorAll('.panel').forEach(p=>p.hidden=p.id!=='panel-'+name);
- document.querySelectorAll('#diagram .node').forEach(a=>a.classList.toggle('selected',a.dataset.panel===name));}
-document.querySelectorAll('#diagram a.node').forEach(a=>a.addEventListener('click',e=>{e.preventDefault();
- history.replaceState(null,'','#panel-'+a.dataset.panel);select(a.dataset.panel);}));
-const pick=document.getElementById('block');pick.addEventListener('change',()=>draw(+pick.value));
-window.addEventListener('hashchange',()=>select(location.hash.replace('#panel-','')));
-document.getElementById('view-mask').innerHTML=heat((i,j)=>j<=i?1:0,'the causal mask','mask');
-draw(+pick.value);select(location.hash.replace('#panel-',''));
+SCRIPT = r'''(function () {
+  // The block-by-block views, drawn from the page's data for the block picked in #block.
+  const D = JSON.parse(document.getElementById('data').textContent), T = D.tokens.length;
+  const A = Uint8Array.from(atob(D.attention), c => c.charCodeAt(0));  // [n_layer, n_head, T, T], 0..255
+  const esc = s => s.replace(/[&<>"]/g, c => ({'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;'}[c]));
+  const color = k => `hsl(${Math.floor(360 * k / Math.max(T, 1))},60%,45%)`;  // figures.token_color
+  const blue = v => `rgb(${Math.round(255 - 215 * v)},${Math.round(255 - 175 * v)},${Math.round(255 - 75 * v)})`;
+  const fmt = v => Math.abs(v) >= 1e4 || (Math.abs(v) < 1e-3 && v !== 0) ? v.toExponential(2) : v.toFixed(4);
+  const swatch = k => `<i style="background:${color(k)}"></i>`;
+  const svg = (kind, width, height, title) => `<svg class="figure ${kind}" xmlns="http://www.w3.org/2000/svg"
+    width="${width}" height="${height}" role="img"><title>${title}</title>`;
+
+  function heat(get, title, kind) {  // a [T, T] map: row = the token attending, column = the one attended to
+    const cell = 14, m = 8 + 7 * Math.min(12, Math.max(...D.tokens.map(t => t.length))), s = m + cell * T;
+    let p = svg(kind, s, s + 16, title) + `<text x="2" y="11" font-size="10">${title}</text>`;
+    for (let i = 0; i < T; i++) for (let j = 0; j < T; j++)
+      p += `<rect x="${m + j * cell}" y="${16 + m + i * cell}" width="${cell}" height="${cell}"
+        fill="${blue(get(i, j))}"/>`;
+    D.tokens.forEach((t, i) => {
+      const s = esc(t.slice(0, 12));
+      p += `<text x="${m - 2}" y="${16 + m + i * cell + 10}" font-size="9" text-anchor="end">${s}</text>
+        <text transform="translate(${m + i * cell + 10},${16 + m - 2}) rotate(-90)" font-size="9">${s}</text>`;
+    });
+    return p + '</svg>';
+  }
+  function table(head, rows) {  // the first column names the token, with its color
+    return '<table><tr>' + head.map(h => `<th>${h}</th>`).join('') + '</tr>' + rows.map((r, k) =>
+      `<tr><td class="l tok">${swatch(k)}${esc(D.tokens[k])}</td>` + r.map(c => `<td>${fmt(c)}</td>`).join('')
+      + '</tr>').join('') + '</table>';
+  }
+  function mlp(n) {
+    const g = D.gelu[n], hist = g.histogram, top = Math.max(...hist), w = 14, H = 90, [lo, hi] = g.range;
+    let p = `<p>The GELU's input (c_fc's output, ${T} × ${D.n_inner.toLocaleString('en-US')} values) ranges from
+      <b>${fmt(lo)}</b> to <b>${fmt(hi)}</b>; <b>${(100 * g.near_zero).toFixed(1)}%</b> of the activations
+      have |GELU(u)| &lt; ${D.near_zero}.</p>` + svg('histogram', hist.length * w + 60, H + 30,
+      `the GELU's input, h${n}`);
+    hist.forEach((c, i) => {
+      const h = H * c / top;
+      p += `<rect x="${30 + i * w}" y="${H - h + 4}" width="${w - 2}" height="${h}" fill="#4a6fa5">
+        <title>${c}</title></rect>`;
+    });
+    const zero = 30 + hist.length * w * (0 - lo) / (hi - lo);
+    if (lo < 0 && hi > 0)
+      p += `<line x1="${zero}" y1="2" x2="${zero}" y2="${H + 8}" stroke="#d62828" stroke-dasharray="3 2"/>
+        <text x="${zero}" y="${H + 20}" font-size="10" text-anchor="middle">0</text>`;
+    return p + `<text x="30" y="${H + 20}" font-size="10">${fmt(lo)}</text><text x="${30 + hist.length * w}"
+      y="${H + 20}" font-size="10" text-anchor="end">${fmt(hi)}</text></svg><p class="note">Counts of the GELU's
+      input u in ${hist.length} equal bins (hover a bar); the dashed line is u = 0, below which the GELU squashes
+      towards 0.</p>`;
+  }
+  const NORMS = ['token', 'mean before', 'variance before', 'mean after', 'variance after'];
+  const RESIDUAL = ['token', '|x<sub>n</sub>|', '|Δ attention|', '|x′<sub>n</sub>|', '|Δ MLP|',
+    '|x<sub>n+1</sub>|'];
+  const view = (name, content) => { document.getElementById('view-' + name).innerHTML = content; };
+  function draw(n) {
+    document.querySelectorAll('.block-number').forEach(e => { e.textContent = 'h' + n; });
+    view('ln_1', table(NORMS, D.norm_stats[n][0]));
+    view('ln_2', table(NORMS, D.norm_stats[n][1]));
+    let maps = '';
+    for (let h = 0; h < D.n_head; h++) {
+      const o = (n * D.n_head + h) * T * T;
+      maps += heat((i, j) => A[o + i * T + j] / 255, `h${n} head ${h}`, 'heatmap');
+    }
+    view('attn', maps);
+    view('mlp', mlp(n));
+    view('residual', table(RESIDUAL, D.residual[n]));
+  }
+  function select(name) {  // show one panel, mark its nodes in the diagram
+    if (!document.getElementById('panel-' + name)) name = 'ln_1';
+    document.querySelectorAll('.panel').forEach(p => { p.hidden = p.id !== 'panel-' + name; });
+    document.querySelectorAll('#diagram .node').forEach(a => a.classList.toggle('selected', a.dataset.panel === name));
+  }
+  document.querySelectorAll('#diagram a.node').forEach(a => a.addEventListener('click', e => {
+    e.preventDefault();
+    history.replaceState(null, '', '#panel-' + a.dataset.panel);
+    select(a.dataset.panel);
+  }));
+  const pick = document.getElementById('block');
+  pick.addEventListener('change', () => draw(+pick.value));
+  window.addEventListener('hashchange', () => select(location.hash.replace('#panel-', '')));
+  view('mask', heat((i, j) => j <= i ? 1 : 0, 'the causal mask', 'mask'));
+  draw(+pick.value);
+  select(location.hash.replace('#panel-', ''));
 })();'''
 
 
@@ -191,13 +241,17 @@ def _summary(counted: dict, source: str, stored: dict) -> str:
     return ''.join(out)
 
 
+def _name(model_dir: Optional[str]) -> str:
+    return os.path.basename(os.path.normpath(model_dir)) if model_dir else 'model'
+
+
 def render(model: Model, encoder: Encoder, found: dict, *, model_dir: Optional[str] = None, prompt: str = '') -> str:
     """The report as one HTML page."""
     labels = [token_label(encoder, t) for t in found['tokens']]
     esc = html.escape
     n_layer = model.hparams.n_layer
     parts = [f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>gpt2_tf explorer</title>'
-             f'<style>{STYLE}</style></head><body><h1>Inside GPT-2: {esc(model_dir or "model")}</h1>',
+             f'<style>{STYLE}</style></head><body><h1>Inside GPT-2: {esc(_name(model_dir))}</h1>',
              f'<p>Prompt: <span class="tok">{esc(prompt)}</span> ({len(labels)} tokens: '
              + ' '.join(f'<span class="tok" style="border-bottom:3px solid {token_color(k, len(labels))}">'
                         f'[{esc(label)}]</span>' for k, label in enumerate(labels)) + ')</p>',

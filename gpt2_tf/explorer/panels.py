@@ -14,8 +14,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .. import model as graph
-from ..checkpoint import checkpoint_shapes
+from .. import loading, model as graph
 from ..diagnostics import components, variable_name
 from ..hparams import HParams
 
@@ -166,7 +165,9 @@ def stored_shapes(model_dir: Optional[str], model) -> tuple:
     """({variable: shape} of the checkpoint's tensors, where they were read); the loaded model's without a file."""
     if model_dir:
         try:
-            return checkpoint_shapes(model_dir), f'the checkpoint file in {model_dir}'
+            folder = loading.resolve(model_dir)
+            kind = 'Hugging Face weights' if folder.layout == 'hf' else 'checkpoint file'
+            return loading.stored_shapes(folder), f'the {kind} in {model_dir}'
         except (OSError, ValueError):
             pass
     return {name: tuple(v.shape) for name, v in model.variables_by_name().items()}, 'the loaded model\'s tensors'
@@ -210,7 +211,8 @@ def accounting_table(parts: tuple, counted: dict, source: str, n_layer: int) -> 
                     f'<tr class="sum"><td class="l">together</td><td></td><td></td><td>{per:,}</td>'
                     f'<td class="l">{total:,}</td></tr>')
     rows.append('</table>')
-    return ''.join(rows) + f'<p class="note">Counted from the tensors of {html.escape(source)} (their stored shapes).</p>'
+    note = f'<p class="note">Counted from the tensors of {html.escape(source)} (their stored shapes).</p>'
+    return ''.join(rows) + note
 
 
 def source_code(objects: tuple) -> str:
