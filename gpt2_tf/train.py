@@ -32,6 +32,10 @@ from .train_config import OPTIMIZERS, STRATEGIES, FinetuneConfig, check_optimize
 from .validate import GPT2Error
 
 BETA1, BETA2, EPSILON = 0.9, 0.999, 1e-8  # tf.compat.v1.train.AdamOptimizer's defaults, which the original used
+# Adafactor (Shazeer and Stern 2018, Algorithm 4 without the first moment): the second moments' decay 1 - t^-0.8,
+# epsilon1 added to g², updates clipped to RMS 1. The learning rate is absolute, as for Adam, not relative to
+# the weights' scale.
+DECAY_POWER, EPSILON1, CLIP = 0.8, 1e-30, 1.0
 
 
 # --- one training step ---------------------------------------------------------------------------
@@ -41,7 +45,9 @@ class Trainer:
 
     optimizer='adam' is tf.compat.v1.train.AdamOptimizer's update rule exactly
     (beta1 0.9, beta2 0.999, epsilon 1e-8, bias correction folded into the step
-    size), through the same kernel; 'sgd' is plain gradient descent.
+    size), through the same kernel; 'sgd' is plain gradient descent;
+    'adafactor' keeps a row and a column mean of g² per matrix instead of
+    Adam's two full moments (see DECAY_POWER).
     accumulate_gradients=k splits each batch into k equal micro-batches and
     applies their mean gradient: the whole batch's update at a fraction of the
     memory (1 here: the step itself; finetune's default is FinetuneConfig's).
@@ -89,9 +95,11 @@ class Trainer:
 
     def _create_slots(self) -> dict:
         """The optimizer state, named after the variables it shadows, as TF1's Adam names its slots."""
-        if self.optimizer != 'adam':
+        if self.optimizer == 'sgd':
             return {}
         with self.model.on_device(), self.strategy.scope() if self.strategy else contextlib.nullcontext():
+            if self.optimizer == 'adafactor':
+                return adafactor_slots(self.names, self.variables)
             slots = {f'{n}/{slot}': tf.Variable(tf.zeros_like(v), trainable=False, name=f'{n}/{slot}')
                      for n, v in zip(self.names, self.variables) for slot in ('Adam', 'Adam_1')}
             slots['beta1_power'] = tf.Variable(BETA1, trainable=False, name='beta1_power')
@@ -101,7 +109,7 @@ class Trainer:
     def reset_slots(self) -> None:
         """The state a fresh TF1 AdamOptimizer starts from: zero moments, each beta power at its beta."""
         for name, variable in self.slots.items():
-            fresh = {'beta1_power': BETA1, 'beta2_power': BETA2}.get(name)
+            fresh = {'beta1_power': BETA1, 'beta2_power': BETA2, 'adafactor_step': 0.0}.get(name)
             variable.assign(tf.zeros_like(variable) if fresh is None else fresh)
 
     def _gradients(self, tokens):
@@ -131,6 +139,9 @@ class Trainer:
         if self.optimizer == 'sgd':
             for v, g in zip(self.variables, grads):
                 tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=lr, delta=g)
+            return
+        if self.optimizer == 'adafactor':
+            adafactor_update(self.names, self.variables, grads, self.slots, lr)
             return
         b1, b2 = self.slots['beta1_power'], self.slots['beta2_power']
         powers = [tf.raw_ops.ReadVariableOp(resource=b.handle, dtype=tf.float32) for b in (b1, b2)]
@@ -198,6 +209,41 @@ class Trainer:
             self.steps, restored = runfolder.restore(run_dir, self.model, self.slots)
         if not restored:  # a gpt-2-simple run folder: as a fresh TF1 AdamOptimizer starts, whatever the step
             self.reset_slots()
+
+
+def adafactor_slots(names: list, variables: list) -> dict:
+    """Adafactor's state: for a matrix (the last two axes) the running means of g² over its rows
+    (`/Adafactor_vr`, [..., nx]) and columns (`/Adafactor_vc`, [..., nf]); a full `/Adafactor_v` otherwise."""
+    slots = {}
+    for name, v in zip(names, variables):
+        shape = v.shape.as_list()
+        if len(shape) >= 2:
+            slots[f'{name}/Adafactor_vr'] = tf.Variable(tf.zeros(shape[:-1]), trainable=False, name=f'{name}/vr')
+            slots[f'{name}/Adafactor_vc'] = tf.Variable(tf.zeros(shape[:-2] + shape[-1:]), trainable=False,
+                                                        name=f'{name}/vc')
+        else:
+            slots[f'{name}/Adafactor_v'] = tf.Variable(tf.zeros(shape), trainable=False, name=f'{name}/v')
+    slots['adafactor_step'] = tf.Variable(0.0, trainable=False, name='adafactor_step')
+    return slots
+
+
+def adafactor_update(names: list, variables: list, grads: list, slots: dict, lr) -> None:
+    """One Adafactor step of every variable: v̂ = vr·vcᵀ / mean(vr) for matrices, u = g / sqrt(v̂) clipped to
+    RMS <= CLIP, w -= lr·u."""
+    step = slots['adafactor_step'].assign_add(1.0)
+    decay = 1.0 - tf.pow(step, -DECAY_POWER)  # 0 at step 1: the first step's moments are its own g²
+    for name, v, g in zip(names, variables, grads):
+        g2 = tf.square(g) + EPSILON1
+        if f'{name}/Adafactor_v' in slots:
+            second = slots[f'{name}/Adafactor_v'].assign(decay * slots[f'{name}/Adafactor_v'] + (1 - decay) * g2)
+        else:
+            vr, vc = slots[f'{name}/Adafactor_vr'], slots[f'{name}/Adafactor_vc']
+            r = vr.assign(decay * vr + (1 - decay) * tf.reduce_mean(g2, axis=-1))  # [..., nx]
+            c = vc.assign(decay * vc + (1 - decay) * tf.reduce_mean(g2, axis=-2))  # [..., nf]
+            second = r[..., :, None] * c[..., None, :] / tf.reduce_mean(r, axis=-1, keepdims=True)[..., None]
+        u = g * tf.math.rsqrt(second)
+        u = u / tf.maximum(1.0, tf.sqrt(tf.reduce_mean(tf.square(u))) / CLIP)
+        v.assign_sub(lr * u)
 
 
 # --- the loop ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Optional
 
 from .validate import INT64, GPT2Error, is_int
 
-OPTIMIZERS = ('adam', 'sgd')
+OPTIMIZERS = ('adam', 'sgd', 'adafactor')
 RESTORE_FROM = ('latest', 'fresh')
 STRATEGIES = ('mirrored', 'multiworker')
 LORA_TARGETS = ('c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')  # a block's conv1d products, as PEFT names them
@@ -40,7 +40,8 @@ class FinetuneConfig:
     accumulate_gradients: int = option(5, 'micro-batches per update: each update sees '
                                           'batch_size * accumulate_gradients windows')
     learning_rate: float = option(1e-4, "the optimizer's step size")
-    optimizer: str = option('adam', "TF1's Adam (beta1 0.9, beta2 0.999, epsilon 1e-8) or plain gradient descent",
+    optimizer: str = option('adam', "TF1's Adam (beta1 0.9, beta2 0.999, epsilon 1e-8), plain gradient descent, "
+                                    'or Adafactor (factored second moments, no first moment: far less memory)',
                             choices=OPTIMIZERS)
     only_train_transformer_layers: bool = option(False, 'train the h* blocks only, not the embeddings or ln_f')
     recompute: bool = option(False, "recompute each block's activations in the backward pass (less memory)",
