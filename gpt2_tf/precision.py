@@ -56,12 +56,12 @@ def matrix(shape: list, name: str, dtype: str, *, channels: int) -> tuple:
 def quantize(value: np.ndarray, *, rows: bool) -> tuple:
     """float32 [..., n] (rows=False: one scale per last-axis column) or [n, k] (rows=True: one per row)
     -> (int8 of the same shape, float32 scales [n]): symmetric, round to nearest, scale = max|w| / 127."""
-    value = np.asarray(value, np.float32)
+    value = np.array(value, np.float32)  # a copy, rounded in place: no float32 temporaries beside it
     axes = tuple(range(1, value.ndim)) if rows else tuple(range(value.ndim - 1))
-    peak = np.abs(value).max(axis=axes, keepdims=True)
+    peak = np.maximum(value.max(axis=axes, keepdims=True), -value.min(axis=axes, keepdims=True))
     scale = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)  # an all-zero channel
-    q = np.clip(np.rint(value / scale), -127, 127).astype(np.int8)
-    return q, scale.reshape(-1)
+    np.rint(np.divide(value, scale, out=value), out=value)  # within [-127, 127]: |w| <= max|w|
+    return value.astype(np.int8), scale.reshape(-1)
 
 
 def assign(variables: dict, name: str, value) -> None:
