@@ -342,6 +342,7 @@ def test_a_124m_shaped_page_counts_its_tensors_and_stays_small(random_checkpoint
     assert page.text_content('#view-attn svg.heatmap title') == 'h11 head 0'
     docs = pathlib.Path(__file__).parent.parent / 'docs'
     page.select_option('#block', '0')
+    page.set_viewport_size({'width': 1320, 'height': 1400})
     page.screenshot(path=str(docs / 'explorer-overview.png'))
     page.locator('#diagram a.node[data-panel="mlp"]').click()
     page.screenshot(path=str(docs / 'explorer-mlp.png'))

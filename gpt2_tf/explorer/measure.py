@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..diagnostics import trace
-from ..model import Model, gelu
+from ..model import Graph, gelu
 from ..scoring import score
 from ..validate import GPT2Error
 
@@ -22,7 +22,7 @@ NEAR_ZERO = 0.01
 BINS = 24
 
 
-def explore(model: Model, tokens) -> dict:
+def explore(model: Graph, tokens) -> dict:
     """Every number of the explorer page for one prompt, tokens int [T] (1 <= T <= n_ctx), as numpy:
 
     residual_norms [n_layer, T, 5]   L2 norms of x_n, the attention delta, x'_n, the MLP delta, x_{n+1}
@@ -62,7 +62,7 @@ def norm_stats(before: np.ndarray, after: np.ndarray) -> np.ndarray:
     return np.stack([before.mean(-1), before.var(-1), after.mean(-1), after.var(-1)], axis=-1).astype(np.float32)
 
 
-def mlp_inside(model: Model, states: list) -> dict:
+def mlp_inside(model: Graph, states: list) -> dict:
     """The GELU's input (the block's own c_fc on its recorded ln_2 output) per block: range, histogram, near zero."""
     ranges, histograms, near = [], [], []
     for block, state in zip(model.h, states):
@@ -76,7 +76,7 @@ def mlp_inside(model: Model, states: list) -> dict:
             'near_zero': np.array(near, np.float32)}
 
 
-def embedding_norms(model: Model, tokens: np.ndarray, x0: np.ndarray) -> np.ndarray:
+def embedding_norms(model: Graph, tokens: np.ndarray, x0: np.ndarray) -> np.ndarray:
     """[T, 3]: |wte[token]|, |wpe[position]| and |x_0| = |wte[token] + wpe[position]| per token."""
     wte = tf.gather(tf.convert_to_tensor(model.wte), tokens).numpy().astype(np.float32)
     wpe = tf.convert_to_tensor(model.wpe)[:len(tokens)].numpy().astype(np.float32)

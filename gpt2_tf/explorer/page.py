@@ -19,7 +19,7 @@ import numpy as np
 
 from ..checkpoint import ORIGINAL_CODE
 from ..encoder import Encoder
-from ..model import Model
+from ..model import Graph
 from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
 from .panels import (INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code,
@@ -47,7 +47,8 @@ th{background:#f3f3f3}td.l,th.l{text-align:left}.tok{font-family:ui-monospace,mo
 .calc{font-family:ui-monospace,monospace;white-space:nowrap}.note{color:#555;font-size:12px;margin:2px 0}
 figure.code{margin:8px 0}pre code{background:none;padding:0}
 figure.code pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px}
-figcaption{font-size:12px;color:#555}table.accounting code{white-space:nowrap}
+figcaption{font-size:12px;color:#555}tr.sum td{font-weight:600}
+table.accounting code.tensors{font-size:11px;white-space:nowrap}
 .inner .step{fill:#eef3fb;stroke:#4a6fa5}.inner .shape{fill:#555;font-family:ui-monospace,monospace}
 .shapes{font-family:ui-monospace,monospace;font-size:13px}
 .legend{display:flex;flex-wrap:wrap;gap:4px 12px;margin:4px 0}
@@ -159,7 +160,7 @@ def _rounded(array) -> list:
                       parse_float=lambda s: float(f'{float(s):.5g}'))
 
 
-def page_data(model: Model, found: dict, labels: list) -> str:
+def page_data(model: Graph, found: dict, labels: list) -> str:
     """The block-by-block views' numbers as JSON; attention weights as bytes (0..255 for 0..1), base64."""
     hp = model.hparams
     attention = np.round(np.clip(found['attention'], 0, 1) * 255).astype(np.uint8)
@@ -202,7 +203,7 @@ def _global_views(encoder: Encoder, found: dict, labels: list) -> dict:
     return {'embeddings': embeddings, 'ln_f': head}
 
 
-def _explorer(model: Model, encoder: Encoder, found: dict, labels: list, model_dir: Optional[str]) -> str:
+def _explorer(model: Graph, encoder: Encoder, found: dict, labels: list, model_dir: Optional[str]) -> str:
     """The diagram beside the panels, the block selector, and the summary table of every component."""
     hp = model.hparams
     stored, source = stored_shapes(model_dir, model)
@@ -245,7 +246,7 @@ def _name(model_dir: Optional[str]) -> str:
     return os.path.basename(os.path.normpath(model_dir)) if model_dir else 'model'
 
 
-def render(model: Model, encoder: Encoder, found: dict, *, model_dir: Optional[str] = None, prompt: str = '') -> str:
+def render(model: Graph, encoder: Encoder, found: dict, *, model_dir: Optional[str] = None, prompt: str = '') -> str:
     """The report as one HTML page."""
     labels = [token_label(encoder, t) for t in found['tokens']]
     esc = html.escape
@@ -295,7 +296,7 @@ def _prediction(encoder: Encoder, found: dict, labels: list) -> str:
     return ''.join(parts) + '</table></section>'
 
 
-def write_report(model: Model, encoder: Encoder, prompt: str, path: str, *, model_dir: Optional[str] = None) -> str:
+def write_report(model: Graph, encoder: Encoder, prompt: str, path: str, *, model_dir: Optional[str] = None) -> str:
     """Renders the report for prompt and writes it to path (through a temporary file); returns path."""
     tokens = encoder.encode(prompt)
     if not tokens:

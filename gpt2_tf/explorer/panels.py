@@ -182,13 +182,13 @@ def accounting(hp: HParams, stored: dict) -> dict:
         across = sum(int(np.prod(stored.get(variable_name(scope, v, i), ()))) for i in range(instances)
                      for v in variables)
         found[name] = {'shapes': first, 'per_instance': per_instance, 'instances': instances, 'across': across,
-                       'calculation': ' + '.join(dims(s) for s in first.values()) + f' = {per_instance:,}'}
+                       'calculation': dims(list(first.values())[0]) + f' = {per_instance:,}'}
     return found
 
 
 def accounting_table(parts: tuple, counted: dict, source: str, n_layer: int) -> str:
     """The panel's table: each component's tensors, its Calculation, per instance and across the blocks."""
-    rows = ['<table class="accounting"><tr><th class="l">component</th><th class="l">tensors (stored shape)</th>'
+    rows = ['<table class="accounting"><tr><th class="l">component</th>'
             '<th class="l">Calculation</th><th>per instance</th><th class="l">across the model</th></tr>']
     for name in parts:
         c = counted[name]
@@ -198,18 +198,18 @@ def accounting_table(parts: tuple, counted: dict, source: str, n_layer: int) -> 
                   else f'{c["across"]:,}')
         if c['across'] != times:
             across += f' (the blocks\' tensors differ: {times:,} expected)'
-        rows.append(f'<tr><td class="l">{LABELS[name]}</td><td class="l"><code>{tensors}</code></td>'
+        rows.append(f'<tr><td class="l">{LABELS[name]}<br><code class="tensors">{tensors}</code></td>'
                     f'<td class="l calc">{c["calculation"]}</td><td>{c["per_instance"]:,}</td>'
-                    f'<td class="l">{across}</td></tr>')
+                    f'<td class="l calc">{across}</td></tr>')
     if len(parts) > 1:
         per = sum(counted[n]['per_instance'] for n in parts)
         total = sum(counted[n]['across'] for n in parts)
         calc = ' + '.join(f'{counted[n]["per_instance"]:,}' for n in parts) + f' = {per:,}'
-        rows.append(f'<tr class="sum"><td class="l">per instance</td><td></td><td class="l calc">{calc}</td>'
-                    f'<td>{per:,}</td><td class="l">{per:,} × {n_layer} blocks = {total:,}</td></tr>'
+        rows.append(f'<tr class="sum"><td class="l">per instance</td><td class="l calc">{calc}</td>'
+                    f'<td>{per:,}</td><td class="l calc">{per:,} × {n_layer} blocks = {total:,}</td></tr>'
                     if counted[parts[0]]['instances'] > 1 else
-                    f'<tr class="sum"><td class="l">together</td><td></td><td></td><td>{per:,}</td>'
-                    f'<td class="l">{total:,}</td></tr>')
+                    f'<tr class="sum"><td class="l">together</td><td></td><td>{per:,}</td>'
+                    f'<td class="l calc">{total:,}</td></tr>')
     rows.append('</table>')
     note = f'<p class="note">Counted from the tensors of {html.escape(source)} (their stored shapes).</p>'
     return ''.join(rows) + note
