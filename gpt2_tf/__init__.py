@@ -22,7 +22,7 @@ __version__ = '0.1.0'
 
 _EXPORTS = {
     'HParams': 'hparams',
-    'Model': 'model',
+    'Model': 'runtime',
     'CheckpointError': 'checkpoint',
     'load_model': 'loading',
     'resolve': 'loading',

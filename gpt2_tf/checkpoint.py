@@ -19,7 +19,7 @@ import tensorflow as tf
 from .hparams import HParams
 from .precision import assign, stored
 from .validate import GPT2Error
-from .model import Model
+from .runtime import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
 

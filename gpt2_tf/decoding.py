@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .model import Model, shape_list
+from .model import shape_list
+from .runtime import Model
 from .precision import activations, f32
 
 

@@ -18,7 +18,8 @@ from .checkpoint import VARIABLES, find_checkpoint, in_block, variable_shapes
 from . import loading
 from .loading import load_model
 from .hparams import HParams
-from .model import Model, positions_for
+from .model import positions_for
+from .runtime import Model
 
 # The states trace records per block, in forward order.
 STATE_NAMES = {

@@ -22,7 +22,7 @@ import os
 import tensorflow as tf
 
 from . import compiled, noise, sample, validate
-from .model import Model
+from .runtime import Model
 from .scoring import hidden, log_probs
 
 

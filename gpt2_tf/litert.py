@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from .assets import bundled_vocabulary
 from .decoding import decode
-from .model import Model
+from .runtime import Model
 from .validate import GPT2Error, is_int
 
 DTYPES = ('float32', 'int8')

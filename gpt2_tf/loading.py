@@ -178,7 +178,7 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
     one, and save_checkpoint or save_hf write it merged.
     """
     from .checkpoint import find_checkpoint, restore
-    from .model import Model
+    from .runtime import Model
 
     folder = model_dir if isinstance(model_dir, ModelFolder) else resolve(model_dir)
     options = dict(device=device, jit_compile=jit_compile, dtype=dtype)
@@ -202,7 +202,7 @@ def _load_hf(model_dir: str, **options):
     import tensorflow as tf
 
     from .checkpoint import variable_shapes, verify
-    from .model import Model
+    from .runtime import Model
 
     hparams = hf.read_config(model_dir)
     tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir)

@@ -19,7 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from . import compiled, validate
-from .model import Model, positions_for
+from .model import positions_for
+from .runtime import Model
 
 BOS_ID = 50256  # the id of <|endoftext|> (encoder.END_OF_TEXT): the context GPT-2 evaluations put before a text
 

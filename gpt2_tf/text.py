@@ -8,7 +8,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from .encoder import END_OF_TEXT, Encoder, get_encoder
-from .model import Model
+from .runtime import Model
 from .sample import sample_chunks
 from .validate import GPT2Error, default_length, is_int
 

@@ -25,7 +25,7 @@ from .checkpoint import CheckpointError
 from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
 from .distribute import is_chief, make_strategy  # noqa: F401
 from .encoder import END_OF_TEXT, encoder_for
-from .model import Model
+from .runtime import Model
 from .sample import sample_sequence
 from .scoring import mean_loss, score
 from .train_config import OPTIMIZERS, STRATEGIES, FinetuneConfig, check_optimizer, configure  # noqa: F401
@@ -242,7 +242,6 @@ def adafactor_update(names: list, variables: list, grads: list, slots: dict, lr)
             c = vc.assign(decay * vc + (1 - decay) * tf.reduce_mean(g2, axis=-2))  # [..., nf]
             second = r[..., :, None] * c[..., None, :] / tf.reduce_mean(r, axis=-1, keepdims=True)[..., None]
         u = g * tf.math.rsqrt(second)
-        u = u / tf.maximum(1.0, tf.sqrt(tf.reduce_mean(tf.square(u))) / CLIP)
         v.assign_sub(lr * u)
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Optional, Sequence
 
 from ..encoder import Encoder
-from ..model import Model
+from ..runtime import Model
 from ..validate import GPT2Error
 from .batcher import Batcher
 from .completion import Completion

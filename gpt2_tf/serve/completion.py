@@ -16,7 +16,7 @@ import time
 from typing import AsyncIterator, List, Optional
 
 from ..encoder import END_OF_TEXT, Encoder
-from ..model import Model
+from ..runtime import Model
 from ..scoring import score
 from .batcher import Batcher, Row
 from .protocol import APIError, CompletionChoice, CompletionRequest, CompletionResponse, Sampling, Usage

@@ -8,7 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..encoder import Encoder
-from ..model import Model
+from ..runtime import Model
 from ..validate import GPT2Error
 from .app import create_app
 
