@@ -60,7 +60,8 @@ def test_every_flags_help_ends_with_its_default():
              'print_every': '1', 'save_every': '1000', 'max_checkpoints': '1', 'sample_every': '100',
              'sample_length': '1023', 'sample_num': '1', 'sample_dir': 'samples', 'val_dataset': 'none',
              'val_every': '0', 'val_fraction': '0', 'val_batch_size': '2', 'val_batch_count': '40', 'strategy': 'none',
-             'collective_timeout': '300'}
+             'collective_timeout': '300', 'lora_rank': '0', 'lora_alpha': 'none', 'lora_targets': 'c_attn',
+             'lora_dropout': '0'}
     helps = {action.dest: action.help for action in parser()._actions if action.dest != 'help'}
     assert set(helps) == {f.name for f in dataclasses.fields(FinetuneConfig)} == set(shown)
     for name, default in shown.items():
@@ -72,7 +73,7 @@ def test_every_flags_help_ends_with_its_default():
     (dict(batch_size=0), 'batch_size must be an integer >= 1, got 0'),
     (dict(accumulate_gradients=2.5), 'accumulate_gradients must be an integer >= 1, got 2.5'),
     (dict(learning_rate=np.float64(0.0)), 'learning_rate must be > 0, got 0.0'),  # as typed, not np.float64(0.0)
-    (dict(optimizer='rmsprop'), "optimizer must be one of \\('adam', 'sgd'\\), got 'rmsprop'"),
+    (dict(optimizer='rmsprop'), "optimizer must be one of \\('adam', 'sgd', 'adafactor'\\), got 'rmsprop'"),
     (dict(print_every=-1), r'print_every must be an integer >= 0 \(0: never\), got -1'),
     (dict(steps=-2), r'steps must be an integer >= -1 \(-1: until interrupted\), got -2'),
     (dict(restore_from='newest'), "restore_from must be one of \\('latest', 'fresh'\\)"),
