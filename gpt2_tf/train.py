@@ -242,6 +242,7 @@ def adafactor_update(names: list, variables: list, grads: list, slots: dict, lr)
             c = vc.assign(decay * vc + (1 - decay) * tf.reduce_mean(g2, axis=-2))  # [..., nf]
             second = r[..., :, None] * c[..., None, :] / tf.reduce_mean(r, axis=-1, keepdims=True)[..., None]
         u = g * tf.math.rsqrt(second)
+        u = u / tf.maximum(1.0, tf.sqrt(tf.reduce_mean(tf.square(u))) / CLIP)
         v.assign_sub(lr * u)
 
 
