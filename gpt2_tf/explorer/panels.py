@@ -182,7 +182,7 @@ def accounting(hp: HParams, stored: dict) -> dict:
         across = sum(int(np.prod(stored.get(variable_name(scope, v, i), ()))) for i in range(instances)
                      for v in variables)
         found[name] = {'shapes': first, 'per_instance': per_instance, 'instances': instances, 'across': across,
-                       'calculation': dims(list(first.values())[0]) + f' = {per_instance:,}'}
+                       'calculation': ' + '.join(dims(s) for s in first.values()) + f' = {per_instance:,}'}
     return found
 
 
