@@ -1,0 +1,145 @@
+"""int8 weights against float32: load time, greedy decoding, bytes read per token, and a 1558M-shaped peak RSS.
+
+    python bench/bench_int8.py [--reps 3] [--sections load,greedy,rss]
+
+load: load_model(dir) and load_model(dir, dtype='int8') of the 124M-shaped random
+checkpoint (bench/.cache/), alternating. greedy: sample_sequence with its defaults
+(16-token prompt, 64 new tokens, top_k=1) at batch 1, 8 and 16, float32 and int8
+alternating, with the bytes each token reads (the weights, plus the KV cache at the
+mean length) and the time those bytes take at the bandwidth a plain float32 reduction
+reaches in the same run. rss: a 1558M-shaped checkpoint written tensor by tensor
+(bench/.cache/1558M-random, 6.2 GB), then `gpt2-tf generate --dtype int8` on it in
+a fresh process, its peak RSS from /usr/bin/time.
+"""
+
+import argparse
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / 'tests'))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import gpt2_tf  # noqa: E402
+from gpt2_tf import HParams  # noqa: E402
+from gpt2_tf.checkpoint import variable_shapes  # noqa: E402
+from bench_generate import checkpoint, cpu  # noqa: E402
+
+ROOT = pathlib.Path(__file__).parent.parent
+BIG = pathlib.Path(__file__).parent / '.cache' / '1558M-random'
+
+
+def alternating(fns: dict, reps: int) -> dict:
+    """{name: median seconds}, each fn called once first, then the fns in turn reps times."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a plain float32 reduction over 512 MB reaches (TensorFlow's threads)."""
+    x = tf.ones([128 * 1024 * 1024])
+    reduce = tf.function(lambda: tf.reduce_sum(x))
+    seconds = alternating({'sum': lambda: reduce().numpy()}, 5)['sum']
+    return 4 * 128 * 1024 * 1024 / seconds
+
+
+def weight_bytes(model) -> int:
+    return sum(int(np.prod(v.shape)) * v.dtype.size for v in model.variables)
+
+
+def load(folder, reps):
+    seconds = alternating({d: lambda d=d: gpt2_tf.load_model(folder, dtype=d) for d in ('float32', 'int8')}, reps)
+    print(f'load 124M-shaped: float32 {seconds["float32"]:.2f} s, int8 {seconds["int8"]:.2f} s '
+          f'(quantizing adds {seconds["int8"] - seconds["float32"]:+.2f} s)', flush=True)
+
+
+def greedy(folder, reps):
+    hp = HParams.named('124M')
+    models = {d: gpt2_tf.load_model(folder, dtype=d) for d in ('float32', 'int8')}
+    bandwidth = read_bandwidth()
+    print(f'read bandwidth (reduce_sum over 512 MB): {bandwidth / 1e9:.1f} GB/s')
+    print(f'{"greedy 16 + 64":<16}{"dtype":<9}{"ms":>8}{"ms/token":>10}{"MB/token":>10}{"bound ms/token":>16}'
+          f'{"x bound":>9}{"int8/f32":>10}')
+    rng = np.random.default_rng(0)
+    for batch in (1, 8, 16):
+        prompt = rng.integers(0, hp.n_vocab, (batch, 16)).astype(np.int32)
+        seconds = alternating({d: lambda m=m: gpt2_tf.sample_sequence(m, 64, context=prompt, top_k=1)
+                               for d, m in models.items()}, reps)
+        cache = 2 * hp.n_layer * batch * (16 + 32) * hp.n_embd * 4  # keys and values at the mean length
+        for dtype, model in models.items():
+            per_token = seconds[dtype] / 64
+            read = weight_bytes(model) + cache
+            bound = read / bandwidth
+            ratio = f'{seconds[dtype] / seconds["float32"]:.2f}' if dtype == 'int8' else ''
+            print(f'{"batch " + str(batch):<16}{dtype:<9}{seconds[dtype] * 1e3:>8.0f}{per_token * 1e3:>10.1f}'
+                  f'{read / 1e6:>10.0f}{bound * 1e3:>16.1f}{per_token / bound:>9.2f}{ratio:>10}', flush=True)
+
+
+def write_big_checkpoint(folder: pathlib.Path, hparams: HParams):
+    """An original-format checkpoint of random values, one tensor in memory at a time: each saved to its own
+    bundle, then the bundles merged into one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(dir=folder) as parts:
+        prefixes = []
+        for i, (name, shape) in enumerate(variable_shapes(hparams).items()):
+            value = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            if name.endswith('/g'):
+                value += 1
+            prefixes.append(os.path.join(parts, f'part{i}'))
+            tf.raw_ops.SaveV2(prefix=prefixes[-1], tensor_names=[name], shape_and_slices=[''], tensors=[value])
+        tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=prefixes, destination_prefix=str(folder / 'model.ckpt'))
+    (folder / 'checkpoint').write_text('model_checkpoint_path: "model.ckpt"\n'
+                                       'all_model_checkpoint_paths: "model.ckpt"\n')
+    hparams.to_json(str(folder / 'hparams.json'))
+
+
+def rss(_folder, _reps):
+    hparams = HParams.named('1558M')
+    if not (BIG / 'checkpoint').exists():
+        start = time.perf_counter()
+        print(f'writing a 1558M-shaped random checkpoint to {BIG} ...', flush=True)
+        write_big_checkpoint(BIG, hparams)
+        print(f'written in {time.perf_counter() - start:.0f} s', flush=True)
+    for dtype in ('int8',):
+        command = ['/usr/bin/time', '-v', sys.executable, '-m', 'gpt2_tf', 'generate', '--model_dir', str(BIG),
+                   '--dtype', dtype, '--length', '4', '--seed', '0', '--quiet', 'Hello']
+        start = time.perf_counter()
+        out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
+        peak = re.search(r'Maximum resident set size \(kbytes\): (\d+)', out.stderr)
+        if out.returncode or not peak:
+            print(out.stderr[-2000:])
+            continue
+        print(f'1558M-shaped generate --dtype {dtype} --length 4: peak RSS {int(peak.group(1)) / 1024 ** 2:.2f} GiB, '
+              f'{time.perf_counter() - start:.0f} s', flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--reps', type=int, default=3)
+    parser.add_argument('--sections', default='load,greedy,rss')
+    args = parser.parse_args()
+    print(f'CPU: {cpu()}')
+    folder = checkpoint()
+    for section in args.sections.split(','):
+        {'load': load, 'greedy': greedy, 'rss': rss}[section](folder, args.reps)
+
+
+if __name__ == '__main__':
+    main()
