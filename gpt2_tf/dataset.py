@@ -21,11 +21,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import corpus, validate
-from .encoder import END_OF_TEXT, Encoder, encoder_for, get_encoder, vocabulary_files
+from .encoder import END_OF_TEXT, END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
 from .validate import GPT2Error
 
 TOKEN_FILE = '.bin'
-GPT2_END_OF_TEXT = 50256  # the end-of-text id of a token file without a sidecar (nanoGPT's)
 
 
 def _files(path: str) -> list:
@@ -172,7 +171,7 @@ def token_windows(path: str, length: int, *, n_vocab: int, model_dir: Optional[s
     train, held_out = (0, len(tokens)), None
     if val_fraction:
         train, held_out = corpus.split_documents(tokens, val_fraction,
-                                                 end=info.get('end_of_text', GPT2_END_OF_TEXT))
+                                                 end=info.get('end_of_text', END_OF_TEXT_ID))
         held_out = corpus.Windows(tokens, length, ranges=[held_out], seed=val_seed, n_vocab=check,
                                   name=f'the validation part of {path}')
     return corpus.Windows(tokens, length, ranges=[train], seed=seed, n_vocab=check, name=str(path)), held_out

@@ -20,6 +20,7 @@ from .assets import bundled_vocabulary
 from .validate import GPT2Error
 
 END_OF_TEXT = '<|endoftext|>'
+END_OF_TEXT_ID = 50256  # its id in GPT-2's vocabulary: every document's end, and the context evaluations start from
 
 # The original pattern, kept without IGNORECASE: "I'M" splits as "I", "'", "M", as GPT-2 was trained.
 PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -22,6 +22,7 @@ import warnings
 
 import numpy as np
 
+from .encoder import END_OF_TEXT_ID
 from .hparams import HParams
 from .validate import GPT2Error
 
@@ -32,7 +33,6 @@ TORCH_BIN = 'pytorch_model.bin'
 TOKENIZER_FILES = {'vocab.json': 'encoder.json', 'merges.txt': 'vocab.bpe'}  # HF's names for the same files
 TOKENIZER_JSON = 'tokenizer.json'  # the fast tokenizer's one file, written by the tokenizers library
 GPT2_VOCAB = 50257
-END_OF_TEXT_ID = GPT2_VOCAB - 1  # <|endoftext|>, GPT-2's bos and eos token, when the vocabulary reaches it
 
 
 def hf_name(name: str) -> str:

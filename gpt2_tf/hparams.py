@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any, Mapping
 
+from .validate import GPT2Error, shown
+
 
 @dataclasses.dataclass(frozen=True)
 class HParams:
@@ -20,11 +22,11 @@ class HParams:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f'hparams: {field.name} must be an integer, got {value!r}')
+                raise GPT2Error(f'hparams: {field.name} must be an integer, got {shown(value)}')
             if value <= 0:
-                raise ValueError(f'hparams: {field.name} must be positive, got {value}')
+                raise GPT2Error(f'hparams: {field.name} must be positive, got {value}')
         if self.n_embd % self.n_head:
-            raise ValueError(
+            raise GPT2Error(
                 f'hparams: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})')
 
     @property
@@ -37,13 +39,13 @@ class HParams:
         unknown = sorted(set(values) - set(names))
         missing = [n for n in names if n not in values]
         if unknown:
-            raise ValueError(f'{source}: unknown key(s) {unknown}; expected exactly {names}')
+            raise GPT2Error(f'{source}: unknown key(s) {unknown}; expected exactly {names}')
         if missing:
-            raise ValueError(f'{source}: missing key(s) {missing}; expected exactly {names}')
+            raise GPT2Error(f'{source}: missing key(s) {missing}; expected exactly {names}')
         try:
             return cls(**values)
-        except ValueError as e:
-            raise ValueError(f'{source}: {e}'.replace('hparams: ', '')) from None
+        except GPT2Error as e:
+            raise GPT2Error(f'{source}: {e}'.replace('hparams: ', '')) from None
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> 'HParams':
@@ -54,9 +56,9 @@ class HParams:
         except FileNotFoundError:
             raise FileNotFoundError(f'no hparams.json at {path}') from None
         except json.JSONDecodeError as e:
-            raise ValueError(f'{path}: not valid JSON ({e})') from None
+            raise GPT2Error(f'{path}: not valid JSON ({e})') from None
         if not isinstance(values, dict):
-            raise ValueError(f'{path}: expected a JSON object, got {type(values).__name__}')
+            raise GPT2Error(f'{path}: expected a JSON object, got {type(values).__name__}')
         return cls.from_dict(values, source=path)
 
     @classmethod
@@ -64,7 +66,7 @@ class HParams:
         """The published sizes by name: '124M', '355M', '774M', '1558M' (or '117M', '345M')."""
         key = OLD_NAMES.get(name, name)
         if key not in PUBLISHED:
-            raise ValueError(f'unknown model size {name!r}; known: {sorted(PUBLISHED, key=len)}')
+            raise GPT2Error(f'unknown model size {name!r}; known: {sorted(PUBLISHED, key=len)}')
         return PUBLISHED[key]
 
     def to_dict(self) -> dict:

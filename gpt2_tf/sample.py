@@ -207,7 +207,7 @@ def _prompts(context, start_token, batch_size) -> list:
     if (context is None) == (start_token is None):
         raise GPT2Error('give exactly one of context and start_token')
     if batch_size is not None and (not validate.is_int(batch_size) or batch_size < 1):
-        raise GPT2Error(f'batch_size must be a positive integer, got {batch_size!r}')
+        raise GPT2Error(f'batch_size must be a positive integer, got {validate.shown(batch_size)}')
     if start_token is not None:
         return [[start_token]] * (batch_size or 1)
     if isinstance(context, (tf.Tensor, np.ndarray)):
@@ -222,17 +222,17 @@ def _prompts(context, start_token, batch_size) -> list:
     for row in rows:
         for t in row:
             if not validate.is_int(t):
-                raise GPT2Error(f'token ids must be integers, got {t!r}')
+                raise GPT2Error(f'token ids must be integers, got {validate.shown(t)}')
     return [[int(t) for t in row] for row in rows]
 
 
 def _check_loop_options(mode, chunk, logprobs) -> None:
     if mode not in MODES:
-        raise GPT2Error(f'mode must be one of {MODES}, got {mode!r}')
+        raise GPT2Error(f'mode must be one of {MODES}, got {validate.shown(mode)}')
     if chunk is not None and (not validate.is_int(chunk) or chunk < 1):
-        raise GPT2Error(f'chunk must be a positive integer, got {chunk!r}')
+        raise GPT2Error(f'chunk must be a positive integer, got {validate.shown(chunk)}')
     if logprobs is not None and (not validate.is_int(logprobs) or not 0 <= logprobs <= 20):
-        raise GPT2Error(f'logprobs must be an integer in [0, 20], got {logprobs!r}')
+        raise GPT2Error(f'logprobs must be an integer in [0, 20], got {validate.shown(logprobs)}')
 
 
 class Request:

@@ -19,10 +19,10 @@ import numpy as np
 import tensorflow as tf
 
 from . import compiled, validate
+from .encoder import END_OF_TEXT_ID
 from .model import positions_for
 from .runtime import Model
 
-BOS_ID = 50256  # the id of <|endoftext|> (encoder.END_OF_TEXT): the context GPT-2 evaluations put before a text
 
 
 def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
@@ -98,7 +98,7 @@ def score(model: Model, tokens, *, top: int = 0, mode: Optional[str] = None):
     hp = model.hparams
     rows = _rows(tokens, hp.n_vocab, hp.n_ctx)
     if not validate.is_int(top) or not 0 <= top <= 50:
-        raise ValueError(f'top must be an integer in [0, 50], got {top!r}')
+        raise validate.GPT2Error(f'top must be an integer in [0, 50], got {validate.shown(top)}')
     length = compiled.bucket(max(len(row) for row in rows), hp.n_ctx)
     padded = np.zeros([len(rows), length], np.int32)
     for i, row in enumerate(rows):
@@ -133,7 +133,7 @@ def windows(n: int, n_ctx: int, stride: int) -> list:
 
 def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False, batch_size: int = 4,
                      mode: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
-                     end_of_text: int = BOS_ID) -> np.ndarray:
+                     end_of_text: int = END_OF_TEXT_ID) -> np.ndarray:
     """log p of every token of ids from position 1 on (from 0 with bos), over the windows of `windows`.
 
     bos prepends end_of_text (<|endoftext|>, 50256) as context, as GPT-2
@@ -152,7 +152,7 @@ def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False,
         raise ValueError(f'the text has {len(ids)} token(s): scoring needs at least 2 '
                          f'(or 1 with bos=True)')
     if not validate.is_int(stride) or not 1 <= stride <= hp.n_ctx - 1:
-        raise ValueError(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {stride!r}')
+        raise validate.GPT2Error(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {validate.shown(stride)}')
     spans = windows(len(ids), hp.n_ctx, stride)
     run = compiled.shared(_scored, model, mode)
     out = np.zeros(len(ids) - 1, np.float32)

@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from typing import Optional
 
-from .validate import INT64, GPT2Error, is_int
+from .validate import INT64, GPT2Error, is_int, shown
 
 OPTIMIZERS = ('adam', 'sgd', 'adafactor')
 RESTORE_FROM = ('latest', 'fresh')
@@ -93,9 +93,7 @@ def configure(config: Optional[FinetuneConfig] = None, **options) -> FinetuneCon
 
 # --- the checks, one place for the library and the command line ------------------------------------
 
-def _shown(value) -> str:
-    """A value as a user typed it: 3.0, not np.float64(3.0); strings quoted."""
-    return repr(value) if isinstance(value, str) or value is None else str(value)
+_shown = shown  # validate's: a value as a user typed it
 
 
 def check_integer(name: str, value, low: int, what: str = '') -> None:

@@ -23,6 +23,13 @@ class GPT2Error(ValueError):
 MAX_TEMPERATURE = 2.0  # the accepted range is [0, MAX_TEMPERATURE]; 0 is greedy
 
 
+def shown(value) -> str:
+    """A value as a user typed it, for messages: 3.0, not np.float64(3.0); strings quoted."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return repr(value) if isinstance(value, (str, list, tuple, dict)) or value is None else str(value)
+
+
 def is_int(x) -> bool:
     """A Python or numpy integer, and not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -103,7 +110,7 @@ def default_length(n_ctx: int, conditional: bool) -> int:
 
 def check_length(length, n_ctx: int) -> None:
     if not is_int(length) or length < 1:
-        raise GPT2Error(f'length must be a positive integer, got {length!r}')
+        raise GPT2Error(f'length must be a positive integer, got {shown(length)}')
     if length > n_ctx:
         raise GPT2Error(f"length {length} is longer than the window: at most n_ctx = {n_ctx} new tokens")
 
@@ -126,13 +133,13 @@ def check_sampling(temperature, top_k, top_p, batch: int) -> tuple:
     for t in temperature:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.number)) \
                 or not 0 <= t <= MAX_TEMPERATURE:
-            raise GPT2Error(f'temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {t!r}')
+            raise GPT2Error(f'temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {shown(t)}')
     for k in top_k:
         if not is_int(k) or k < 0:
-            raise GPT2Error(f'top_k must be an integer >= 0 (0: no truncation), got {k!r}')
+            raise GPT2Error(f'top_k must be an integer >= 0 (0: no truncation), got {shown(k)}')
     for p in top_p:
         if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.number)) or not 0 <= p <= 1:
-            raise GPT2Error(f'top_p must be in [0, 1] (1: no truncation), got {p!r}')
+            raise GPT2Error(f'top_p must be in [0, 1] (1: no truncation), got {shown(p)}')
     top_k = np.minimum(top_k.astype(np.int64), np.iinfo(np.int32).max)
     return temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32)
 
@@ -150,6 +157,6 @@ def check_seed(seed, batch: int) -> None:
     if array.shape == (2,) or array.shape == (batch, 2):
         if fits(array.ravel().tolist()):
             return
-        raise GPT2Error(f'seed values must be integers in [{INT64.min}, {INT64.max}], got {seed!r}')
+        raise GPT2Error(f'seed values must be integers in [{INT64.min}, {INT64.max}], got {shown(seed)}')
     raise GPT2Error(f'seed must be an integer, a pair of integers, or one pair per row [{batch}, 2]; '
-                     f'got {seed!r}')
+                     f'got {shown(seed)}')
