@@ -51,11 +51,12 @@ def parser() -> Parser:
 
 
 def as_typed(message: str, argv: list) -> str:
-    """A message with numpy's reprs (np.float64(3.0)) replaced by the number as the command line had it."""
+    """A message's numbers (a numpy repr such as np.float64(3.0), or the 3.0 after 'got') as the command line had
+    them (3)."""
     typed = [a.split('=', 1)[-1] for a in argv]
 
     def number(match):
-        inner = match.group(1)
+        inner = match.group(1) or match.group(2)
         for text in typed:
             try:
                 if float(text) == float(inner):
@@ -64,7 +65,7 @@ def as_typed(message: str, argv: list) -> str:
                 continue
         return inner
 
-    return re.sub(r'np\.\w+\(([-+.\deE]+)\)', number, message)
+    return re.sub(r'np\.\w+\(([-+.\deE]+)\)|(?<=got )([-+]?\d[\d.]*(?:[eE][-+]?\d+)?)', number, message)
 
 
 def main(argv=None) -> int:
