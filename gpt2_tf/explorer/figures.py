@@ -6,6 +6,8 @@ import html
 
 import numpy as np
 
+from .panels import LN_1, LN_2, LN_F
+
 
 def token_color(k: int, tokens: int) -> str:
     """The one color of token k everywhere on the page (charts, legends, tables); the script has the same rule."""
@@ -44,13 +46,13 @@ def line_chart(series: np.ndarray, labels: list, title: str) -> str:
 # The diagram: (panel, label, y, height, kind) top to bottom; x_n enters at the top, x_{n+1} leaves below.
 NODES = [
     ('embeddings', 'Embeddings (wte + wpe)', 8, 30, 'outer'),
-    ('ln_1', 'LayerNorm 1', 106, 34, 'node'),
+    (LN_1, 'LayerNorm 1', 106, 34, 'node'),
     ('attn', 'Attention', 162, 40, 'node'),
     ('residual', 'dropout (inactive at inference)', 224, 26, 'dropout'),
-    ('ln_2', 'LayerNorm 2', 338, 34, 'node'),
+    (LN_2, 'LayerNorm 2', 338, 34, 'node'),
     ('mlp', 'MLP', 394, 40, 'node'),
     ('residual', 'dropout (inactive at inference)', 456, 26, 'dropout'),
-    ('ln_f', 'ln_f → logits (tied wte)', 608, 30, 'outer'),
+    (LN_F, f'{LN_F} → logits (tied wte)', 608, 30, 'outer'),
 ]
 ADDS = [282, 514]  # the two + nodes' centres
 CX, WIDTH = 120, 190
@@ -85,7 +87,8 @@ def diagram(n_layer: int) -> str:
              f'<text x="{CX + 8}" y="53" class="blocklabel">block <tspan class="block-number">h0</tspan> '
              f'of {n_layer}, repeated</text>',
              _state('x', 'n', 84), _state('x′', 'n', ADDS[0] + 34), _state('x', 'n+1', ADDS[1] + 34)]
-    # The stream, top to bottom: embeddings, x_n, ln_1, attn, dropout, +, x'_n, ln_2, mlp, dropout, +, x_{n+1}, ln_f.
+    # The stream, top to bottom: embeddings, x_n, LayerNorm 1, attention, dropout, +, x'_n, LayerNorm 2, MLP, dropout,
+    # +, x_{n+1}, the final norm.
     for y1, y2 in [(38, 106), (140, 162), (202, 224), (250, ADDS[0] - 13), (ADDS[0] + 13, 338),
                    (372, 394), (434, 456), (482, ADDS[1] - 13), (ADDS[1] + 13, 608)]:
         parts.append(_arrow(y1, y2))

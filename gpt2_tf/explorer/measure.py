@@ -1,7 +1,7 @@
 """Every number of the explorer page for one prompt, as plain numpy arrays (a notebook can plot the same views).
 
 The states are what the model's own blocks record as they run (diagnostics.trace); the MLP's inner
-values come from calling the block's own c_fc and the model's gelu on the recorded ln_2 output.
+values come from calling the block's own c_fc and the model's gelu on the recorded second norm's output.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def explore(model: Graph, tokens) -> dict:
 
     residual_norms [n_layer, T, 5]   L2 norms of x_n, the attention delta, x'_n, the MLP delta, x_{n+1}
     attention      [n_layer, n_head, T, T]   the softmaxed attention weights
-    norm_stats     [n_layer, 2, T, 4]  ln_1 then ln_2: each token's feature mean and variance before, then after
+    norm_stats     [n_layer, 2, T, 4]  LayerNorm 1 then 2: each token's feature mean and variance before, then after
     gelu_range     [n_layer, 2]      the smallest and largest input to the GELU (c_fc's output)
     gelu_histogram [n_layer, BINS]   counts of the GELU's inputs in BINS equal bins over that range
     near_zero      [n_layer]         the share of the GELU's outputs with |GELU(u)| < NEAR_ZERO
@@ -63,7 +63,7 @@ def norm_stats(before: np.ndarray, after: np.ndarray) -> np.ndarray:
 
 
 def mlp_inside(model: Graph, states: list) -> dict:
-    """The GELU's input (the block's own c_fc on its recorded ln_2 output) per block: range, histogram, near zero."""
+    """The GELU's input (the block's own c_fc on its recorded second norm's output) per block: range, histogram, near zero."""
     ranges, histograms, near = [], [], []
     for block, state in zip(model.h, states):
         u = block.mlp.c_fc(tf.constant(state['z2']))  # [1, T, 4 n_embd]

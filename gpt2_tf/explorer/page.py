@@ -22,7 +22,7 @@ from ..encoder import Encoder
 from ..model import Graph
 from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
-from .panels import (INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code,
+from .panels import (LN_1, LN_2, LN_F, INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code,
                      stored_shapes)
 
 STYLE = '''body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1320px}
@@ -113,8 +113,7 @@ SCRIPT = r'''(function () {
   const view = (name, content) => { document.getElementById('view-' + name).innerHTML = content; };
   function draw(n) {
     document.querySelectorAll('.block-number').forEach(e => { e.textContent = 'h' + n; });
-    view('ln_1', table(NORMS, D.norm_stats[n][0]));
-    view('ln_2', table(NORMS, D.norm_stats[n][1]));
+    D.norms.forEach((name, i) => view(name, table(NORMS, D.norm_stats[n][i])));
     let maps = '';
     for (let h = 0; h < D.n_head; h++) {
       const o = (n * D.n_head + h) * T * T;
@@ -125,7 +124,7 @@ SCRIPT = r'''(function () {
     view('residual', table(RESIDUAL, D.residual[n]));
   }
   function select(name) {  // show one panel, mark its nodes in the diagram
-    if (!document.getElementById('panel-' + name)) name = 'ln_1';
+    if (!document.getElementById('panel-' + name)) name = D.norms[0];
     document.querySelectorAll('.panel').forEach(p => { p.hidden = p.id !== 'panel-' + name; });
     document.querySelectorAll('#diagram .node').forEach(a => a.classList.toggle('selected', a.dataset.panel === name));
   }
@@ -164,7 +163,7 @@ def page_data(model: Graph, found: dict, labels: list) -> str:
     """The block-by-block views' numbers as JSON; attention weights as bytes (0..255 for 0..1), base64."""
     hp = model.hparams
     attention = np.round(np.clip(found['attention'], 0, 1) * 255).astype(np.uint8)
-    data = {'tokens': labels, 'n_head': hp.n_head, 'n_inner': 4 * hp.n_embd, 'near_zero': NEAR_ZERO,
+    data = {'tokens': labels, 'norms': [LN_1, LN_2], 'n_head': hp.n_head, 'n_inner': 4 * hp.n_embd, 'near_zero': NEAR_ZERO,
             'attention': base64.b64encode(attention.tobytes()).decode('ascii'),
             'norm_stats': _rounded(found['norm_stats']), 'residual': _rounded(found['residual_norms']),
             'gelu': [{'range': _rounded(r), 'histogram': h.tolist(), 'near_zero': round(float(z), 5)}
@@ -200,7 +199,7 @@ def _global_views(encoder: Encoder, found: dict, labels: list) -> dict:
     top = ''.join(f'<tr><td class="l tok">{html.escape(token_label(encoder, t))}</td><td>{p:.2%}</td></tr>'
                   for t, p in zip(found['next_ids'], found['next_probs']))
     head = f'<table><tr><th class="l">next token</th><th>probability</th></tr>{top}</table>'
-    return {'embeddings': embeddings, 'ln_f': head}
+    return {'embeddings': embeddings, LN_F: head}
 
 
 def _explorer(model: Graph, encoder: Encoder, found: dict, labels: list, model_dir: Optional[str]) -> str:
@@ -208,7 +207,7 @@ def _explorer(model: Graph, encoder: Encoder, found: dict, labels: list, model_d
     hp = model.hparams
     stored, source = stored_shapes(model_dir, model)
     counted = accounting(hp, stored)
-    views = {name: f'<div class="view" id="view-{name}"></div>' for name in ('ln_1', 'ln_2', 'mlp')}
+    views = {name: f'<div class="view" id="view-{name}"></div>' for name in (LN_1, LN_2, 'mlp')}
     views['attn'] = ('<p class="note">The mask (left: 1 where token i may see token j, j ≤ i), then each head\'s '
                      'weights (to steps of 1/255; hover a map for its title).</p><div class="grid"><div '
                      'id="view-mask"></div><div class="grid view" id="view-attn"></div></div>')

@@ -15,17 +15,18 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .. import loading, model as graph
-from ..diagnostics import components, variable_name
+from ..diagnostics import COMPONENTS, components, variable_name
 from ..hparams import HParams
 
 ORIGINAL = 'https://github.com/openai/gpt-2/blob/9b63575/src/model.py'
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(graph.__file__)))  # the folder above gpt2_tf/
 
-# What readers call the checkpoint's components (checkpoint.VARIABLES's third column).
-LABELS = {'wte': 'Token embedding (wte)', 'wpe': 'Position embedding (wpe)', 'ln_1': 'LayerNorm 1 (ln_1)',
-          'attn.c_attn': 'Queries, keys, values (c_attn)', 'attn.c_proj': 'Output projection (c_proj)',
-          'ln_2': 'LayerNorm 2 (ln_2)', 'mlp.c_fc': 'Feature expansion (c_fc)',
-          'mlp.c_proj': 'Feature projection (c_proj)', 'ln_f': 'Final LayerNorm (ln_f)'}
+# The checkpoint's components in forward order (checkpoint.VARIABLES's third column), and what readers call them.
+WTE, WPE, LN_1, C_ATTN, ATTN_PROJ, LN_2, C_FC, MLP_PROJ, LN_F = (name for name, _, _ in COMPONENTS)
+LABELS = {WTE: f'Token embedding ({WTE})', WPE: f'Position embedding ({WPE})', LN_1: f'LayerNorm 1 ({LN_1})',
+          C_ATTN: 'Queries, keys, values (c_attn)', ATTN_PROJ: 'Output projection (c_proj)',
+          LN_2: f'LayerNorm 2 ({LN_2})', C_FC: 'Feature expansion (c_fc)',
+          MLP_PROJ: 'Feature projection (c_proj)', LN_F: f'Final LayerNorm ({LN_F})'}
 
 
 # The inside of the two sublayers, step by step, with the shapes (filled in as the panels' shapes are).
@@ -113,9 +114,9 @@ LN_TEXT = ('Each token\'s {n_embd} features are moved to mean 0 and variance 1 (
            'Below: each token\'s mean and variance before and after, measured on this prompt; after the norm the '
            'variance is no longer 1, because γ and β have been applied.')
 PANELS = {
-    'ln_1': Panel('LayerNorm 1', ('ln_1',), (graph.Norm,), (28, 38), LN_TEXT, LN_FORMULAS,
+    LN_1: Panel('LayerNorm 1', (LN_1,), (graph.Norm,), (28, 38), LN_TEXT, LN_FORMULAS,
                   '[B, T, n_embd] = [1, {T}, {n_embd}] → [1, {T}, {n_embd}]'),
-    'attn': Panel('Attention', ('attn.c_attn', 'attn.c_proj'),
+    'attn': Panel('Attention', (C_ATTN, ATTN_PROJ),
                   (graph.attention_mask, graph.mask_attn_weights, graph.attention_weights, graph.Attn), (58, 112),
                   'c_attn turns each token into a query, a key and a value for every one of the {n_head} heads '
                   'at once ({n_embd} → 3 × {n_embd}); each head compares its {head_size}-feature queries with '
@@ -126,9 +127,9 @@ PANELS = {
                   ATTN_FORMULAS,
                   'z [1, {T}, {n_embd}] → c_attn → Q, K, V [1, {n_head}, {T}, {head_size}] each → weights '
                   '[1, {n_head}, {T}, {T}] → heads merged [1, {T}, {n_embd}] → c_proj → [1, {T}, {n_embd}]'),
-    'ln_2': Panel('LayerNorm 2', ('ln_2',), (graph.Norm,), (28, 38), LN_TEXT, LN_FORMULAS,
+    LN_2: Panel('LayerNorm 2', (LN_2,), (graph.Norm,), (28, 38), LN_TEXT, LN_FORMULAS,
                   "[B, T, n_embd] = [1, {T}, {n_embd}] → [1, {T}, {n_embd}] (x'_n in, the MLP's input out)"),
-    'mlp': Panel('MLP', ('mlp.c_fc', 'mlp.c_proj'), (graph.gelu, graph.Conv1D, graph.MLP), (115, 120),
+    'mlp': Panel('MLP', (C_FC, MLP_PROJ), (graph.gelu, graph.Conv1D, graph.MLP), (115, 120),
                  'Per token, independently: c_fc expands the {n_embd} features to {n_inner}, the tanh GELU (the '
                  'approximation GPT-2 was trained with) passes positive inputs almost unchanged and squashes '
                  'negative ones towards 0, and c_proj projects back to {n_embd}. Below: the range of the GELU\'s '
@@ -142,12 +143,12 @@ PANELS = {
                       'inactive at inference (the original\'s released graph has none). Below: the L2 norm of '
                       'each token\'s vector before, of each delta, and after, for this prompt.',
                       RESIDUAL_FORMULAS, 'x_n, both deltas and x_{{n+1}}: [1, {T}, {n_embd}]'),
-    'embeddings': Panel('Embeddings', ('wte', 'wpe'), (graph.Graph.embed,), (152, 157),
+    'embeddings': Panel('Embeddings', (WTE, WPE), (graph.Graph.embed,), (152, 157),
                         'Token t\'s row of wte (one of {n_vocab}) plus position t\'s row of wpe (one of {n_ctx}) '
                         'is x_0, the first block\'s input. Below: the norms of both rows and of their sum, per '
                         'token of this prompt.',
                         EMBEDDING_FORMULAS, 'tokens [1, {T}] → x_0 [1, {T}, {n_embd}]'),
-    'ln_f': Panel('ln_f and the tied logits', ('ln_f',), (graph.Graph.logits,), (167, 173),
+    LN_F: Panel(f'{LN_F} and the tied logits', (LN_F,), (graph.Graph.logits,), (167, 173),
                   'After the last block, ln_f normalizes each token\'s vector and the product with wte, the '
                   'token embedding itself (tied: no new parameters), gives a score for each of the {n_vocab} '
                   'tokens. Below: the top 10 next tokens after this prompt.',
