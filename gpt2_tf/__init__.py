@@ -45,6 +45,11 @@ _EXPORTS = {
     'parameter_table': 'diagnostics',
     'compare': 'diagnostics',
     'explore': 'explorer',
+    'encode_corpus': 'corpus',
+    'read_tokens': 'corpus',
+    'finetune': 'train',
+    'FinetuneConfig': 'train_config',
+    'export_litert': 'litert',
 }
 
 __all__ = sorted(_EXPORTS)

@@ -134,7 +134,7 @@ class Encoder:
 
     def _encode_ordinary(self, text: str) -> list:
         if self._tiktoken is not None:
-            return self._tiktoken.encode(text, disallowed_special=())
+            return self._tiktoken.encode_ordinary(text)  # the same ids; no scan for special tokens
         ids = []
         for piece in self.pat.findall(text):
             piece = ''.join(self.byte_encoder[b] for b in piece.encode('utf-8'))

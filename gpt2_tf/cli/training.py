@@ -10,7 +10,8 @@ def cmd_finetune(args):
     """gpt-2-simple's finetune; Ctrl-C saves the step reached and exits 130."""
     config = train_config.from_arguments(args)  # every option checked, before TensorFlow
     folder = model_folder(args)
-    folder.encoder()  # the vocabulary too
+    if not args.dataset.endswith('.bin') or config.sample_every:
+        folder.encoder()  # the vocabulary too, unless a token file trains without samples
     start_tensorflow(args, folder)
     from ..train import finetune
 
