@@ -21,7 +21,7 @@ import os
 
 import tensorflow as tf
 
-from . import compiled, noise, sample, validate
+from . import compiled, kernels, noise, sample, validate
 from .runtime import Model
 from .scoring import hidden, log_probs
 
@@ -84,6 +84,7 @@ def export_saved_model(model: Model, out_dir, *, xla: bool = False) -> str:
     """Writes model as a SavedModel at out_dir with the three signatures above; returns out_dir."""
     out_dir = os.fspath(out_dir)
     servable = Servable(model, xla=xla)
-    tf.saved_model.save(servable, out_dir, signatures={
-        'serving_default': servable.serving_default, 'generate': servable.generate, 'score': servable.score})
+    with kernels.tensorflow_ops():  # an int8 model's products as TensorFlow ops: the SavedModel needs no op library
+        tf.saved_model.save(servable, out_dir, signatures={
+            'serving_default': servable.serving_default, 'generate': servable.generate, 'score': servable.score})
     return out_dir

@@ -27,6 +27,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from . import kernels
 from .assets import bundled_vocabulary
 from .decoding import decode
 from .runtime import Model
@@ -115,8 +116,9 @@ def export_litert(model: Model, out_dir, *, dtype: Optional[str] = None, max_len
     out_dir = os.fspath(out_dir)
     start = time.perf_counter()
     signatures = Signatures(model, max_len)
-    converter = tf.lite.TFLiteConverter.from_concrete_functions(
-        [signatures.prefill.get_concrete_function(), signatures.decode.get_concrete_function()], signatures)
+    with kernels.tensorflow_ops():  # int8 as cast, scale and matmul: the converter keeps the weights int8
+        functions = [signatures.prefill.get_concrete_function(), signatures.decode.get_concrete_function()]
+    converter = tf.lite.TFLiteConverter.from_concrete_functions(functions, signatures)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # the plain runtime, no TF ops
     flatbuffer = converter.convert()
     os.makedirs(out_dir, exist_ok=True)

@@ -85,6 +85,20 @@ def test_description_and_a_short_cache(tmp_path):
     check_against_library(model, tmp_path, [3, 1, 4, 1, 5], 12)
 
 
+def test_int8_keeps_a_third_of_the_bytes_and_the_int8_model_s_logits(tmp_path):
+    model = gpt2_tf.load_model(ROOT / 'gpt2_tf' / 'assets' / 'test-checkpoint')  # 0.81M parameters
+    quantized = gpt2_tf.load_model(ROOT / 'gpt2_tf' / 'assets' / 'test-checkpoint', dtype='int8')
+    full = export_litert(model, tmp_path / 'f32', max_len=32)
+    small = export_litert(quantized, tmp_path / 'int8', max_len=32)
+    assert small['dtype'] == 'int8' and small['bytes'] <= 0.35 * full['bytes']  # one int8 wte, int8 matrices
+    prompt = [464, 2068, 7586, 21831, 18045]
+    result = run_exported(tmp_path / 'int8', prompt, 16)
+    assert_close(result['logits'], quantized(np.array([prompt]))['logits'].numpy()[0, -1], 'int8 prefill')
+    greedy = gpt2_tf.sample_sequence(quantized, 16, context=prompt, top_k=1)[0, len(prompt):]
+    assert result['greedy'] == greedy.tolist()
+    # Against float32 the tokens are a measured departure, not asserted equal: bench/bench_litert.py reports it.
+
+
 def test_bad_options_are_refused_in_one_line(tmp_path):
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
     for options, message in [(dict(max_len=0), r'--max-len must be an integer in \[1, 32\]'),
