@@ -26,6 +26,12 @@ _functions = {}
 _variables = weakref.WeakKeyDictionary()  # model -> its variables; tf.Module takes 2.5 ms to list 148
 
 
+def forget(model) -> None:
+    """Drops the model's cached variable list: after its module tree changes (an adapter attached), the next
+    call lists its variables again."""
+    _variables.pop(model, None)
+
+
 def weights(model) -> tuple:
     """The model's variables as tensors, in tf.Module order (the same for every model of a shape)."""
     if model not in _variables:

@@ -122,7 +122,7 @@ def _retrace(model) -> None:
     compiled.py's shared functions take the model's variables from a list it keeps per model."""
     from . import compiled
 
-    compiled._variables.pop(model, None)
+    compiled.forget(model)
     for attr in ('_forward', '_forward_past'):
         fn = getattr(model, attr, None)
         if fn is not None:

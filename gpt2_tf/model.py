@@ -1,10 +1,8 @@
-"""The GPT-2 graph as tf.Modules, function for function after openai/gpt-2 src/model.py.
-
-Variables are created under the original scopes, so a variable's name is its checkpoint name
-(model/h0/attn/c_attn/w). The numerics are the original's: the tanh GELU, LayerNorm epsilon 1e-5,
-the -1e10 mask. The weights' dtype is an argument (gpt2_tf.precision): only matrix products change.
-The block is written once; where its keys and values come from (Past, or decoding's cache) and what
-it records (diagnostics' states) are arguments. Compiled calls and devices are gpt2_tf.runtime's."""
+"""The GPT-2 graph as tf.Modules, function for function after openai/gpt-2 src/model.py. Variables are created
+under the original scopes, so a variable's name is its checkpoint name (model/h0/attn/c_attn/w); the numerics
+are the original's (tanh GELU, LayerNorm epsilon 1e-5, the -1e10 mask). The weights' dtype is an argument
+(gpt2_tf.precision); the block is written once, with where its keys and values come from (Past, or decoding's
+cache) and what it records as arguments. Compiled calls and devices are gpt2_tf.runtime's."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from .precision import f32, gather, matrix, product, weight
 
 def shape_list(x):
     """Static dimensions where known, dynamic ones elsewhere."""
-    static = x.shape.as_list()
-    dynamic = tf.shape(x)
+    static, dynamic = x.shape.as_list(), tf.shape(x)
     return [dynamic[i] if s is None else s for i, s in enumerate(static)]
 
 
@@ -91,15 +88,12 @@ class Conv1D(tf.Module):
 
 def attention_mask(nd, ns, *, dtype):
     """[nd, ns]: 1 where destination i sees source j, j <= i + ns - nd (the past plus itself)."""
-    i = tf.range(nd)[:, None]
-    j = tf.range(ns)
-    m = i >= j - ns + nd
-    return tf.cast(m, dtype)
+    i, j = tf.range(nd)[:, None], tf.range(ns)
+    return tf.cast(i >= j - ns + nd, dtype)
 
 
 def mask_attn_weights(w, b):
-    """w [batch, heads, dst, src]; b is 1 where dst may see src, broadcastable to w. The original's -1e10,
-    not -inf: a fully masked row stays finite."""
+    """w [batch, heads, dst, src]; b 1 where dst sees src. The original's -1e10, not -inf: no row goes NaN."""
     return w * b - tf.cast(1e10, w.dtype) * (1 - b)
 
 
@@ -143,8 +137,7 @@ class Attn(tf.Module):
         q, k, v = map(self.split_heads, tf.split(self.c_attn(x), 3, axis=2))
         k, v, b, present = kv(k, v)
         w = attention_weights(q, k, b)
-        if record is not None:
-            record(attn_weights=w)
+        if record is not None: record(attn_weights=w)  # noqa: E701
         return self.c_proj(self.merge_heads(tf.matmul(w, v))), present
 
 
@@ -175,8 +168,7 @@ class Block(tf.Module):
         x1, z2 = x, self.ln_2(x)
         m = self.mlp(z2)
         x = x + m
-        if record is not None:
-            record(x=x0, z1=z1, attn=a, x_attn=x1, z2=z2, mlp=m, out=x)
+        if record is not None: record(x=x0, z1=z1, attn=a, x_attn=x1, z2=z2, mlp=m, out=x)  # noqa: E701
         return x, present
 
 
@@ -205,15 +197,14 @@ class Graph(tf.Module):
             self.ln_f = Norm(hparams.n_embd, 'ln_f', dtype=dtype)
 
     def embed(self, X, positions):  # [batch, sequence] x2 -> [batch, sequence, n_embd]
-        # Gather from dense reads: tf.gather on the variable itself puts it in copy-on-read
-        # mode, and every later read of wte (the logits) would then copy all 154 MB of it.
+        # Dense reads: tf.gather on the variable puts it in copy-on-read mode (each later read copies it all).
         wte, wpe = tf.convert_to_tensor(self.wte), tf.convert_to_tensor(self.wpe)
         return gather(wte, self.wte_scale, X) + f32(tf.gather(wpe, positions))
 
     def blocks(self, h, kvs=None, *, wrap=None, record=None):
-        """The residual stream through every block: h [batch, sequence, n_embd] -> h, [present per block].
-        kvs: a key/value source per block (default Past()); wrap(block), when given, makes each block
-        h -> h (training's recompute, from outside); record(layer, **states) sees the named states."""
+        """h [batch, sequence, n_embd] through every block -> h, [present per block]. kvs: a key/value source per
+        block (default Past()); wrap(block): each block as h -> h (training's recompute, from outside);
+        record(layer, **states) sees the named states."""
         presents = []
         for layer, (block, kv) in enumerate(zip(self.h, kvs or [None] * len(self.h))):
             note = record and (lambda **states: record(layer, **states))  # called within this step

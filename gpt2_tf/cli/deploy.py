@@ -7,7 +7,7 @@ import shutil
 
 LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
 
-from .common import (CommandError, add_dtype, add_mode, add_model_arguments, add_model_folder, add_verbose,
+from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_verbose,
                      model_folder, open_model)
 
 
@@ -81,9 +81,9 @@ def cmd_convert(args):
     source = model_folder(args)
     source.hparams()
     new_folder(args.destination)
-    if args.to == 'hf' and source.layout == 'hf':
+    if args.to == 'hf' and source.layout == 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is already a Hugging Face folder (config.json); use --to original')
-    if args.to == 'original' and source.layout != 'hf':
+    if args.to == 'original' and source.layout != 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is not a Hugging Face folder (no config.json); use --to hf')
     model = open_model(args, source, device='/CPU:0')
     from ..assets import bundled_vocabulary
@@ -144,6 +144,7 @@ def add_convert(commands) -> None:
     convert.add_argument('destination', metavar='DST', help='a new folder')
     convert.add_argument('--to', choices=['hf', 'original'], required=True,
                          help='the layout to write (required: no default)')
+    add_adapter(convert)  # merged into the weights written
     add_verbose(convert)
     convert.set_defaults(run=cmd_convert)
 
