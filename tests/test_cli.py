@@ -154,14 +154,15 @@ def test_verbose_shows_tensorflows_start_up_lines(tmp_path):
     assert 'oneDNN' in done.stderr or 'cuda' in done.stderr.lower()  # what the quiet start hides
 
 
-def terminal_session(argv, keys, cwd, *, timeout=180):
-    """Runs argv on a pseudo-terminal, typing each of keys once the previous output settles; returns the output."""
+def pty_session(argv, cwd, respond, *, timeout=180):
+    """Runs argv on a pseudo-terminal; after each read (or half a second of quiet), respond(output, quiet) returns
+    bytes to type or None. Returns (output as text, exit status)."""
     pid, fd = pty.fork()
     if pid == 0:
         os.chdir(cwd)
         os.execvpe(argv[0], argv, subprocess_env())
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack('HHHH', 24, 120, 0, 0))  # a terminal's size, as a user's has
-    output, pending, deadline = b'', list(keys), time.monotonic() + timeout
+    output, deadline = b'', time.monotonic() + timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([fd], [], [], 0.5)
         if ready:
@@ -172,10 +173,21 @@ def terminal_session(argv, keys, cwd, *, timeout=180):
             if not chunk:
                 break
             output += chunk
-        elif pending and output.endswith(b'>>> '):
-            os.write(fd, pending.pop(0))
-    os.waitpid(pid, 0)
-    return output.decode('utf-8', errors='replace')
+        typed = respond(output, not ready)
+        if typed:
+            os.write(fd, typed)
+    _, status = os.waitpid(pid, 0)
+    return output.decode('utf-8', errors='replace'), status
+
+
+def terminal_session(argv, keys, cwd, *, timeout=180):
+    """Runs argv on a pseudo-terminal, typing each of keys once the previous output settles; returns the output."""
+    pending = list(keys)
+
+    def respond(output, quiet):
+        return pending.pop(0) if quiet and pending and output.endswith(b'>>> ') else None
+
+    return pty_session(argv, cwd, respond, timeout=timeout)[0]
 
 
 @pytest.mark.slow
@@ -289,33 +301,23 @@ def test_only_the_projects_errors_are_one_line(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_during_an_interactive_generation_returns_to_the_prompt(tmp_path):
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(tmp_path)
-        argv = [*GPT2_TF, 'generate', '--length', '100', '--nsamples', '1000', '--chunk', '1', '--seed', '1',
-                '--mode', 'function', '--quiet']
-        os.execvpe(argv[0], argv, subprocess_env())
-    output, sent, deadline = b'', [], time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if select.select([fd], [], [], 0.5)[0]:
-            try:
-                chunk = os.read(fd, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            output += chunk
+    argv = [*GPT2_TF, 'generate', '--length', '100', '--nsamples', '1000', '--chunk', '1', '--seed', '1',
+            '--mode', 'function', '--quiet']
+    sent = []
+
+    def respond(output, quiet):
         if not sent and output.endswith(b'>>> '):
-            os.write(fd, b'Hello\r')
             sent.append('prompt')
-        elif sent == ['prompt'] and output.count(b'SAMPLE') >= 2:  # mid-way through a thousand samples
-            os.write(fd, b'\x03')
+            return b'Hello\r'
+        if sent == ['prompt'] and output.count(b'SAMPLE') >= 2:  # mid-way through a thousand samples
             sent.append('ctrl-c')
-        elif sent == ['prompt', 'ctrl-c'] and output.endswith(b'>>> '):
-            os.write(fd, b'\x04')
+            return b'\x03'
+        if sent == ['prompt', 'ctrl-c'] and output.endswith(b'>>> '):
             sent.append('ctrl-d')
-    _, status = os.waitpid(pid, 0)
-    text = output.decode('utf-8', errors='replace')
+            return b'\x04'
+        return None
+
+    text, status = pty_session(argv, tmp_path, respond, timeout=240)
     assert sent == ['prompt', 'ctrl-c', 'ctrl-d'], text[-2000:]
     assert text.count('Model prompt >>> ') == 2 and 'interrupted' in text and text.count('SAMPLE') < 1000
     assert os.waitstatus_to_exitcode(status) == 0  # Ctrl-D at the prompt: a normal end
