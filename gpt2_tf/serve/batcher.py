@@ -63,11 +63,15 @@ class Batcher:
         self.lock = threading.Condition()
         self.stopped = False
         self.waves = 0  # waves run, for tests and logs
+        self._running = 0
         self.thread = threading.Thread(target=self._work, name='gpt2_tf-batcher', daemon=True)
         self.thread.start()
 
     def submit(self, rows: List[Row]) -> None:
         """Queues the rows, or raises APIError 503 when the queue is full. A row that cannot fit fails now."""
+        if len(rows) > self.queue_size:
+            raise APIError(400, f'the request asks for {len(rows)} rows (prompts times n); this server queues at most '
+                           f'{self.queue_size}: send fewer prompts or a smaller n')
         fitting = []
         for row in rows:
             try:
@@ -81,6 +85,17 @@ class Batcher:
                                kind='server_error', code='overloaded', headers={'Retry-After': '1'})
             self.pending.extend(fitting)
             self.lock.notify()
+
+    @property
+    def waiting(self) -> int:
+        """Rows queued, not yet running."""
+        with self.lock:
+            return sum(not row.done for row in self.pending)
+
+    @property
+    def running(self) -> int:
+        """Rows being decoded now."""
+        return self._running
 
     def close(self) -> None:
         with self.lock:
@@ -129,11 +144,14 @@ class Batcher:
             if not wave:
                 return
             self.waves += 1
+            self._running = len(wave)
             try:
                 self._run(wave)
             except Exception as e:  # a failed wave fails its rows, never the server
                 for row in wave:
                     row.fail(str(e))
+            finally:
+                self._running = 0
 
     def _run(self, wave: List[Row]) -> None:
         first = wave[0]
