@@ -2,7 +2,9 @@
 
 What is drawn is the original's: softmax(top_p(top_k(logits / temperature)))
 with the original filters' semantics (gpt2_tf.filters, whose top_k_logits and
-top_p_logits this module re-exports). How it is drawn differs:
+top_p_logits this module re-exports), over the logits after any penalties
+(gpt2_tf.penalties: repetition, frequency and presence, logit_bias; none set,
+the loop is today's exactly). How it is drawn differs:
 
 - Each step's choice is one pure function, `choose`. The filters' kept set is
   a threshold on the logits (gpt2_tf.thresholds), and the draw is Gumbel-max
@@ -24,7 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 import tensorflow as tf
 
-from . import compiled, validate
+from . import compiled, penalties, validate
 from .compiled import bucket
 from .decoding import decode, empty_cache
 from .filters import top_k_logits, top_p_logits  # noqa: F401  the original's filters, under their own names
@@ -105,6 +107,7 @@ class Options(NamedTuple):
     top_k: Any  # int32 [batch]; 0 for none, 1 is greedy
     top_p: Any  # float32 [batch]; 1 for none
     keys: Any  # int64 [batch, 2]: each row's noise key (noise.row_keys)
+    penalties: Any = None  # penalties.Penalties as tensors, when the plan is penalized
 
 
 class Plan(NamedTuple):
@@ -114,6 +117,7 @@ class Plan(NamedTuple):
     kmax: Optional[int] = 0  # >= every row's top_k; 0: none truncates; None: known only at run time
     among_top: bool = False  # every drawing row keeps at most kmax tokens (see choose)
     logprobs: Optional[int] = None  # N: also the chosen tokens' log-probs and the N likeliest tokens'
+    penalized: bool = False  # the rows' logits go through penalties.penalize (options.penalties, the state)
 
 
 def begin(model, context, *, pads, size, decoder: Decoder = DECODER):
@@ -131,12 +135,14 @@ def _outputs(plan: Plan, batch) -> dict:
     return out
 
 
-def _pick(logits, step, out: dict, at, *, options: Options, plan: Plan, write=None):
-    """Chooses step's tokens from logits [batch, vocab] and records them at out[name][at] -> tokens, out.
+def _pick(logits, step, out: dict, at, *, options: Options, plan: Plan, state=(), write=None):
+    """Chooses step's tokens from logits [batch, vocab] and records them at out[name][at] -> tokens, out, state.
 
-    write: a bool tensor; where False, out keeps its value.
+    write: a bool tensor; where False, out and state keep their values. state: (counts, seen) when
+    plan.penalized (see penalties.start_state), else ().
     """
-    token = choose(logits, options.temperature, options.top_k, options.top_p, options.keys, tf.cast(step, tf.int64),
+    drawn = penalties.penalize(logits, *state, options.penalties) if plan.penalized else logits
+    token = choose(drawn, options.temperature, options.top_k, options.top_p, options.keys, tf.cast(step, tf.int64),
                    kmax=plan.kmax, greedy=plan.greedy, among_top=plan.among_top)
     found = {'tokens': token}
     if plan.logprobs is not None:
@@ -148,12 +154,15 @@ def _pick(logits, step, out: dict, at, *, options: Options, plan: Plan, write=No
         if write is not None:
             value = tf.where(write, value, out[name][at])
         out[name] = tf.tensor_scatter_nd_update(out[name], [[at]], value[None])
-    return token, out
+    if plan.penalized:
+        counts = penalties.record(state[0], token)
+        state = (counts if write is None else tf.where(write, counts, state[0]), state[1])
+    return token, out, state
 
 
 def advance(model, logits, caches, *, pads, prompt, done, length, options: Options, plan: Plan,
-            decoder: Decoder = DECODER):
-    """Chooses tokens done .. done + chunk - 1 (fewer at the end) -> outputs, logits, caches.
+            decoder: Decoder = DECODER, state=()):
+    """Chooses tokens done .. done + chunk - 1 (fewer at the end) -> outputs, logits, caches (and state).
 
     logits [batch, vocab] are the model's after the last token fed; prompt is the
     padded prompt's length (it fills the first cache slots, and token i goes in
@@ -161,22 +170,25 @@ def advance(model, logits, caches, *, pads, prompt, done, length, options: Optio
     back except the sequence's last, as in the original. outputs: 'tokens'
     [batch, chunk]; with plan.logprobs = N also 'log_probs' [batch, chunk] and
     'top_ids', 'top_log_probs' [batch, chunk, N], from the model's raw
-    distribution at each step.
+    distribution at each step (before any penalty, temperature or filter).
+    With plan.penalized, state is (counts, seen) as penalties.start_state makes
+    it, and comes back after the chunk's tokens, to pass to the next chunk.
     """
     pick = dict(options=options, plan=plan)
     fed = tf.minimum(plan.chunk, length - 1 - done)  # steps in this chunk whose token is fed back
 
-    def body(j, logits, caches, out):
-        token, out = _pick(logits, done + j, out, j, **pick)
+    def body(j, logits, caches, out, state):
+        token, out, state = _pick(logits, done + j, out, j, state=state, **pick)
         logits, caches = decoder.step(model, token[:, None], pads=pads, caches=caches, index=prompt + done + j)
-        return j + 1, logits, caches, out
+        return j + 1, logits, caches, out, state
 
-    start = [tf.constant(0), logits, caches, _outputs(plan, tf.shape(logits)[0])]
-    _, logits, caches, out = tf.while_loop(lambda j, *_: j < fed, body, start)
+    start = [tf.constant(0), logits, caches, _outputs(plan, tf.shape(logits)[0]), tuple(state)]
+    _, logits, caches, out, state = tf.while_loop(lambda j, *_: j < fed, body, start)
     # The sequence's last token, when it falls in this chunk: chosen, never fed.
-    _, out = _pick(logits, done + fed, out, tf.minimum(fed, plan.chunk - 1), write=fed < plan.chunk, **pick)
+    _, out, state = _pick(logits, done + fed, out, tf.minimum(fed, plan.chunk - 1), state=state,
+                          write=fed < plan.chunk, **pick)
     by_row = {name: tf.transpose(value, [1, 0] + list(range(2, value.shape.rank))) for name, value in out.items()}
-    return by_row, logits, caches
+    return (by_row, logits, caches) + ((state,) if plan.penalized else ())
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -195,11 +207,12 @@ def truncating(temperature: np.ndarray, top_k: np.ndarray, vocab: int) -> bool:
     return bool(np.all(~drawing | ((top_k > 0) & (top_k < vocab))))
 
 
-def plan_for(temperature: np.ndarray, top_k: np.ndarray, vocab: int, *, chunk: int, logprobs=None) -> Plan:
+def plan_for(temperature: np.ndarray, top_k: np.ndarray, vocab: int, *, chunk: int, logprobs=None,
+             penalized: bool = False) -> Plan:
     """The static plan for rows with these options."""
     greedy = bool(np.all((temperature == 0) | (top_k == 1)))
     return Plan(chunk=chunk, greedy=greedy, kmax=0 if greedy else top_k_size(top_k, vocab),
-                among_top=truncating(temperature, top_k, vocab), logprobs=logprobs)
+                among_top=truncating(temperature, top_k, vocab), logprobs=logprobs, penalized=penalized)
 
 
 def _prompts(context, start_token, batch_size) -> list:
@@ -239,7 +252,7 @@ class Request:
     """A checked sampling request: padded prompts, per-row options and keys, and the plan, ready for the loop."""
 
     def __init__(self, model, length, context, start_token, batch_size, temperature, top_k, top_p,
-                 seed, mode: Optional[str], chunk: Optional[int], logprobs: Optional[int] = None):
+                 seed, mode: Optional[str], chunk: Optional[int], logprobs: Optional[int] = None, **penalty):
         hp = model.hparams
         self.rows = _prompts(context, start_token, batch_size)
         validate.check_length(length, hp.n_ctx)
@@ -250,10 +263,12 @@ class Request:
             validate.check_window(len(row), length, hp.n_ctx, what=f'prompt {i}')
         self.temperature, self.top_k, self.top_p = validate.check_sampling(temperature, top_k, top_p, len(self.rows))
         self.keys = row_keys(seed, len(self.rows))
+        self.penalties = penalties.penalties_for(len(self.rows), hp.n_vocab, **penalty)  # None: none set
         self.length, self.mode = length, mode or compiled.default_mode(model)
         _check_loop_options(self.mode, chunk, logprobs)
         self.plan = plan_for(self.temperature, self.top_k, hp.n_vocab,
-                             chunk=min(chunk or DEFAULT_CHUNK, bucket(length)), logprobs=logprobs)
+                             chunk=min(chunk or DEFAULT_CHUNK, bucket(length)), logprobs=logprobs,
+                             penalized=self.penalties is not None)
         prompt = bucket(max(len(row) for row in self.rows))
         self.pads = np.array([prompt - len(row) for row in self.rows], np.int32)
         self.context = np.zeros([len(self.rows), prompt], np.int32)
@@ -263,7 +278,16 @@ class Request:
         self.size = prompt + bucket(length)
 
     def options(self) -> Options:
-        return Options(*(tf.constant(x) for x in (self.temperature, self.top_k, self.top_p, self.keys)))
+        tensors = [tf.constant(x) for x in (self.temperature, self.top_k, self.top_p, self.keys)]
+        if self.penalties is None:
+            return Options(*tensors)
+        return Options(*tensors, penalties=penalties.Penalties(*(tf.constant(x) for x in self.penalties)))
+
+    def state(self) -> dict:
+        """advance's state argument: {} unpenalized, else {'state': (counts, seen)} before the first token."""
+        if self.penalties is None:
+            return {}
+        return {'state': tuple(tf.constant(x) for x in penalties.start_state(self.rows, self.penalties.bias.shape[1]))}
 
 
 def run(model, request: Request, *, decoder: Decoder = DECODER) -> Iterator:
@@ -273,9 +297,11 @@ def run(model, request: Request, *, decoder: Decoder = DECODER) -> Iterator:
     logits, caches = first(model, tf.constant(request.context), pads=pads, size=request.size, decoder=decoder)
     loop = dict(pads=pads, prompt=tf.constant(request.context.shape[1], tf.int32), options=options,
                 length=tf.constant(request.length, tf.int32), plan=request.plan, decoder=decoder)
+    state = request.state()
     done = 0
     while done < request.length:
-        out, logits, caches = then(model, logits, caches, done=tf.constant(done, tf.int32), **loop)
+        out, logits, caches, *carried = then(model, logits, caches, done=tf.constant(done, tf.int32), **loop, **state)
+        state = {'state': carried[0]} if carried else {}
         n = min(chunk, request.length - done)
         if request.plan.logprobs is None:
             yield out['tokens'].numpy()[:, :n]
@@ -287,24 +313,28 @@ def run(model, request: Request, *, decoder: Decoder = DECODER) -> Iterator:
 def sample_chunks(model, length: int, context=None, start_token: Optional[int] = None,
                   batch_size: Optional[int] = None, temperature=1, top_k=0, top_p=1, seed=None, *,
                   mode: Optional[str] = None, chunk: Optional[int] = None, logprobs: Optional[int] = None,
-                  decoder: Decoder = DECODER) -> Iterator:
+                  decoder: Decoder = DECODER, logit_bias=None, presence_penalty=0, frequency_penalty=0,
+                  repetition_penalty=1) -> Iterator:
     """sample_sequence as a generator: yields the new tokens, int32 [batch, n], chunk by chunk.
 
     Each chunk is one compiled call of `chunk` tokens (DEFAULT_CHUNK by default;
     the last may be shorter). Stop iterating to stop generating. With
     logprobs=N, yields dicts instead: 'tokens', 'log_probs' [batch, n] (the chosen
     tokens' log-probs under the model's raw distribution) and 'top_ids',
-    'top_log_probs' [batch, n, N] (the N likeliest tokens at each step).
-    Every argument is checked before anything runs.
+    'top_log_probs' [batch, n, N] (the N likeliest tokens at each step), before
+    any penalty. The penalties are sample_sequence's. Every argument is checked
+    before anything runs.
     """
     request = Request(model, length, context, start_token, batch_size, temperature, top_k, top_p, seed, mode,
-                      chunk, logprobs)
+                      chunk, logprobs, logit_bias=logit_bias, presence_penalty=presence_penalty,
+                      frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
     return run(model, request, decoder=decoder)
 
 
 def sample_sequence(model, length: int, context=None, start_token: Optional[int] = None,
                     batch_size: Optional[int] = None, temperature=1, top_k=0, top_p=1, seed=None, *,
-                    mode: Optional[str] = None, chunk: Optional[int] = None, decoder: Decoder = DECODER):
+                    mode: Optional[str] = None, chunk: Optional[int] = None, decoder: Decoder = DECODER,
+                    logit_bias=None, presence_penalty=0, frequency_penalty=0, repetition_penalty=1):
     """Generates `length` tokens after each prompt, as the original sample_sequence does.
 
     Give exactly one of context (token ids: one prompt, a [batch, T] array, or a
@@ -320,9 +350,17 @@ def sample_sequence(model, length: int, context=None, start_token: Optional[int]
     default for reduced ones, see compiled.default_mode) or 'eager'; all three
     draw the same tokens. chunk: tokens per compiled call (see sample_chunks).
     decoder: how the loop calls the model (see Decoder); the model's own by default.
+
+    Penalties (gpt2_tf.penalties; applied in this order, before temperature and
+    the filters): repetition_penalty (> 0, 1 none: HF's rule over the prompt and
+    the generated tokens), frequency_penalty and presence_penalty (in [-2, 2], 0
+    none: OpenAI's formula over the generated tokens), logit_bias (a dict
+    {token id: bias in [-100, 100]}, -100 bans and 100 forces). Each is a number
+    or one per row (logit_bias: one dict, or a list of one dict or None per row).
     """
     request = Request(model, length, context, start_token, batch_size, temperature, top_k, top_p, seed, mode,
-                      chunk)
+                      chunk, logit_bias=logit_bias, presence_penalty=presence_penalty,
+                      frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
     new = np.concatenate(list(run(model, request, decoder=decoder)), axis=1)
     out = [np.concatenate([np.asarray(row, np.int32), new[i]]) for i, row in enumerate(request.rows)]
     if len({len(row) for row in request.rows}) == 1:

@@ -160,3 +160,58 @@ def check_seed(seed, batch: int) -> None:
         raise GPT2Error(f'seed values must be integers in [{INT64.min}, {INT64.max}], got {shown(seed)}')
     raise GPT2Error(f'seed must be an integer, a pair of integers, or one pair per row [{batch}, 2]; '
                      f'got {shown(seed)}')
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+
+
+def is_number(x) -> bool:
+    """A real, finite Python or numpy number, and not a bool."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_)) \
+        and abs(x) < float('inf')  # not NaN either: every comparison with NaN is False
+
+
+def check_logit_bias(logit_bias, batch: int, n_vocab: int) -> list:
+    """logit_bias (None, one dict {token id: bias} for every row, or one dict or None per row) -> one dict per row,
+    {int id: float bias}, each id in the vocabulary and each bias in [-100, 100]."""
+    if logit_bias is None or isinstance(logit_bias, dict):
+        rows = [logit_bias] * batch
+    elif isinstance(logit_bias, (list, tuple)) and len(logit_bias) == batch:
+        rows = list(logit_bias)
+    else:
+        got = f'a list of {len(logit_bias)}' if isinstance(logit_bias, (list, tuple)) else shown(logit_bias)
+        raise GPT2Error(f'logit_bias must be a dict {{token id: bias}}, or one dict (or None) per row ({batch}); '
+                         f'got {got}')
+    checked = []
+    for row in rows:
+        if row is not None and not isinstance(row, dict):
+            raise GPT2Error(f'logit_bias entries must be dicts {{token id: bias}} or None, got {shown(row)}')
+        for token, bias in (row or {}).items():
+            if not is_int(token):
+                raise GPT2Error(f'logit_bias keys must be integer token ids (convert JSON\'s string keys with int), '
+                                 f'got {shown(token)}')
+            check_token_ids([token], n_vocab, name='logit_bias: token')
+            if not is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise GPT2Error(f'logit_bias for token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, '
+                                 f'{MAX_LOGIT_BIAS:g}] (-100 bans, 100 forces), got {shown(bias)}')
+        checked.append({int(token): float(bias) for token, bias in (row or {}).items()})
+    return checked
+
+
+def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, batch: int) -> tuple:
+    """Per-row float32 presence, frequency and repetition penalties, after checking each value: presence and
+    frequency in [-2, 2] (0: none), repetition > 0 (1: none)."""
+    presence = per_row(presence_penalty, batch, 'presence_penalty')
+    frequency = per_row(frequency_penalty, batch, 'frequency_penalty')
+    repetition = per_row(repetition_penalty, batch, 'repetition_penalty')
+    for name, values in (('presence_penalty', presence), ('frequency_penalty', frequency)):
+        for x in values:
+            if not is_number(x) or not -MAX_PENALTY <= x <= MAX_PENALTY:
+                raise GPT2Error(f'{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: none), '
+                                 f'got {shown(x)}')
+    for x in repetition:
+        if not is_number(x) or not x > 0:
+            raise GPT2Error(f'repetition_penalty must be a number > 0 (1: none; above 1 discourages repeats), '
+                             f'got {shown(x)}')
+    return presence.astype(np.float32), frequency.astype(np.float32), repetition.astype(np.float32)
