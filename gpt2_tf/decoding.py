@@ -26,43 +26,55 @@ def empty_cache(model: Model, batch, size: int) -> list:
     return [tf.zeros([batch, 2, hp.n_head, size, hp.head_size], dtype) for _ in range(hp.n_layer)]
 
 
-def write_cache(cache, kv, index):
-    """Writes kv [batch, 2, heads, n, f] into cache [batch, 2, heads, S, f] at slots index .. index + n - 1."""
+def row_slots(index, batch, n):
+    """index: [] (every row) or [batch] (each row's own) first slot -> int32 [batch, n]: each row's n slots."""
+    return tf.broadcast_to(index, [batch])[:, None] + tf.range(n)[None, :]
+
+
+def write_cache(cache, kv, slots):
+    """Writes kv [batch, 2, heads, n, f] into cache [batch, 2, heads, S, f], row b's at slots[b] ([batch, n])."""
     batch, _, heads, n, _ = shape_list(kv)
-    slots = tf.meshgrid(tf.range(batch), tf.range(2), tf.range(heads), index + tf.range(n), indexing='ij')
-    return tf.tensor_scatter_nd_update(cache, tf.stack(slots, axis=-1), kv)  # indices [batch, 2, heads, n, 4]
+    grid = [tf.range(batch)[:, None, None, None], tf.range(2)[None, :, None, None],
+            tf.range(heads)[None, None, :, None], slots[:, None, None, :]]
+    indices = tf.stack([tf.broadcast_to(axis, [batch, 2, heads, n]) for axis in grid], axis=-1)
+    return tf.tensor_scatter_nd_update(cache, indices, kv)  # indices [batch, 2, heads, n, 4]
 
 
 def cache_mask(pads, queries, size: int):
-    """pads [batch] left-padding slots, queries [n] slots -> mask [batch, 1, n, size]: 1 where a query sees a slot."""
+    """pads [batch] left-padding slots, queries [batch, n] slots -> mask [batch, 1, n, size]: 1 where a query
+    sees a slot."""
     slots = tf.range(size)
-    seen = (slots[None, None, :] >= pads[:, None, None]) & (slots[None, None, :] <= queries[None, :, None])
+    seen = (slots[None, None, :] >= pads[:, None, None]) & (slots[None, None, :] <= queries[:, :, None])
     return tf.cast(seen, tf.float32)[:, None]
 
 
 def positions(pads, queries):
-    """pads [batch], queries [n] slots -> [batch, n] positions; each row counts from 0 after its padding."""
-    return tf.maximum(queries[None, :] - pads[:, None], 0)
+    """pads [batch], queries [batch, n] slots -> [batch, n] positions; each row counts from 0 after its padding."""
+    return tf.maximum(queries - pads[:, None], 0)
 
 
 class Cache:
     """A block's key/value source over its cache: this call's keys and values written at slots index..,
     then every slot under the mask. The block's present is the updated cache."""
 
-    def __init__(self, cache, index, mask):  # cache [batch, 2, heads, S, f], mask [batch, 1, n, S]
-        self.cache, self.index, self.mask = cache, index, mask
+    def __init__(self, cache, slots, mask):  # cache [batch, 2, heads, S, f], slots [batch, n], mask [batch, 1, n, S]
+        self.cache, self.slots, self.mask = cache, slots, mask
 
     def __call__(self, k, v):  # k, v [batch, heads, n, f] -> k, v [batch, heads, S, f], mask, cache
-        cache = write_cache(self.cache, tf.cast(tf.stack([k, v], axis=1), self.cache.dtype), self.index)
+        cache = write_cache(self.cache, tf.cast(tf.stack([k, v], axis=1), self.cache.dtype), self.slots)
         k, v = tf.unstack(f32(cache), axis=1)  # attention itself stays float32
         return k, v, self.mask, cache
 
 
 def decode(model: Model, X, *, pads, caches, index):
-    """X [batch, n] at slots index .. index + n - 1 -> the last token's logits [batch, n_vocab], updated caches."""
+    """X [batch, n] at slots index .. index + n - 1 -> the last token's logits [batch, n_vocab], updated caches.
+
+    index: int32 [] for every row, or [batch], each row at its own slots (rows of an in-flight batch).
+    """
     size = shape_list(caches[0])[3]  # static in the compiled loop, dynamic in an exported signature
-    queries = index + tf.range(tf.shape(X)[1])
+    batch, n = shape_list(X)
+    queries = row_slots(index, batch, n)
     mask = cache_mask(pads, queries, size)
     h = model.embed(X, positions(pads, queries))
-    h, caches = model.blocks(h, [Cache(cache, index, mask) for cache in caches])
+    h, caches = model.blocks(h, [Cache(cache, queries, mask) for cache in caches])
     return model.logits(h[:, -1:])[:, 0], caches  # only the last token's logits are needed

@@ -10,12 +10,12 @@ PACKAGE = pathlib.Path(__file__).parent.parent / 'gpt2_tf'
 # A subpackage is one entry, its modules named 'package.module'; inside it the same rule holds.
 LAYERS = [
     {'validate', 'assets', 'quiet', 'kernels', 'filters', 'thresholds'},
-    {'hparams', 'precision', 'encoder', 'noise', 'train_config'},
+    {'hparams', 'precision', 'encoder', 'noise', 'train_config', 'penalties'},
     {'model', 'corpus', 'litert_run', 'distribute'},
     {'runtime', 'tf1_reference', 'compiled', 'dataset'},
     {'decoding', 'checkpoint', 'scoring', 'lora'},
     {'sample', 'hf', 'download', 'runfolder', 'litert'},
-    {'loading'},
+    {'loading', 'slots'},
     {'text', 'diagnostics', 'train', 'export'},
     {'serve', 'explorer', 'beam'},
     {'cli'},

@@ -3,13 +3,11 @@
 import concurrent.futures
 import http.client
 import json
-import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
@@ -256,103 +254,6 @@ def test_options_are_refused_with_their_name(client):
                            (dict(seed=2 ** 63), 'seed'), (dict(prompt=[[3, -1]]), 'prompt')):
         error = refused(client, **{'prompt': 'Hi', 'max_tokens': 2, **options})
         assert error.response.json()['error']['param'] == param, options
-
-
-# --- the Batcher, with a fake model and a fake generate ---------------------------------------------
-
-class Inbox:
-    """A row's deliver: collects its tokens, its end and its error."""
-
-    def __init__(self):
-        self.tokens, self.error, self.ended = [], None, threading.Event()
-
-    def __call__(self, tokens, log_probs, *, error=None):
-        if error is not None or tokens is None:
-            self.error = error
-            self.ended.set()
-        else:
-            self.tokens.extend(int(t) for t in tokens)
-
-
-def fake_generate(calls: list):
-    """sample_chunks' signature; every token is 7. Records each wave's prompts."""
-    def generate(model, length, *, context, seed, mode, chunk, logprobs, temperature, top_k, top_p):
-        calls.append([list(row) for row in context])
-        assert len(seed) == len(context) == len(temperature) == len(top_k) == len(top_p)
-        return (np.full([len(context), min(chunk, length - step)], 7, np.int32) for step in range(0, length, chunk))
-    return generate
-
-
-def batcher(calls, **options):
-    from gpt2_tf.serve import Batcher
-
-    model = types.SimpleNamespace(hparams=types.SimpleNamespace(n_ctx=8))
-    return Batcher(model, generate=fake_generate(calls), **options)
-
-
-def row(prompt_length, max_tokens, inbox):
-    from gpt2_tf.serve import Row
-
-    return Row([1] * prompt_length, max_tokens, dict(temperature=1.0, top_k=0, top_p=1.0), (0, 0), None, inbox)
-
-
-def thread_cpu_seconds(thread) -> float:
-    """The user and system CPU time a thread has used, from /proc (fields 14 and 15 of its stat line)."""
-    with open(f'/proc/self/task/{thread.native_id}/stat') as f:
-        fields = f.read().rsplit(')', 1)[1].split()  # fields from the 3rd on: the name may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
-
-
-def test_a_row_that_can_never_fit_fails_with_the_window_message_and_the_worker_waits():
-    if not os.path.exists('/proc/self/task'):
-        pytest.skip('measures the worker thread through /proc')
-    calls = []
-    queue = batcher(calls)
-    try:
-        never = Inbox()
-        queue.submit([row(8, 2, never)])  # 8 + 2 - 1 = 9 > n_ctx = 8
-        assert never.ended.wait(10)
-        assert never.error == ('prompt: 8 tokens + length 2 exceeds the window by 1 '
-                               '(needs prompt + length - 1 <= n_ctx = 8)')
-        before = thread_cpu_seconds(queue.thread)
-        time.sleep(2)
-        spent = thread_cpu_seconds(queue.thread) - before
-        assert spent < 0.1, f'the idle worker used {spent:.2f} CPU-seconds in 2 s: it spins'  # blocked: ~0
-        fits = Inbox()
-        queue.submit([row(7, 2, fits)])  # 7 + 2 - 1 = 8: the exact fit still runs
-        assert fits.ended.wait(10) and fits.error is None and fits.tokens == [7, 7]
-        assert queue.waves == 1 and calls == [[[1] * 7]]
-    finally:
-        queue.close()
-
-
-def test_waves_pad_to_powers_of_two_and_keep_rows_that_do_not_fit_together_apart():
-    calls = []
-    queue = batcher(calls, capacity=8, timeout=0)  # one submit: every row is waiting when the wave forms
-    try:
-        inboxes = [Inbox() for _ in range(4)]
-        # 6 + 2 - 1 = 7 and 2 + 6 - 1 = 7 fit alone, but not together (6 + 6 - 1 = 11 > 8).
-        queue.submit([row(6, 2, inboxes[0]), row(1, 2, inboxes[1]), row(2, 6, inboxes[2]), row(1, 1, inboxes[3])])
-        assert all(inbox.ended.wait(10) for inbox in inboxes)
-    finally:
-        queue.close()
-    assert [len(wave) for wave in calls] == [4, 1]  # 3 rows padded to 4; then the one left over
-    assert [len(p) for p in calls[0][:3]] == [6, 1, 1] and calls[1] == [[1, 1]]
-    assert [inbox.tokens for inbox in inboxes] == [[7] * 2, [7] * 2, [7] * 6, [7]]
-
-
-def test_a_partial_wave_waits_for_the_timeout_and_a_full_one_runs_at_once():
-    calls = []
-    queue = batcher(calls, capacity=2, timeout=60)
-    try:
-        first, second = Inbox(), Inbox()
-        queue.submit([row(1, 2, first)])
-        assert not first.ended.wait(0.5)  # waiting for a second row, up to 60 s
-        queue.submit([row(1, 2, second)])
-        assert first.ended.wait(10) and second.ended.wait(10)
-    finally:
-        queue.close()
-    assert calls == [[[1], [1]]]
 
 
 # --- in-process: the served names, and a taken port -----------------------------------------------

@@ -1,74 +1,86 @@
-"""Scheduling: the Batcher runs waves of rows (every prompt times n) as one decode call each.
+"""Scheduling: the Batcher runs every row (each prompt times n) in a slot of one in-flight batch (gpt2_tf.slots).
 
-A row carries its own options and seed, so rows of different requests share a
-wave and each draws the tokens it would draw alone.
+Between chunks, finished rows leave and waiting rows join, so no row waits for
+another to finish. A row carries its own options and key, so it draws the
+tokens it would draw alone, whatever else runs beside it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import List, Optional
 
-import numpy as np
-
-from ..sample import sample_chunks
-from ..validate import GPT2Error, check_window, room_for_prompt
+from ..sample import DECODER, Decoder
+from ..slots import Slots
+from ..validate import GPT2Error, check_window
 from .protocol import APIError
 
 STREAM_CHUNK = 8  # tokens per compiled call: the first text of a stream arrives early
+PENALTIES = ('logit_bias', 'presence_penalty', 'frequency_penalty', 'repetition_penalty')  # Slots.join's names
 
 
 class Row:
     """One choice of one request: a prompt, its options, and where its tokens go.
 
     deliver(tokens, log_probs) takes each chunk, then deliver(None, None) ends the
-    row; deliver(None, None, error=message) fails it.
+    row; deliver(None, None, error=message) fails it. done: finished, or its
+    client went away (set by either side); a running row then leaves its slot
+    at the next chunk.
     """
 
-    def __init__(self, prompt: list, max_tokens: int, options: dict, key, logprobs: Optional[int],
-                 deliver: Callable):
+    def __init__(self, prompt: list, max_tokens: int, options: dict, key, logprobs: Optional[int], deliver):
         self.prompt, self.max_tokens, self.options, self.key = prompt, max_tokens, options, key
         self.logprobs, self.deliver = logprobs, deliver
-        self.done = False  # finished, or its client went away
+        self.done = False
+        self.sent = 0  # tokens delivered
 
     def fail(self, message: str) -> None:
         self.done = True
         self.deliver(None, None, error=message)
 
+    def join(self, slots: Slots, slot: int) -> None:
+        options = self.options
+        slots.join(slot, self.prompt, length=self.max_tokens, key=self.key, temperature=options['temperature'],
+                   top_k=options['top_k'], top_p=options['top_p'],
+                   **{name: options[name] for name in PENALTIES if options.get(name) is not None})
 
-def wave_size(rows: int, capacity: int) -> int:
-    """Waves run padded to 1, 2, 4, ... rows, at most the capacity: the compiled loop then sees a few batch
-    sizes rather than every one (each new shape compiles for seconds). Unlike compiled.bucket's lengths,
-    a batch starts at 1: every padded row is a whole row of decoding."""
-    return min(1 << (rows - 1).bit_length(), max(capacity, rows))
+    def take(self, out: dict, slot: int) -> None:
+        """Delivers this row's share of a chunk's outputs; ends the row once it has all its tokens."""
+        n = min(out['tokens'].shape[1], self.max_tokens - self.sent)
+        log_probs = {name: value[slot, :n] for name, value in out.items()} if self.logprobs is not None else None
+        self.deliver(out['tokens'][slot, :n], log_probs)
+        self.sent += n
+        if self.sent >= self.max_tokens:
+            self.done = True
+            self.deliver(None, None)
 
 
 class Batcher:
-    """A queue of at most `queue_size` rows, run by one worker thread in waves of at most `capacity` rows.
+    """A queue of at most `queue_size` rows, run by one worker thread in `capacity` slots (gpt2_tf.slots).
 
-    A wave takes the waiting rows that fit the window together (the longest prompt
-    with the longest max_tokens). Once a row waits, the worker waits up to
-    `timeout` seconds for a full wave before it runs a partial one. A row that can
-    never fit fails with validate.check_window's message; a wave stops early once
-    every row is done. generate is sample_chunks, or a fake of it in tests.
+    At every chunk boundary, rows that are done (all their tokens, or their client
+    gone) leave and waiting rows join, in queue order. When nothing runs, the
+    worker waits up to `timeout` seconds after the first row for others to start
+    with it. A row that can never fit the window fails with validate.check_window's
+    message. decoder: the model's own decode, or a fake in tests.
     """
 
     def __init__(self, model, *, capacity: int = 16, queue_size: int = 256, timeout: float = 0.005,
-                 chunk: int = STREAM_CHUNK, mode: Optional[str] = None, generate: Callable = sample_chunks):
-        self.model, self.capacity, self.queue_size, self.timeout = model, capacity, queue_size, timeout
-        self.chunk, self.mode, self.generate = chunk, mode, generate
-        self.n_ctx = model.hparams.n_ctx
+                 chunk: int = STREAM_CHUNK, mode: Optional[str] = None, decoder: Decoder = DECODER):
+        self.capacity, self.queue_size, self.timeout, self.n_ctx = capacity, queue_size, timeout, model.hparams.n_ctx
+        self.slots = Slots(model, capacity, chunk=chunk, mode=mode, decoder=decoder)
+        self.held: List[Optional[Row]] = [None] * capacity  # the row in each slot
         self.pending: List[Row] = []
         self.lock = threading.Condition()
         self.stopped = False
-        self.waves = 0  # waves run, for tests and logs
-        self._running = 0
+        self.chunks = 0  # chunks decoded, for tests and logs
         self.thread = threading.Thread(target=self._work, name='gpt2_tf-batcher', daemon=True)
         self.thread.start()
 
     def submit(self, rows: List[Row]) -> None:
-        """Queues the rows, or raises APIError 503 when the queue is full. A row that cannot fit fails now."""
+        """Queues the rows, or raises APIError: 400 when they could never all be queued, 503 when the queue is
+        full now. A row that cannot fit the window fails now."""
         if len(rows) > self.queue_size:
             raise APIError(400, f'the request asks for {len(rows)} rows (prompts times n); this server queues at most '
                            f'{self.queue_size}: send fewer prompts or a smaller n')
@@ -94,28 +106,48 @@ class Batcher:
 
     @property
     def running(self) -> int:
-        """Rows being decoded now."""
-        return self._running
+        """Rows in a slot now."""
+        return sum(row is not None for row in self.held)
 
     def close(self) -> None:
         with self.lock:
             self.stopped = True
             self.lock.notify()
 
-    def _next_wave(self) -> List[Row]:
-        """Blocks until a wave can run, and returns its rows; [] once closed."""
+    def _work(self) -> None:
+        while self._admit():
+            try:
+                self._decode()
+            except Exception as e:  # a failed chunk fails its rows, never the server
+                for slot, row in enumerate(self.held):
+                    if row is not None:
+                        row.fail(str(e))
+                        self._leave(slot)
+
+    def _admit(self) -> bool:
+        """Blocks until some row can run, then moves waiting rows into free slots; False once closed."""
         with self.lock:
             while not self.stopped:
-                if self.pending:
+                self.pending = [row for row in self.pending if not row.done]
+                if self.pending and not self.running:
                     self._gather()
-                    wave = self._take()
-                    if wave:
-                        return wave
+                if self.pending or self.running:
+                    break
                 self.lock.wait()  # nothing to run until a submit or close
-            return []
+            if self.stopped:
+                return False
+            free = [slot for slot, row in enumerate(self.held) if row is None]
+            joining, self.pending = self.pending[:len(free)], self.pending[len(free):]
+        for slot, row in zip(free, joining):  # prefills run outside the lock: submits go on meanwhile
+            try:
+                row.join(self.slots, slot)
+                self.held[slot] = row
+            except Exception as e:
+                row.fail(str(e))
+        return True
 
     def _gather(self) -> None:
-        """Waits up to `timeout` for a full wave (the lock is free while it waits)."""
+        """Waits up to `timeout` for enough rows to fill every slot (the lock is free while it waits)."""
         deadline = time.monotonic() + self.timeout
         while len(self.pending) < self.capacity and not self.stopped:
             left = deadline - time.monotonic()
@@ -123,69 +155,21 @@ class Batcher:
                 return
             self.lock.wait(left)
 
-    def _take(self) -> List[Row]:
-        """The rows of the next wave, in queue order; the rest wait. Rows whose clients left are dropped."""
-        wave, rest, longest, length = [], [], 0, 0
-        for row in self.pending:
-            if row.done:
+    def _decode(self) -> None:
+        """One chunk for every slot; each row takes its share, and rows that are done leave."""
+        if not self.running:
+            return
+        wanted = [row.logprobs for row in self.held if row is not None and row.logprobs is not None]
+        out = self.slots.step(logprobs=max(wanted) if wanted else None)
+        self.chunks += 1
+        for slot, row in enumerate(self.held):
+            if row is None:
                 continue
-            prompt, tokens = max(longest, len(row.prompt)), max(length, row.max_tokens)
-            if len(wave) < self.capacity and prompt <= room_for_prompt(tokens, self.n_ctx):
-                wave.append(row)
-                longest, length = prompt, tokens
-            else:
-                rest.append(row)
-        self.pending = rest
-        return wave
+            if not row.done:
+                row.take(out, slot)
+            if row.done:
+                self._leave(slot)
 
-    def _work(self) -> None:
-        while True:
-            wave = self._next_wave()
-            if not wave:
-                return
-            self.waves += 1
-            self._running = len(wave)
-            try:
-                self._run(wave)
-            except Exception as e:  # a failed wave fails its rows, never the server
-                for row in wave:
-                    row.fail(str(e))
-            finally:
-                self._running = 0
-
-    def _run(self, wave: List[Row]) -> None:
-        first = wave[0]
-        filler = [Row(first.prompt, first.max_tokens, first.options, (0, 0), None, lambda *a, **k: None)
-                  for _ in range(wave_size(len(wave), self.capacity) - len(wave))]
-        for row in filler:
-            row.done = True  # idle: it only fills a place in the compiled batch
-        rows = wave + filler
-        wanted = [row.logprobs for row in rows if row.logprobs is not None]
-        options = {name: [row.options[name] for row in rows] for name in ('temperature', 'top_k', 'top_p')}
-        chunks = self.generate(self.model, max(row.max_tokens for row in rows), context=[row.prompt for row in rows],
-                               seed=np.array([row.key for row in rows], np.int64), mode=self.mode,
-                               chunk=self.chunk, logprobs=max(wanted) if wanted else None, **options)
-        try:
-            self._deliver(rows, chunks)
-        finally:
-            chunks.close()
-
-    @staticmethod
-    def _deliver(rows: List[Row], chunks) -> None:
-        """Hands each row its share of each chunk; stops once every row has all its tokens or is done."""
-        step, ended = 0, set()  # ended: rows that got all their tokens
-        for out in chunks:
-            tokens = out['tokens'] if isinstance(out, dict) else out
-            for i, row in enumerate(rows):
-                if row.done or i in ended:
-                    continue
-                take = min(tokens.shape[1], row.max_tokens - step)
-                if take > 0:
-                    log_probs = {k: v[i, :take] for k, v in out.items()} if isinstance(out, dict) else None
-                    row.deliver(tokens[i, :take], log_probs)
-                if step + take >= row.max_tokens:
-                    ended.add(i)
-                    row.deliver(None, None)
-            step += tokens.shape[1]
-            if all(row.done or i in ended for i, row in enumerate(rows)):
-                return  # every row has stopped or gone: the rest of the wave is not computed
+    def _leave(self, slot: int) -> None:
+        self.held[slot] = None
+        self.slots.leave(slot)

@@ -1,0 +1,159 @@
+"""In-flight batching: a fixed number of decoding slots over one key/value cache, joined and left between chunks.
+
+Each slot holds one row: its rows of the cache, its position, its own options
+and key. A joining row's prompt is prefilled alone (sample.begin at batch 1,
+padded as it would be alone) and written into its slot; every chunk then
+decodes all slots at once, each at its own cache slots (decoding.decode with
+one index per row), and a finished row's slot takes the next waiting row at the
+next chunk. A row draws the tokens it would draw alone with the same key: the
+noise reads its own step count, and its attention sees only its own slots.
+
+    slots = Slots(model, 8, chunk=8)
+    slots.join(0, prompt, length=64, key=(1, 2), temperature=0.8)
+    out = slots.step()            # {'tokens': int32 [8, chunk]}: each slot's next tokens
+    slots.leave(0)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from . import compiled, penalties, validate
+from .compiled import bucket
+from .sample import DECODER, Decoder, Options, Plan, _outputs, _pick, begin, plan_for
+
+MIN_CACHE = 64  # cache slots at least; sizes are powers of two, so the compiled step sees a handful
+
+
+def cache_size(need: int) -> int:
+    """The cache slots for rows that need `need`: a power of two, at least MIN_CACHE."""
+    return max(MIN_CACHE, 1 << (need - 1).bit_length())
+
+
+def decode_slots(model, logits, caches, *, pads, pos, made, options: Options, plan: Plan,
+                 decoder: Decoder = DECODER, state=()):
+    """plan.chunk tokens for every slot -> outputs [slots, chunk], logits, caches, state.
+
+    logits [slots, vocab] are each slot's next-token logits; slot b chooses its
+    tokens made[b] .. made[b] + chunk - 1 and feeds token j at cache slot
+    pos[b] + j (at most the last slot: an idle or finished row writes only into
+    its own rows of the cache, which no other row sees). state: the penalties'
+    (counts, seen) when plan.penalized, else ().
+    """
+    size = caches[0].shape[3]
+
+    def body(j, logits, caches, out, state):
+        token, out, state = _pick(logits, made + j, out, j, options=options, plan=plan, state=state)
+        index = tf.minimum(pos + j, size - 1)
+        logits, caches = decoder.step(model, token[:, None], pads=pads, caches=caches, index=index)
+        return j + 1, logits, caches, out, state
+
+    start = [tf.constant(0), logits, caches, _outputs(plan, tf.shape(logits)[0]), tuple(state)]
+    _, logits, caches, out, state = tf.while_loop(lambda j, *_: j < plan.chunk, body, start)
+    by_row = {name: tf.transpose(value, [1, 0] + list(range(2, value.shape.rank))) for name, value in out.items()}
+    return by_row, logits, caches, state
+
+
+class Slots:
+    """`slots` decoding rows over one cache; rows join and leave between steps (see the module's docstring).
+
+    mode: sample_sequence's ('xla' for float32 weights by default). Every step
+    decodes `chunk` tokens for every slot, occupied or not.
+    """
+
+    def __init__(self, model, slots: int, *, chunk: int, mode: Optional[str] = None, decoder: Decoder = DECODER):
+        self.model, self.slots, self.chunk, self.decoder = model, slots, chunk, decoder
+        mode = mode or compiled.default_mode(model)
+        self._begin, self._decode = compiled.shared(begin, model, mode), compiled.shared(decode_slots, model, mode)
+        self.occupied = np.zeros(slots, bool)
+        self.pads, self.pos, self.made, self.need = (np.zeros(slots, np.int32) for _ in range(4))
+        self.temperature, self.top_p = np.zeros(slots, np.float32), np.ones(slots, np.float32)
+        self.top_k, self.keys = np.zeros(slots, np.int32), np.zeros([slots, 2], np.int64)
+        vocab = model.hparams.n_vocab
+        self.logits = tf.zeros([slots, vocab])
+        self.caches = None
+        self.penalized = np.zeros(slots, bool)  # rows with penalties; the others' are neutral
+        self.penalties = penalties.neutral(slots, vocab)
+        self.counts, self.seen = penalties.start_state([[]] * slots, vocab)
+
+    def free(self) -> list:
+        """The slots no row holds."""
+        return [int(b) for b in np.flatnonzero(~self.occupied)]
+
+    def join(self, slot: int, prompt: list, *, length: int, key, temperature=1.0, top_k=0, top_p=1.0,
+             **penalty) -> None:
+        """Prefills prompt into `slot` for `length` new tokens drawn with `key` (a pair: the row's own key).
+
+        penalty: penalties.penalties_for's logit_bias, presence_penalty, frequency_penalty, repetition_penalty.
+        """
+        hp = self.model.hparams
+        validate.check_window(len(prompt), length, hp.n_ctx)
+        self._set_penalties(slot, prompt, penalties.penalties_for(1, hp.n_vocab, **penalty))
+        padded = bucket(len(prompt))
+        context = np.zeros([1, padded], np.int32)
+        context[0, padded - len(prompt):] = prompt
+        pads = np.array([padded - len(prompt)], np.int32)
+        logits, caches = self._begin(self.model, tf.constant(context), pads=tf.constant(pads), size=padded,
+                                     decoder=self.decoder)
+        self.need[slot] = padded + length  # the prompt's slots, then every token fed
+        self.occupied[slot] = True
+        self._resize()
+        at = tf.constant([[slot]])
+        grow = [[0, 0]] * 3 + [[0, self.caches[0].shape[3] - padded], [0, 0]]
+        self.caches = [tf.tensor_scatter_nd_update(big, at, tf.pad(row, grow)) for big, row in zip(self.caches, caches)]
+        self.logits = tf.tensor_scatter_nd_update(self.logits, at, logits)
+        self.pads[slot], self.pos[slot], self.made[slot] = pads[0], padded, 0
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = temperature, top_k, top_p
+        self.keys[slot] = key
+
+    def _set_penalties(self, slot: int, prompt: list, found: Optional[penalties.Penalties]) -> None:
+        self.penalized[slot] = found is not None
+        row = found or penalties.neutral(1, self.model.hparams.n_vocab)
+        for mine, theirs in zip(self.penalties, row):
+            mine[slot] = theirs[0]
+        counts, seen = penalties.start_state([prompt], self.model.hparams.n_vocab)
+        self.counts[slot], self.seen[slot] = counts[0], seen[0]
+
+    def leave(self, slot: int) -> None:
+        self.occupied[slot] = False
+        self.penalized[slot] = False
+        self.need[slot] = 0
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = 0, 0, 1  # an idle slot is greedy: cheapest
+
+    def step(self, logprobs: Optional[int] = None) -> dict:
+        """Decodes one chunk for every slot -> {'tokens': int32 [slots, chunk]} (numpy), and with logprobs=N
+        also 'log_probs' [slots, chunk] and 'top_ids', 'top_log_probs' [slots, chunk, N]."""
+        if not self.occupied.any():
+            raise validate.GPT2Error('no slot holds a row; join one first')
+        self._resize()
+        rows = self.occupied
+        penalized = bool(self.penalized[rows].any())
+        plan = plan_for(self.temperature[rows], self.top_k[rows], self.model.hparams.n_vocab, chunk=self.chunk,
+                        logprobs=logprobs, penalized=penalized)
+        options = Options(*(tf.constant(x) for x in (self.temperature, self.top_k, self.top_p, self.keys)),
+                          penalties=penalties.Penalties(*map(tf.constant, self.penalties)) if penalized else None)
+        state = (tf.constant(self.counts), tf.constant(self.seen)) if penalized else ()
+        where = dict(pads=self.pads, pos=self.pos, made=self.made)
+        out, self.logits, self.caches, state = self._decode(
+            self.model, self.logits, self.caches, options=options, plan=plan, decoder=self.decoder, state=state,
+            **{name: tf.constant(value) for name, value in where.items()})
+        if penalized:
+            self.counts = np.array(state[0])  # a writable copy: joining rows reset theirs
+        self.pos += self.chunk
+        self.made += self.chunk
+        return {name: value.numpy() for name, value in out.items()}
+
+    def _resize(self) -> None:
+        """Sizes the cache for the rows it holds: grown for a longer row, shrunk once the long ones leave."""
+        size = cache_size(int(self.need.max()))
+        if self.caches is None:
+            self.caches = self.decoder.cache(self.model, self.slots, size)
+            return
+        now = self.caches[0].shape[3]
+        if size > now:
+            self.caches = [tf.pad(c, [[0, 0]] * 3 + [[0, size - now], [0, 0]]) for c in self.caches]
+        elif size < now:
+            self.caches = [c[:, :, :, :size] for c in self.caches]

@@ -1,0 +1,78 @@
+"""In-flight batching (gpt2_tf.slots): rows that join and leave a running batch draw what they draw alone."""
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf.assets import bundled_checkpoint
+from gpt2_tf.sample import sample_sequence
+from gpt2_tf.slots import Slots, cache_size
+from gpt2_tf.validate import GPT2Error
+
+
+@pytest.fixture(scope='module')
+def model():
+    return gpt2_tf.load_model(bundled_checkpoint())
+
+
+def rows(seed=0):
+    """(prompt, length, key, options) of rows of different prompt lengths, lengths and options."""
+    rng = np.random.default_rng(seed)
+    table = [(5, 20, dict(temperature=0.0)), (13, 7, dict(temperature=1.0)), (3, 30, dict(temperature=0.9, top_k=40)),
+             (40, 12, dict(temperature=1.0, top_p=0.9)), (9, 25, dict(temperature=0.7)), (2, 3, dict(top_k=1)),
+             (20, 9, dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={11: 5.0})),
+             (6, 14, dict(temperature=0.0, repetition_penalty=1.3))]
+    return [([int(t) for t in rng.integers(0, 50257, n)], length, (i, 77), options)
+            for i, (n, length, options) in enumerate(table)]
+
+
+def alone(model, prompt, length, key, options, mode):
+    out = sample_sequence(model, length, context=[prompt], seed=np.array([key]), mode=mode, **options)
+    return out[0][len(prompt):].tolist()
+
+
+def in_flight(model, table, *, slots, chunk, mode):
+    """Runs every row through `slots` slots: a finished row leaves and the next one joins at its chunk's end."""
+    engine = Slots(model, slots, chunk=chunk, mode=mode)
+    got, held, waiting, sizes = {i: [] for i in range(len(table))}, {}, list(range(len(table))), set()
+    while waiting or held:
+        for slot in engine.free():
+            if waiting:
+                i = waiting.pop(0)
+                prompt, length, key, options = table[i]
+                engine.join(slot, prompt, length=length, key=key, **options)
+                held[slot] = i
+        out = engine.step()
+        sizes.add(engine.caches[0].shape[3])
+        for slot, i in list(held.items()):
+            length = table[i][1]
+            got[i] += out['tokens'][slot, :length - len(got[i])].tolist()
+            if len(got[i]) == length:
+                engine.leave(slot)
+                del held[slot]
+    return got, sizes
+
+
+@pytest.mark.parametrize('mode, slots, chunk, which', [('function', 3, 4, None), ('function', 2, 8, None),
+                                                       ('xla', 2, 8, [0, 3, 2, 6])])  # XLA compiles for seconds
+def test_rows_joining_and_leaving_draw_their_solo_tokens(model, mode, slots, chunk, which):
+    table = rows()
+    table = [table[i] for i in which] if which else table
+    got, sizes = in_flight(model, table, slots=slots, chunk=chunk, mode=mode)
+    for i, (prompt, length, key, options) in enumerate(table):
+        assert got[i] == alone(model, prompt, length, key, options, mode), (i, options)
+    assert len(sizes) > 1  # the cache grew for the long prompt and shrank after it
+
+
+def test_the_cache_sizes_are_powers_of_two():
+    assert [cache_size(n) for n in (1, 64, 65, 128, 129, 1000, 1025)] == [64, 64, 128, 128, 256, 1024, 2048]
+
+
+def test_bad_rows_are_refused_before_anything_runs(model):
+    engine = Slots(model, 2, chunk=4, mode='function')
+    with pytest.raises(GPT2Error, match='exceeds the window'):
+        engine.join(0, [1] * 100, length=40, key=(0, 0))
+    with pytest.raises(GPT2Error, match='logit_bias'):
+        engine.join(0, [1, 2], length=4, key=(0, 0), logit_bias={60000: 1.0})
+    with pytest.raises(GPT2Error, match='no slot holds a row'):
+        engine.step()
