@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Optional
@@ -12,9 +13,22 @@ from .common import (BANNER, CommandError, add_dtype, add_mode, add_model_argume
 
 # --- checks, before TensorFlow -----------------------------------------------------------------
 
+def logit_bias(text: str) -> dict:
+    """--logit_bias's type: 'ID:BIAS,ID:BIAS' -> {id: bias} (the ids and biases are checked in prepare)."""
+    try:
+        pairs = [item.split(':') for item in text.split(',')]
+        return {int(token): float(bias) for token, bias in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'give token ids and biases as ID:BIAS pairs separated by commas, '
+                                         f'e.g. 50256:-100,198:5; got {text!r}') from None
+
+
+PENALTIES = {'logit_bias': None, 'presence_penalty': 0, 'frequency_penalty': 0, 'repetition_penalty': 1}  # off
+
+
 def checked_options(args) -> dict:
-    """The sampling options, checked without TensorFlow."""
-    from ..validate import check_sampling, check_seed
+    """The sampling options, checked without TensorFlow; the penalties only where set."""
+    from ..validate import check_penalties, check_sampling, check_seed
 
     if args.batch_size < 1:
         raise CommandError(f'--batch_size must be at least 1, got {args.batch_size}')
@@ -27,16 +41,19 @@ def checked_options(args) -> dict:
         check_seed(args.seed, 1)
     if args.chunk is not None and args.chunk < 1:
         raise CommandError(f'--chunk must be at least 1, got {args.chunk}')
+    check_penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty, 1)
+    penalties = {name: getattr(args, name) for name, off in PENALTIES.items() if getattr(args, name) != off}
     return dict(batch_size=args.batch_size, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed, mode=args.mode, chunk=args.chunk)
+                seed=args.seed, mode=args.mode, chunk=args.chunk, **penalties)
 
 
 def prepare(args, conditional: bool):
     """(model folder, hparams, encoder, length), all checked before TensorFlow loads."""
-    from ..validate import check_length, default_length
+    from ..validate import check_length, check_logit_bias, default_length
 
     folder = model_folder(args)
     hparams = folder.hparams()
+    check_logit_bias(args.logit_bias, 1, hparams.n_vocab)
     length = args.length if args.length is not None else default_length(hparams.n_ctx, conditional)
     check_length(length, hparams.n_ctx)
     return folder, hparams, folder.encoder(), length
@@ -202,10 +219,26 @@ def add_sampling_arguments(parser, *, nsamples: int) -> None:
     parser.add_argument('--temperature', type=float, default=1.0, help='in [0, 2]; 0 is greedy (default: 1)')
     parser.add_argument('--top_k', '--top-k', type=int, default=0, help='0: no truncation (default: 0)')
     parser.add_argument('--top_p', '--top-p', type=float, default=1.0, help='nucleus sampling (default: 1, off)')
+    add_penalty_arguments(parser)
     add_mode(parser)
     parser.add_argument('--chunk', type=int, default=None,
                         help='tokens per compiled call of the decode loop (default: 32)')
     add_quiet(parser)
+
+
+def add_penalty_arguments(parser) -> None:
+    """OpenAI's and HF's penalties (gpt2_tf.penalties), applied in this order before the temperature."""
+    parser.add_argument('--repetition_penalty', '--repetition-penalty', type=float, default=1.0,
+                        help="> 0: divides the positive logits (multiplies the negative ones) of the prompt's and "
+                             "the generated tokens (default: 1, off)")
+    parser.add_argument('--frequency_penalty', '--frequency-penalty', type=float, default=0.0,
+                        help='in [-2, 2]: subtracted from a logit once per time its token was generated '
+                             '(default: 0, off)')
+    parser.add_argument('--presence_penalty', '--presence-penalty', type=float, default=0.0,
+                        help='in [-2, 2]: subtracted from the logit of each token generated so far (default: 0, off)')
+    parser.add_argument('--logit_bias', '--logit-bias', type=logit_bias, default=None, metavar='ID:BIAS,...',
+                        help='biases in [-100, 100] added to token ids\' logits; -100 bans a token, 100 forces it '
+                             '(default: none)')
 
 
 def add_generation_arguments(parser, *, nsamples: int) -> None:
