@@ -14,7 +14,7 @@ from typing import List, Optional
 from ..sample import DECODER, Decoder
 from ..slots import Slots
 from ..validate import GPT2Error, check_window
-from .protocol import APIError
+from .protocol import MAX_LOGPROBS, APIError
 
 STREAM_CHUNK = 8  # tokens per compiled call: the first text of a stream arrives early
 PENALTIES = ('logit_bias', 'presence_penalty', 'frequency_penalty', 'repetition_penalty')  # Slots.join's names
@@ -159,8 +159,8 @@ class Batcher:
         """One chunk for every slot; each row takes its share, and rows that are done leave."""
         if not self.running:
             return
-        wanted = [row.logprobs for row in self.held if row is not None and row.logprobs is not None]
-        out = self.slots.step(logprobs=max(wanted) if wanted else None)
+        wanted = any(row is not None and row.logprobs is not None for row in self.held)
+        out = self.slots.step(logprobs=MAX_LOGPROBS if wanted else None)  # one shape for every logprobs asked
         self.chunks += 1
         for slot, row in enumerate(self.held):
             if row is None:
