@@ -240,8 +240,12 @@ def _libc():
         return None
 
 
-def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_or_nothing: bool = True) -> None:
+def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_or_nothing: bool = True,
+            add: Optional[dict] = None) -> None:
     """Assigns a checkpoint (folder or prefix) to the model, after checking every name and shape.
+
+    add, {checkpoint name: float32 array of the variable's shape}, is added to those values as they are
+    read, before the model's dtype rounds them (a LoRA adapter's A·B·scale, lora.merged_deltas).
 
     all_or_nothing reads every value before it assigns any, so a damaged file
     leaves the model as it was; load_model, whose fresh model is dropped on
@@ -264,7 +268,8 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
     values = {name: read(name) for name in expected} if all_or_nothing else None
     with freed_to_the_system(model.dtype == 'int8'):
         for name in expected:  # float32 on disk, the model's dtype in memory (int8 quantized here, one by one)
-            assign(variables, name, values.pop(name) if values is not None else read(name))
+            value = values.pop(name) if values is not None else read(name)
+            assign(variables, name, value + add[name] if add and name in add else value)
 
 
 def read_state(model_dir: str) -> tuple:
@@ -323,6 +328,21 @@ def remove_bundle(prefix: str) -> None:
             os.remove(path)
 
 
+def stored_weights(model: Model) -> dict:
+    """{checkpoint name: float32 tensor}: what a file of the model holds. A product with a LoRA adapter attached
+    (gpt2_tf.lora: conv.adapter, whose delta() is A·B·scale [nx, nf]) holds w + delta, summed in float32, and
+    the adapter's own variables are left out: the file is the adapted model, in the original graph's names."""
+    adapted = {m.w.name.split(':')[0]: m.adapter for m in model.submodules if getattr(m, 'adapter', None) is not None}
+    own = {v.name.split(':')[0] for a in adapted.values() for v in a.variables}
+    weights = {}
+    for name, variable in stored(model.variables_by_name()).items():
+        if name not in own:
+            weights[name] = tf.cast(variable.read_value(), tf.float32)  # a float32 read aliases the variable
+            if name in adapted:
+                weights[name] = weights[name] + adapted[name].delta()[None]  # [1, nx, nf]
+    return weights
+
+
 def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optional[str] = None,
                     keep: int = 1) -> str:
     """Writes the model in the original layout; returns the checkpoint prefix.
@@ -333,7 +353,7 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     file to it with an atomic rename, and only then removes the prefixes beyond the
     `keep` newest, as TF's own Saver does: an interrupted save leaves the earlier
     checkpoint loadable. The folder's other files stay. A folder whose hparams.json
-    describes another model size is refused.
+    describes another model size is refused. Attached LoRA adapters are written merged (stored_weights).
     """
     if model.dtype == 'int8':
         raise CheckpointError('an int8 model cannot be saved: the original format holds float32 weights, '
@@ -354,7 +374,7 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
             number += 1
             name = f'{CHECKPOINT_PREFIX}-{number}'
     prefix = os.path.join(model_dir, name)
-    write_tensors(prefix, {n: tf.cast(v, tf.float32) for n, v in model.variables_by_name().items()})  # always float32
+    write_tensors(prefix, stored_weights(model))
     if not os.path.exists(hparams_path):
         temporary = f'{hparams_path}.tmp-{os.getpid()}'
         model.hparams.to_json(temporary)

@@ -256,7 +256,8 @@ def tokenizer_json(encoder_path: str, bpe_path: str, destination: str) -> None:
 
 def save_hf(model, path, *, vocabulary=None) -> str:
     """Writes an HF GPT-2 folder: config.json, model.safetensors, vocab.json, merges.txt and tokenizer.json;
-    returns the folder. Every file gets the mode a new file gets (0644 under the usual umask).
+    returns the folder. Every file gets the mode a new file gets (0644 under the usual umask). Attached LoRA
+    adapters are written merged (checkpoint.stored_weights); an int8 model is refused.
 
     vocabulary: (encoder.json path, vocab.bpe path) to copy under HF's names
     (default: the files bundled with the package, GPT-2's own).
@@ -268,13 +269,17 @@ def save_hf(model, path, *, vocabulary=None) -> str:
         raise HFFormatError("writing an HF folder needs the safetensors and tokenizers packages: "
                             "pip install -e '.[hf]'") from None
     from .assets import bundled_vocabulary
+    from .checkpoint import stored_weights
 
+    if model.dtype == 'int8':
+        raise HFFormatError('an int8 model cannot be saved as an HF folder: it holds float weights, and int8 ones '
+                            'are a lossy copy of them; save the float32 model (load it with dtype="float32")')
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
         json.dump(config_for(model.hparams), f, indent=2)
         f.write('\n')
-    tensors = to_hf({name: v.numpy() for name, v in model.variables_by_name().items()})
+    tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
     weights = os.path.join(path, SAFETENSORS)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, weights, metadata={'format': 'pt'})
     shutil.copymode(os.path.join(path, CONFIG), weights)  # safetensors writes through a private (0600) file

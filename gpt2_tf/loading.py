@@ -171,47 +171,47 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
     XLA-compiles model calls (see Model). strategy, a tf.distribute strategy, creates
     the variables under its scope (mirrored on its devices), for data-parallel
     training with gpt2_tf.train.Trainer. dtype holds the weights in 'float32'
-    (the default, exact), 'bfloat16' or 'float16' (see gpt2_tf.precision); the
-    checkpoint's float32 values are rounded to it once, at load. adapter, a
+    (the default, exact), 'bfloat16', 'float16' or 'int8' (see gpt2_tf.precision);
+    the checkpoint's float32 values are rounded to it once, at load. adapter, a
     LoRA run folder or any PEFT LoRA folder made for this base, is folded into
-    the weights (w + A·B·alpha/r, see gpt2_tf.lora): the model is the adapted
-    one, and save_checkpoint or save_hf write it merged.
+    the weights (w + A·B·alpha/r, see gpt2_tf.lora) in float32, before that
+    rounding: the model is the adapted one, and save_checkpoint or save_hf
+    write it merged.
     """
+    from . import lora
     from .checkpoint import find_checkpoint, restore
     from .runtime import Model
 
     folder = model_dir if isinstance(model_dir, ModelFolder) else resolve(model_dir)
-    options = dict(device=device, jit_compile=jit_compile, dtype=dtype)
+    prefix = find_checkpoint(folder.path) if folder.layout == 'original' else None
+    hparams = folder.hparams()
     with strategy.scope() if strategy else contextlib.nullcontext():
-        if folder.layout == 'hf':
-            model = _load_hf(folder.path, **options)
+        model = Model(hparams, device=device, jit_compile=jit_compile, dtype=dtype)
+        # The adapter is added to the float32 values as they are read, before they are rounded or quantized
+        # to dtype: bfloat16 and int8 round the merged weight once.
+        deltas = lora.merged_deltas(model, adapter) if adapter is not None else None
+        if prefix is None:
+            _load_hf(model, folder.path, add=deltas)
         else:
-            prefix = find_checkpoint(folder.path)
-            model = Model(folder.hparams(), **options)
-            restore(model, prefix, strict=strict, all_or_nothing=False)
-        if adapter is not None:
-            from . import lora
-
-            lora.apply(model, adapter)
+            restore(model, prefix, strict=strict, all_or_nothing=False, add=deltas)
     model.strategy = strategy
     return model
 
 
-def _load_hf(model_dir: str, **options):
-    """A Model from a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)."""
-    import tensorflow as tf
-
+def _load_hf(model, model_dir: str, *, add: Optional[dict] = None) -> None:
+    """Assigns a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin) to the
+    model, every name and shape checked first, in the model's dtype (int8 quantized); add as restore's."""
     from .checkpoint import variable_shapes, verify
-    from .runtime import Model
+    from .precision import assign, stored
 
-    hparams = hf.read_config(model_dir)
+    hparams = model.hparams
     tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir)
     verify(variable_shapes(hparams), {name: value.shape for name, value in tensors.items()}, hparams=hparams,
            source=model_dir, settings='config.json')
-    model = Model(hparams, **options)
-    for name, variable in model.variables_by_name().items():
-        variable.assign(tf.cast(tensors[name], variable.dtype))
-    return model
+    variables = model.variables_by_name()
+    for name in stored(variables):
+        value = tensors.pop(name)
+        assign(variables, name, value + add[name] if add and name in add else value)
 
 
 def stored_shapes(model_dir) -> dict:

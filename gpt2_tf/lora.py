@@ -94,6 +94,9 @@ class Adapter(tf.Module):
             x = tf.where(keep, x / (1 - self.dropout), tf.zeros_like(x))
         return tf.matmul(tf.matmul(x, self.A), self.B) * self.scale
 
+    def delta(self):  # -> A·B·scale [nx, nf]: what merging adds to the product's w
+        return tf.matmul(self.A, self.B) * self.scale
+
 
 def attach(model, *, rank: int, alpha: Optional[float] = None, targets='c_attn', dropout: float = 0.0,
            seed: Optional[int] = None) -> dict:
@@ -138,10 +141,13 @@ def detach(model) -> None:
 
 def deltas(adapters: dict) -> dict:
     """{'h.N.attn.c_attn': A·B·scale [nx, nf]} of attached adapters."""
-    return {name: (a.A.numpy() @ a.B.numpy()) * np.float32(a.scale) for name, a in adapters.items()}
+    return {name: a.delta().numpy() for name, a in adapters.items()}
 
 
 def _fold(model, deltas_: dict) -> None:
+    if model.dtype == 'int8':  # w + delta of the int8 values would drop their scales
+        raise AdapterError('adapters fold into float weights, not int8 ones: load the base with load_model(base, '
+                           'adapter=RUN, dtype="int8"), which merges in float32, then quantizes')
     found = convs(model, TARGETS)
     for name, delta in deltas_.items():
         conv = found[name]
@@ -276,8 +282,17 @@ def scale_of(config: dict) -> float:
     return float(config['lora_alpha']) / float(config['r'])
 
 
+def merged_deltas(model, folder) -> dict:
+    """{checkpoint name of a product's w: A·B·scale [1, nx, nf] float32} of the adapter in folder (ours or
+    PEFT's), checked against the model: what loading adds to the float32 weights before rounding them."""
+    config, pairs, _ = read(folder, model)
+    scale, found = np.float32(scale_of(config)), convs(model, TARGETS)
+    return {found[name].w.name.split(':')[0]: ((a @ b) * scale)[None] for name, (a, b) in pairs.items()}
+
+
 def apply(model, folder) -> dict:
-    """Folds the adapter in folder (ours or PEFT's) into the model's weights; returns its config."""
+    """Folds the adapter in folder (ours or PEFT's) into a loaded model's weights; returns its config.
+    load_model(base, adapter=folder) does it as it reads the weights, so that int8 quantizes merged ones."""
     config, pairs, _ = read(folder, model)
     scale = np.float32(scale_of(config))
     _fold(model, {name: (a @ b) * scale for name, (a, b) in pairs.items()})
