@@ -13,7 +13,10 @@ int8 holds only the matrices (conv1d's w and wte) in int8, with one float32
 scale per output channel (a conv1d's column, a wte row: symmetric, round to
 nearest, scale = max|w| / 127, computed at load from the float32 files); norms,
 biases, wpe, the activations and the KV cache stay float32. A product reads the
-int8 bytes themselves (gpt2_tf.kernels) and sums in float32.
+int8 bytes themselves (gpt2_tf.kernels) and sums in float32. A conv1d's int8 w keeps
+its [1, nx, nf] shape, but where nf is a multiple of PANEL its values are laid out
+in panels, [nf / PANEL, nx, PANEL] (pack): the kernel then streams each block of
+output channels contiguously. unpacked() reads any int8 matrix back in its plain layout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from . import kernels
 
 DTYPES = ('float32', 'bfloat16', 'float16', 'int8')
 SCALE = '_scale'  # an int8 matrix `name` has its scales in the variable `name + SCALE`
+PANEL = 128  # output channels per panel of a packed int8 conv1d w: two cache lines of int8 per row
 
 
 def check_dtype(dtype: str) -> str:
@@ -64,14 +68,40 @@ def quantize(value: np.ndarray, *, rows: bool) -> tuple:
     return value.astype(np.int8), scale.reshape(-1)
 
 
+def panel(nf: int) -> int:
+    """The panel width of an int8 conv1d w with nf output channels; 0: the plain layout."""
+    return PANEL if nf % PANEL == 0 and nf > PANEL else 0
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """int8 [..., nx, nf] -> the same shape holding the values as panels [nf / PANEL, nx, PANEL], when packed."""
+    *start, nx, nf = q.shape
+    width = panel(nf)
+    if not width:
+        return q
+    panels = q.reshape(nx, nf // width, width).transpose(1, 0, 2)  # [nf / PANEL, nx, PANEL]
+    return np.ascontiguousarray(panels).reshape(q.shape)
+
+
+def unpacked(variable) -> np.ndarray:
+    """An int8 matrix's values in its plain layout ([1, nx, nf] or wte's [n_vocab, n_embd]), as numpy."""
+    q = np.asarray(variable)
+    if q.ndim == 2 or not panel(q.shape[-1]):
+        return q
+    nx, nf = q.shape[-2:]
+    width = panel(nf)
+    return q.reshape(nf // width, nx, width).transpose(1, 0, 2).reshape(q.shape)
+
+
 def assign(variables: dict, name: str, value) -> None:
     """Assigns a float32 checkpoint value to variables[name], in its dtype: the one place int8 is quantized."""
     variable = variables[name]
     if variable.dtype != tf.int8:
         variable.assign(tf.cast(value, variable.dtype))
         return
-    q, scale = quantize(value, rows=variable.shape.rank == 2)  # wte [n_vocab, n_embd]: a scale per row
-    variable.assign(q)
+    rows = variable.shape.rank == 2  # wte [n_vocab, n_embd]: a scale per row, its rows serve the lookup too
+    q, scale = quantize(value, rows=rows)
+    variable.assign(q if rows else pack(q))
     variables[name + SCALE].assign(scale)
 
 
@@ -90,7 +120,7 @@ def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = Fals
     """float32 x [M, K] times w [K, N] (or [N, K] with transpose_b), in w's dtype -> float32 [M, N]: reduced
     inputs, float32 accumulation and result; int8 w is multiplied as it is, with its scales [N]."""
     if w.dtype == tf.int8:
-        return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b)
+        return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b, panel=0 if transpose_b else panel(w.shape[-1]))
     return f32(tf.matmul(tf.cast(x, w.dtype), w, transpose_b=transpose_b))
 
 

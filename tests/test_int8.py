@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gpt2_tf
-from gpt2_tf import HParams, kernels
+from gpt2_tf import HParams, kernels, precision
 from gpt2_tf.checkpoint import CheckpointError
 from gpt2_tf.decoding import empty_cache
 from gpt2_tf.tf1_reference import Reference
@@ -81,6 +81,23 @@ def test_quantization_is_symmetric_per_channel_round_to_nearest():
         q = int8[name].numpy().astype(np.int32)
         assert np.abs(q).max() == 127, name  # the largest weight of some channel maps to +-127
         assert np.abs(q - w / step).max() <= 0.5 + 1e-4, name  # the nearest level
+
+
+def test_wide_matrices_are_held_in_panels_of_128_channels(random_checkpoint):
+    hparams = SHAPES[0]  # c_fc has 256 output channels: two panels; the others are narrower or not a multiple
+    folder = random_checkpoint(hparams, seed=3, scale=0.1)
+    float32 = gpt2_tf.load_model(folder).variables_by_name()
+    int8 = gpt2_tf.load_model(folder, dtype='int8').variables_by_name()
+    for name in filter(is_matrix, float32):
+        w = float32[name].numpy()
+        step = int8[name + '_scale'].numpy().astype(np.float64)
+        expected = np.round(w / (step[:, None] if name == 'model/wte' else step)).astype(np.int8)
+        if name.endswith('mlp/c_fc/w'):  # [1, nx, 256] stored as [2, nx, 128] in the same shape
+            nx = w.shape[1]
+            expected = np.ascontiguousarray(expected.reshape(nx, 2, 128).transpose(1, 0, 2)).reshape(w.shape)
+        np.testing.assert_array_equal(int8[name].numpy(), expected, err_msg=name)
+        np.testing.assert_array_equal(precision.unpacked(int8[name]),
+                                      np.round(w / (step[:, None] if name == 'model/wte' else step)), err_msg=name)
 
 
 @pytest.mark.parametrize('fixture', ['tf1-tiny', 'tf1-tiny-hot'])

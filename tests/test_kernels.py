@@ -11,7 +11,8 @@ import tensorflow as tf
 from gpt2_tf import kernels
 
 SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 96, 1000, True),
-          (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True)]
+          (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
+          (11, 768, 1001, True), (16, 80, 64, False)]  # every count of rows left over by a tile of 4 or 6
 
 
 def case(m, k, n, transpose, seed=0):
@@ -42,6 +43,24 @@ def test_int8_product_equals_the_float64_product(m, k, n, transpose, kernel):
     assert y.shape == reference.shape
     # float32 sums of k terms: a few ulps of the largest partial sum, far below one step of the int8 grid.
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
+
+
+def panels(w: np.ndarray, width: int) -> np.ndarray:
+    """w [K, N] with its values laid out as [N / width, K, width], in w's shape: the packed layout."""
+    k, n = w.shape
+    return np.ascontiguousarray(w.reshape(k, n // width, width).transpose(1, 0, 2)).reshape(k, n)
+
+
+@pytest.mark.parametrize('kernel', [True, False])
+@pytest.mark.parametrize('m, k, n, width', [(1, 768, 2304, 128), (7, 64, 384, 128), (13, 33, 256, 128),
+                                            (2, 40, 96, 32), (9, 768, 3072, 128)])
+def test_packed_product_equals_the_float64_product(m, k, n, width, kernel):
+    if kernel and not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    x, w, scale, reference = case(m, k, n, False, seed=2)
+    y = kernels.int8_matmul(tf.constant(x), tf.constant(panels(w, width)), tf.constant(scale), panel=width,
+                            kernel=kernel).numpy()
+    assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # as above
 
 
 def test_kernel_and_fallback_agree_in_a_compiled_function():

@@ -2,6 +2,7 @@
 
     y = int8_matmul(x, w, scale)                    # x [M, K] float32, w int8 [K, N], scale [N] -> [M, N]
     y = int8_matmul(x, w, scale, transpose_w=True)  # w int8 [N, K] (wte), scale [N] -> [M, N]
+    y = int8_matmul(x, w, scale, panel=128)         # w [K, N] stored as panels [N / 128, K, 128]
 
 The kernel (int8_matmul.cc) reads the int8 weights themselves and widens them
 next to the multiply, so a product streams a quarter of float32's bytes. It is
@@ -9,7 +10,7 @@ built with the machine's g++ and TensorFlow's own compile flags into a cache
 folder ($GPT2_TF_KERNEL_CACHE, default ~/.cache/gpt2_tf/kernels), keyed by the
 source, the TensorFlow version and the CPU, so it works from a plain checkout.
 Where no compiler is there, or GPT2_TF_KERNELS=off, the same product runs as
-TensorFlow ops: the weights cast to float32, scaled, and multiplied.
+TensorFlow ops: the weights unpacked from their panels, cast to float32, scaled, and multiplied.
 Both sum in float32; they agree to float32 rounding (the tests compare them).
 """
 
@@ -106,9 +107,17 @@ def tensorflow_ops():
         _local.off = before
 
 
-def int8_matmul(x, w, scale, *, transpose_w: bool = False, kernel: Optional[bool] = None):
+def unpack(w, panel: int):
+    """int8 w [K, N] whose values are laid out as panels [N / panel, K, panel] -> the plain [K, N]."""
+    k, n = w.shape
+    return tf.reshape(tf.transpose(tf.reshape(w, [n // panel, k, panel]), [1, 0, 2]), [k, n])
+
+
+def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kernel: Optional[bool] = None):
     """x float32 [M, K] times int8 w with one float32 scale per output channel -> float32 [M, N].
 
+    panel: 0 for w's plain layout; else w [K, N] holds its values as [N / panel, K, panel] (see
+    gpt2_tf.precision.pack), so that a block of output channels is one contiguous stream.
     kernel: None uses the C++ kernel when it is available, True requires it, False uses TensorFlow ops.
     """
     use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
@@ -116,7 +125,7 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, kernel: Optional[bool
         library = _library()
         if isinstance(library, str):
             raise RuntimeError(f'the int8 kernel is not available: {library}')
-        return library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w)
-    wide = tf.cast(w, tf.float32)
+        return library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel)
+    wide = tf.cast(unpack(w, panel) if panel else w, tf.float32)
     wide = wide * (scale[:, None] if transpose_w else scale)
     return tf.matmul(x, wide, transpose_b=transpose_w)

@@ -1,14 +1,25 @@
 // Gpt2Int8MatMul: float32 x times int8 weights with one float32 scale per output channel, -> float32.
 //
-//   transpose_w = false: w [K, N] (a conv1d's [nx, nf]), scale [N]:  y[m, n] = scale[n] * sum_k x[m, k] w[k, n]
+//   transpose_w = false: w holds [K, N] (a conv1d's [nx, nf]) in panels of `panel` columns, laid out
+//     [N / panel, K, panel] (panel = N: the plain row-major [K, N]), scale [N]:
+//     y[m, n] = scale[n] * sum_k x[m, k] w[k, n], with w[k, n] at ((n / panel) * K + k) * panel + n % panel
 //   transpose_w = true:  w [N, K] (wte's [n_vocab, n_embd]), scale [N]: y[m, n] = scale[n] * sum_k x[m, k] w[n, k]
 //
-// The weights are read as int8 and widened to float32 in registers next to the multiply, so a product reads
-// a quarter of the bytes a float32 one does; sums are float32. Output channels are split over TensorFlow's
-// intra-op threads. Rows of x are taken a few at a time, so each weight byte read serves all of them.
+// The weights are read as int8 and widened to float32 in vector registers next to the multiply, so a product
+// reads a quarter of the bytes a float32 one does; sums are float32. In the panel layout a block of output
+// channels is one contiguous stream of int8 (the hardware prefetchers follow it; in the plain layout each k
+// is a jump of N bytes, a new page every few rows). A register tile of ROWS rows of x times V vectors of
+// output channels accumulates over the whole of K, then is scaled and stored. Vector width comes from the
+// compiler's target (built with -march=native: AVX-512, AVX2, or plain C++ elsewhere). Blocks of output
+// channels are split over TensorFlow's intra-op threads; all rows of x are done per block, so each weight
+// byte comes from memory once.
 
 #include <algorithm>
 #include <cstdint>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -23,6 +34,7 @@ REGISTER_OP("Gpt2Int8MatMul")
     .Input("scale: float")
     .Output("y: float")
     .Attr("transpose_w: bool = false")
+    .Attr("panel: int = 0")  // 0: the plain [K, N] layout (panel = N)
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       bool transpose_w;
       TF_RETURN_IF_ERROR(c->GetAttr("transpose_w", &transpose_w));
@@ -35,75 +47,188 @@ REGISTER_OP("Gpt2Int8MatMul")
 
 namespace {
 
-constexpr int kRows = 4;      // rows of x per pass over a block of weights
-constexpr int kColumns = 64;  // output channels per block of the [K, N] layout: one cache line of int8
+// One vector of float32 lanes, and int8 weights widened into it.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using Vec = __m512;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Widen(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+constexpr int kVectors = 4;  // a tile: up to 6 rows x 4 vectors of output channels, 24 of the 32 registers
+constexpr int kMaxRows = 6;
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+using Vec = __m256;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Widen(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline float Sum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+constexpr int kVectors = 2;  // 4 rows x 2 vectors: 8 of the 16 registers
+constexpr int kMaxRows = 4;
+#else
+constexpr int kLanes = 1;
+using Vec = float;
+inline Vec Zero() { return 0.0f; }
+inline Vec Widen(const int8_t* p) { return static_cast<float>(*p); }
+inline Vec Load(const float* p) { return *p; }
+inline Vec Broadcast(float v) { return v; }
+inline Vec Fma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline void Store(float* p, Vec v) { *p = v; }
+inline float Sum(Vec v) { return v; }
+constexpr int kVectors = 8;
+constexpr int kMaxRows = 4;
+#endif
 
-// y[m0:m0+ROWS, n0:n0+COLS] for w [K, N]: a block of output channels over the whole of K.
-template <int ROWS, int COLS>
-void ColumnBlock(const float* __restrict x, const int8_t* __restrict w, const float* __restrict scale,
-                 float* __restrict y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
-  float acc[ROWS][COLS] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const int8_t* row = w + k * N + n0;
-    float wide[COLS];
-    for (int j = 0; j < COLS; ++j) wide[j] = static_cast<float>(row[j]);
-    for (int r = 0; r < ROWS; ++r) {
-      const float xk = x[(m0 + r) * K + k];
-      for (int j = 0; j < COLS; ++j) acc[r][j] += xk * wide[j];
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < COLS; ++j) y[(m0 + r) * N + n0 + j] = acc[r][j] * scale[n0 + j];
+// The hardware prefetchers of some CPUs (seen on a virtualised AMD EPYC) follow one stream of int8 well and
+// several interleaved ones badly: the loops ask for the bytes kAhead ahead themselves (2.5x on wte's rows).
+constexpr int64_t kAhead = 256;    // bytes, along a row of wte
+constexpr int64_t kRowsAhead = 8;  // rows of a panel
+inline void Prefetch(const int8_t* p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#endif
 }
 
-// The last, narrower block.
-template <int ROWS>
-void ColumnTail(const float* x, const int8_t* w, const float* scale, float* y, int64_t K, int64_t N,
-                int64_t m0, int64_t n0) {
-  for (int r = 0; r < ROWS; ++r)
-    for (int64_t n = n0; n < N; ++n) {
+constexpr int kBlock = kLanes * kVectors;    // output channels per tile, and per unit of work
+
+struct Problem {
+  const float* x;
+  const int8_t* w;
+  const float* scale;
+  float* y;
+  int64_t M, K, N, panel;
+};
+
+// y[m0:m0+R, n0:n0+V*kLanes] for the panel layout: V vectors of channels, whole of K, inside one panel.
+template <int R, int V>
+void Tile(const Problem& p, int64_t m0, int64_t n0) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = Zero();
+  const int8_t* w = p.w + (n0 / p.panel) * p.K * p.panel + n0 % p.panel;
+  const float* x = p.x + m0 * p.K;
+  for (int64_t k = 0; k < p.K; ++k, w += p.panel) {
+    Prefetch(w + kRowsAhead * p.panel);  // the line this tile reads kRowsAhead rows on
+    Vec wide[V];
+    for (int v = 0; v < V; ++v) wide[v] = Widen(w + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xk = Broadcast(x[r * p.K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = Fma(xk, wide[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      const int64_t n = n0 + v * kLanes;
+      Store(p.y + (m0 + r) * p.N + n, acc[r][v] * Load(p.scale + n));
+    }
+}
+
+// Channels [n0, n1) one at a time, in plain C++: the tail of the plain layout.
+void Narrow(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* w = p.w + (n / p.panel) * p.K * p.panel + n % p.panel;
       float sum = 0.0f;
-      for (int64_t k = 0; k < K; ++k) sum += x[(m0 + r) * K + k] * static_cast<float>(w[k * N + n]);
-      y[(m0 + r) * N + n] = sum * scale[n];
+      for (int64_t k = 0; k < p.K; ++k) sum += p.x[m * p.K + k] * static_cast<float>(w[k * p.panel]);
+      p.y[m * p.N + n] = sum * p.scale[n];
     }
 }
 
-// y[m0:m0+ROWS, n] for w [N, K]: one output channel as dot products along a contiguous row of w.
-template <int ROWS>
-void RowDot(const float* x, const int8_t* w, const float* scale, float* y, int64_t K, int64_t N,
-            int64_t m0, int64_t n) {
-  constexpr int kLanes = 16;  // independent partial sums, so the loop vectorizes without reassociation
-  float acc[ROWS][kLanes] = {};
-  const int8_t* row = w + n * K;
+// The last rows - m0 < kMaxRows rows as one tile of that many rows.
+template <int R, int V>
+void LastRows(const Problem& p, int64_t m0, int64_t n0, int64_t rows) {
+  if (rows == R) {
+    Tile<R, V>(p, m0, n0);
+  } else if constexpr (R > 1) {
+    LastRows<R - 1, V>(p, m0, n0, rows);
+  }
+}
+
+template <int V>
+void AllRows(const Problem& p, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kMaxRows <= p.M; m += kMaxRows) Tile<kMaxRows, V>(p, m, n0);
+  if (m < p.M) LastRows<kMaxRows - 1, V>(p, m, n0, p.M - m);
+}
+
+// Output channels [b * kBlock, (b + 1) * kBlock) for every row of x.
+void Columns(const Problem& p, int64_t b) {
+  const int64_t n0 = b * kBlock, n1 = std::min(p.N, n0 + kBlock);
+  if (n1 - n0 == kBlock && (n0 % p.panel) + kBlock <= p.panel) {
+    AllRows<kVectors>(p, n0);
+    return;
+  }
+  int64_t n = n0;
+  for (; n + kLanes <= n1 && (n % p.panel) + kLanes <= p.panel; n += kLanes) AllRows<1>(p, n);
+  Narrow(p, n, n1);
+}
+
+// y[m0:m0+R, n0:n0+U] for w [N, K]: U output channels as dot products along their contiguous rows of w.
+template <int R, int U>
+void RowTile(const Problem& p, int64_t m0, int64_t n0) {
+  Vec acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = Zero();
+  const int8_t* w = p.w + n0 * p.K;
+  const float* x = p.x + m0 * p.K;
   int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    float wide[kLanes];
-    for (int j = 0; j < kLanes; ++j) wide[j] = static_cast<float>(row[k + j]);
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < kLanes; ++j) acc[r][j] += x[(m0 + r) * K + k + j] * wide[j];
+  for (; k + kLanes <= p.K; k += kLanes) {
+    Vec wide[U];
+    for (int u = 0; u < U; ++u) Prefetch(w + u * p.K + k + kAhead);
+    for (int u = 0; u < U; ++u) wide[u] = Widen(w + u * p.K + k);
+    for (int r = 0; r < R; ++r) {
+      const Vec xk = Load(x + r * p.K + k);
+      for (int u = 0; u < U; ++u) acc[r][u] = Fma(xk, wide[u], acc[r][u]);
+    }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    float sum = 0.0f;
-    for (int j = 0; j < kLanes; ++j) sum += acc[r][j];
-    for (int64_t t = k; t < K; ++t) sum += x[(m0 + r) * K + t] * static_cast<float>(row[t]);
-    y[(m0 + r) * N + n] = sum * scale[n];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) {
+      float sum = Sum(acc[r][u]);
+      for (int64_t t = k; t < p.K; ++t) sum += x[r * p.K + t] * static_cast<float>(w[u * p.K + t]);
+      p.y[(m0 + r) * p.N + n0 + u] = sum * p.scale[n0 + u];
+    }
+}
+
+constexpr int kRowChannels = 1;  // output channels per tile of the [N, K] layout: one stream (see Prefetch)
+
+template <int R, int U>
+void LastRowsOfRows(const Problem& p, int64_t m0, int64_t n0, int64_t rows) {
+  if (rows == R) {
+    RowTile<R, U>(p, m0, n0);
+  } else if constexpr (R > 1) {
+    LastRowsOfRows<R - 1, U>(p, m0, n0, rows);
   }
 }
 
-template <int ROWS>
-void Rows(bool transpose_w, const float* x, const int8_t* w, const float* scale, float* y, int64_t K, int64_t N,
-          int64_t m0, int64_t start, int64_t limit) {
-  if (transpose_w) {
-    for (int64_t n = start; n < limit; ++n) RowDot<ROWS>(x, w, scale, y, K, N, m0, n);
+template <int U>
+void RowsAll(const Problem& p, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kMaxRows <= p.M; m += kMaxRows) RowTile<kMaxRows, U>(p, m, n0);
+  if (m < p.M) LastRowsOfRows<kMaxRows - 1, U>(p, m, n0, p.M - m);
+}
+
+// Output channels [b * kRowChannels, ...) of the [N, K] layout, for every row of x.
+void Channels(const Problem& p, int64_t b) {
+  const int64_t n0 = b * kRowChannels, n1 = std::min(p.N, n0 + kRowChannels);
+  if (n1 - n0 == kRowChannels) {
+    RowsAll<kRowChannels>(p, n0);
   } else {
-    for (int64_t b = start; b < limit; ++b) {
-      const int64_t n0 = b * kColumns;
-      if (n0 + kColumns <= N) {
-        ColumnBlock<ROWS, kColumns>(x, w, scale, y, K, N, m0, n0);
-      } else {
-        ColumnTail<ROWS>(x, w, scale, y, K, N, m0, n0);
-      }
-    }
+    for (int64_t n = n0; n < n1; ++n) RowsAll<1>(p, n);
   }
 }
 
@@ -111,6 +236,7 @@ class Int8MatMulOp : public OpKernel {
  public:
   explicit Int8MatMulOp(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w_));
+    OP_REQUIRES_OK(context, context->GetAttr("panel", &panel_));
   }
 
   void Compute(OpKernelContext* context) override {
@@ -123,31 +249,27 @@ class Int8MatMulOp : public OpKernel {
     const int64_t N = transpose_w_ ? w.dim_size(0) : w.dim_size(1);
     OP_REQUIRES(context, (transpose_w_ ? w.dim_size(1) : w.dim_size(0)) == K && scale.dim_size(0) == N,
                 errors::InvalidArgument("x [M, K], w and scale do not agree"));
+    const int64_t panel = panel_ > 0 ? panel_ : std::max<int64_t>(N, 1);
+    OP_REQUIRES(context, !transpose_w_ || panel_ == 0, errors::InvalidArgument("a transposed w has no panels"));
+    OP_REQUIRES(context, N % panel == 0, errors::InvalidArgument("panel must divide the output channels"));
     Tensor* y = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({M, N}), &y));
-    const float* xs = x.flat<float>().data();
-    const int8_t* ws = w.flat<int8_t>().data();
-    const float* ss = scale.flat<float>().data();
-    float* ys = y->flat<float>().data();
-    const int64_t units = transpose_w_ ? N : (N + kColumns - 1) / kColumns;
-    const int64_t cost = (transpose_w_ ? K : K * kColumns) * std::min<int64_t>(M, kRows) * 2;
+    if (M == 0 || N == 0) return;
+    const Problem p{x.flat<float>().data(), w.flat<int8_t>().data(), scale.flat<float>().data(),
+                    y->flat<float>().data(), M, K, N, panel};
+    const int64_t width = transpose_w_ ? kRowChannels : kBlock;
+    const int64_t units = (N + width - 1) / width;
+    const int64_t cost = 2 * K * width * M + K * width;  // multiply-adds per unit, plus widening its weights
     auto* threads = context->device()->tensorflow_cpu_worker_threads();
     const bool t = transpose_w_;
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, M - m0);
-      Shard(threads->num_threads, threads->workers, units, cost, [&](int64_t start, int64_t limit) {
-        switch (rows) {
-          case 4: Rows<4>(t, xs, ws, ss, ys, K, N, m0, start, limit); break;
-          case 3: Rows<3>(t, xs, ws, ss, ys, K, N, m0, start, limit); break;
-          case 2: Rows<2>(t, xs, ws, ss, ys, K, N, m0, start, limit); break;
-          default: Rows<1>(t, xs, ws, ss, ys, K, N, m0, start, limit); break;
-        }
-      });
-    }
+    Shard(threads->num_threads, threads->workers, units, cost, [&p, t](int64_t start, int64_t limit) {
+      for (int64_t b = start; b < limit; ++b) t ? Channels(p, b) : Columns(p, b);
+    });
   }
 
  private:
   bool transpose_w_;
+  int64_t panel_;
 };
 
 }  // namespace
