@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from . import checkpoint, loading, lora, runfolder
+from . import checkpoint, kernels, loading, lora, runfolder
 from .checkpoint import CheckpointError
 from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
 from .distribute import is_chief, make_strategy  # noqa: F401
@@ -52,11 +52,13 @@ class Trainer:
     applies their mean gradient: the whole batch's update at a fraction of the
     memory (1 here: the step itself; finetune's default is FinetuneConfig's).
     recompute=True recomputes each block's activations in the backward pass
-    (tf.recompute_grad around each block, from outside the model).
+    (tf.recompute_grad around each block, from outside the model). Only the
+    trained variables are watched: no gradient of a frozen weight is formed.
     only_train_transformer_layers=True trains the h* blocks only.
     lora_rank=R > 0 trains LoRA adapters of rank R on the lora_targets
     products (gpt2_tf.lora) and nothing else: the base weights stay frozen,
-    in their dtype; the run folder holds the adapter in PEFT's format, made
+    in their dtype (int8 ones are multiplied through TensorFlow's ops, which
+    have gradients for the activations: kernels.tensorflow_ops); the run folder holds the adapter in PEFT's format, made
     for base_model (its adapter_config.json's base_model_name_or_path).
     """
 
@@ -69,10 +71,9 @@ class Trainer:
                  lora_targets: str = FinetuneConfig.lora_targets, lora_dropout: float = FinetuneConfig.lora_dropout,
                  base_model: str = ''):
         check_optimizer(learning_rate, optimizer, accumulate_gradients)
-        frozen = ('float32', 'bfloat16', 'float16') if lora_rank else ('float32',)  # LoRA reads the base only
-        if model.dtype not in frozen:
-            raise GPT2Error(f'fine-tuning needs float32 weights; this model holds {model.dtype} '
-                            f'(load it with dtype="float32")')
+        if model.dtype != 'float32' and not lora_rank:  # LoRA reads the frozen base only, in any dtype
+            raise GPT2Error(f'full fine-tuning needs float32 weights; this model holds {model.dtype} (load it '
+                            f'with dtype="float32", or train LoRA adapters over it with lora_rank)')
         self.model = model
         self.learning_rate = float(learning_rate)
         self.optimizer = optimizer
@@ -117,13 +118,13 @@ class Trainer:
         wrap = (lambda block: tf.recompute_grad(lambda h: block(h)[0])) if self.recompute else None
         k = self.accumulate
         if k == 1:
-            with tf.GradientTape() as tape:
+            with self._tape() as tape:
                 loss = mean_loss(self.model, tokens, wrap=wrap)
             return loss, tape.gradient(loss, self.variables)
         micro = tf.reshape(tokens, [k, -1, tf.shape(tokens)[1]])  # [k, batch / k, T]
 
         def one(i, loss, grads):
-            with tf.GradientTape() as tape:
+            with self._tape() as tape:
                 part = mean_loss(self.model, micro[i], wrap=wrap)
             new = tape.gradient(part, self.variables)
             return i + 1, loss + part, [g + n for g, n in zip(grads, new)]
@@ -132,6 +133,13 @@ class Trainer:
         _, loss, grads = tf.while_loop(lambda i, *_: i < k, one, [tf.constant(0), tf.constant(0.0), zeros],
                                        parallel_iterations=1)  # one micro-batch's activations at a time
         return loss / k, [g / k for g in grads]
+
+    @contextlib.contextmanager
+    def _tape(self):
+        """A tape that watches the trained variables alone, not every variable the forward reads."""
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(self.variables)
+            yield tape
 
     def _apply(self, grads) -> None:
         """One update of every trained variable (of this replica's copy, under a strategy) by raw kernels."""
@@ -180,7 +188,9 @@ class Trainer:
             raise GPT2Error(f'batch of {tokens.shape[0]} rows does not split into accumulate_gradients='
                             f'{self.accumulate} equal micro-batches' + (f' on each of {replicas} replicas'
                                                                         if replicas > 1 else ''))
-        with self.model.on_device(), lora.training(self.adapters):
+        # int8 products trace as TensorFlow's ops, which have the activations' gradient (the kernel has none)
+        int8 = kernels.tensorflow_ops() if self.model.dtype == 'int8' else contextlib.nullcontext()
+        with self.model.on_device(), lora.training(self.adapters), int8:
             loss = float(self._step(tf.constant(tokens, tf.int32)))
         self.steps += 1
         if self.adapters:
