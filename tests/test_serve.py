@@ -3,6 +3,7 @@
 import concurrent.futures
 import http.client
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def server(tmp_path_factory):
         except OSError:
             assert process.poll() is None, log.read_text()
             time.sleep(0.3)
-    yield url, process
+    yield url, process, log
     process.terminate()
     process.wait(timeout=30)
 
@@ -165,9 +166,9 @@ def test_models_and_health(client, server):
     (dict(model='gpt-4'), 'NotFoundError', "model 'gpt-4' is not served here"),
     (dict(max_tokens=200), 'BadRequestError', 'exceeds the window'),
     (dict(temperature=3), 'BadRequestError', 'temperature'),
-    (dict(best_of=2), 'BadRequestError', 'best_of is not supported'),
-    (dict(logit_bias={'50256': -100}), 'BadRequestError', 'logit_bias is not supported'),
-    (dict(presence_penalty=0.5), 'BadRequestError', 'presence_penalty is not supported'),
+    (dict(best_of=2, n=3), 'BadRequestError', r'best_of must be an integer in \[n, 16\]'),
+    (dict(logit_bias={'60000': -100}), 'BadRequestError', "logit_bias: '60000' is not a token id"),
+    (dict(presence_penalty=2.5), 'BadRequestError', r'presence_penalty: must be in \[-2, 2\]'),
     (dict(suffix='x'), 'BadRequestError', 'suffix is not supported'),
     (dict(prompt=[[1, 60000]]), 'BadRequestError', 'token id 60000 is outside the vocabulary'),
     (dict(logprobs=9), 'BadRequestError', 'logprobs'),
@@ -227,6 +228,21 @@ def test_a_client_that_disconnects_mid_stream_frees_its_place(client, server):
     done = client.completions.create(model=MODEL, prompt='Hi', max_tokens=3, temperature=0)
     assert done.choices[0].finish_reason in ('length', 'stop')
     assert server[1].poll() is None
+
+
+def test_the_command_line_server_logs_one_line_per_request(client, server):
+    client.completions.create(model=MODEL, prompt='Logged', max_tokens=3, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model='gpt-4', prompt='Hi', max_tokens=2)
+    deadline = time.monotonic() + 30  # each line is written once its response has gone
+    while True:
+        lines = [line for line in server[2].read_text().splitlines() if line.startswith('gpt2-tf: POST /v1/compl')]
+        if (lines and ' 404 ' in lines[-1]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert re.fullmatch(r'gpt2-tf: POST /v1/completions 200 prompt_tokens=2 completion_tokens=[0-3] latency_ms=\d+',
+                        lines[-2]), lines[-2:]
+    assert re.fullmatch(r'gpt2-tf: POST /v1/completions 404 latency_ms=\d+', lines[-1]), lines[-1]
 
 
 def refused(client, **kwargs):

@@ -71,7 +71,7 @@ def cmd_serve(args):
     check_port(args.host, args.port)  # before the model loads: a taken port fails in a second
     model = open_model(args, folder)
     serve(model, encoder, model_id=names[0], aliases=names[1:], host=args.host, port=args.port,
-          api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode)
+          api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode, quiet=args.quiet)
 
 
 def cmd_convert(args):
@@ -132,6 +132,9 @@ def add_commands(commands) -> None:
                        help='rows per decode call (default: 16)')
     serve.add_argument('--queue-size', '--queue_size', type=int, default=256,
                        help='rows waiting before new requests get 503 (default: 256)')
+    serve.add_argument('--quiet', action='store_true',
+                       help='no access-log line per request on stderr (method, path, status, tokens, latency) '
+                            '(default: off)')
     add_mode(serve)
     add_verbose(serve)
     serve.set_defaults(run=cmd_serve)

@@ -1,36 +1,42 @@
 """The app: FastAPI routes of a few lines each over the protocol, the Batcher and Completion.
 
-POST /v1/completions, GET /v1/models, GET /health. /v1/chat/completions is out
-of scope: GPT-2 has no chat format.
+POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus).
+/v1/chat/completions is out of scope: GPT-2 has no chat format. Every refusal,
+an unknown route's included, leaves in OpenAI's error shape; Gate, the ASGI
+middleware in front, checks the key, bounds the body as it arrives, and
+counts and logs each request.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations, and Request is imported
+# inside create_app (the package imports without the server extra), so they must be objects, not names.
 import contextlib
 import secrets
 import time
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TextIO
 
 from ..encoder import Encoder
 from ..runtime import Model
 from ..validate import GPT2Error
 from .batcher import Batcher
 from .completion import Completion
+from .metrics import Metrics, log_access
 from .protocol import (APIError, CompletionRequest, CompletionResponse, Health, ModelCard, ModelList, check_model,
                        invalid, invalid_request)
 
 MAX_BODY = 1 << 20  # bytes in a request body
+UNCOUNTED = ('/metrics',)  # scrapes are neither counted nor logged
 
 
 def create_app(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequence[str] = (),
                api_key: Optional[str] = None, capacity: int = 16, queue_size: int = 256, mode: Optional[str] = None,
-               timeout: float = 0.005):
+               timeout: float = 0.005, access_log: Optional[TextIO] = None):
     """The FastAPI app serving `model` as model_id (listed by /v1/models) and as each of its aliases.
 
-    capacity, queue_size and timeout are the Batcher's; mode is sample_chunks'.
+    capacity, queue_size and timeout are the Batcher's; mode is sample_chunks'. access_log,
+    if given, takes one line per request (metrics.access_line).
     """
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response, StreamingResponse
 
     batcher = Batcher(model, capacity=capacity, queue_size=queue_size, timeout=timeout, mode=mode)
     served = (model_id, *[name for name in aliases if name != model_id])
@@ -43,8 +49,9 @@ def create_app(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequen
 
     app = FastAPI(title='gpt2_tf', docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.batcher = batcher
+    app.state.metrics = metrics = Metrics(batcher)
     _answer_errors(app)
-    _guard(app, api_key)
+    app.add_middleware(Gate, api_key=api_key, metrics=metrics, log=access_log)
 
     @app.get('/health', response_model=Health)
     async def health():
@@ -54,11 +61,16 @@ def create_app(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequen
     async def models():
         return ModelList(data=[ModelCard(id=model_id, created=created)])
 
+    @app.get('/metrics', include_in_schema=False)
+    async def scrape():
+        return Response(metrics.scrape(), media_type=Metrics.CONTENT_TYPE)
+
     @app.post('/v1/completions', response_model=CompletionResponse)
-    async def completions(request: CompletionRequest):
+    async def completions(request: CompletionRequest, http: Request):
         check_model(request.model, served)
         completion = Completion(request, request.to_sampling(encoder, model.hparams), encoder, model_id)
         await completion.submit(model, batcher)
+        http.state.completion = completion  # for Gate's metrics and access log
         if request.stream:
             return StreamingResponse(completion.stream(), media_type='text/event-stream')
         return await completion.response()
@@ -75,6 +87,7 @@ def error_response(error: APIError):
 def _answer_errors(app) -> None:
     """Every error the app raises leaves in OpenAI's shape."""
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
@@ -87,6 +100,23 @@ def _answer_errors(app) -> None:
     @app.exception_handler(RequestValidationError)
     async def malformed(_, error: RequestValidationError):
         return error_response(invalid_request(error.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def routing(request, error: HTTPException):
+        return error_response(http_error(request.method, request.url.path, error))
+
+
+def http_error(method: str, path: str, error) -> APIError:
+    """Starlette's and FastAPI's own errors (unknown route, wrong method, unparsable body) in OpenAI's shape."""
+    if isinstance(error.__cause__, RecursionError):  # json.loads gives up past about 1,000 levels
+        return APIError(400, 'the body nests too deeply to parse: send a flat JSON object of the completions fields')
+    if error.status_code == 404:
+        return APIError(404, f'no route {method} {path}: this server answers POST /v1/completions, GET /v1/models, '
+                             f'GET /health and GET /metrics', code='not_found')
+    if error.status_code == 405:
+        return APIError(405, f'{method} is not allowed on {path}', code='method_not_allowed',
+                        headers=dict(error.headers or {}))
+    return APIError(error.status_code, str(error.detail), headers=dict(error.headers or {}))
 
 
 def refusal(path: str, headers, api_key: Optional[str]) -> Optional[APIError]:
@@ -101,8 +131,60 @@ def refusal(path: str, headers, api_key: Optional[str]) -> Optional[APIError]:
     return None
 
 
-def _guard(app, api_key: Optional[str]) -> None:
-    @app.middleware('http')
-    async def guard(request, call_next):
-        error = refusal(request.url.path, request.headers, api_key)
-        return error_response(error) if error else await call_next(request)
+async def read_body(receive) -> tuple:
+    """The body's messages, counted as they arrive: (messages, None), or (None, APIError 413) once past MAX_BODY
+    (a chunked body has no Content-Length to refuse it by)."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message['type'] != 'http.request':
+            return messages, None  # the client went away
+        size += len(message.get('body', b''))
+        if size > MAX_BODY:
+            return None, APIError(413, f'the request body is over {MAX_BODY:,} bytes, the limit')
+        if not message.get('more_body', False):
+            return messages, None
+
+
+class Gate:
+    """ASGI middleware: refuses a wrong key or an oversized body, then counts and logs each request as it ends.
+
+    The body is read here, bounded, and handed to the app as it came.
+    """
+
+    def __init__(self, app, *, api_key: Optional[str], metrics: Metrics, log: Optional[TextIO]):
+        self.app, self.api_key, self.metrics, self.log = app, api_key, metrics, log
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] != 'http':
+            return await self.app(scope, receive, send)
+        from starlette.datastructures import Headers
+
+        started, state, status = time.monotonic(), scope.setdefault('state', {}), [500]
+
+        async def sending(message):
+            if message['type'] == 'http.response.start':
+                status[0] = message['status']
+            await send(message)
+
+        try:
+            error = refusal(scope['path'], Headers(scope=scope), self.api_key)
+            messages = None
+            if error is None:
+                messages, error = await read_body(receive)
+            if error is not None:
+                return await error_response(error)(scope, receive, sending)
+            replay = iter(messages)
+            await self.app(scope, lambda: _next(replay, receive), sending)
+        finally:
+            if scope['path'] not in UNCOUNTED:
+                completion = state.get('completion')
+                self.metrics.record(status[0], completion)
+                log_access(self.log, scope['method'], scope['path'], status[0], completion, started)
+
+
+async def _next(replay, receive):
+    """The body's messages as they came, then the client's own (a disconnect)."""
+    message = next(replay, None)
+    return message if message is not None else await receive()

@@ -33,6 +33,7 @@ class Choice:
         self.sent = 0  # characters of text already handed out
         self.prefix = prefix  # the echoed prompt
         self.finish_reason: Optional[str] = None
+        self.drawn: List[float] = []  # the log-prob of each token drawn, the end of text included (for best_of)
         self.entries = prefix_logprobs or {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
 
     def add(self, tokens, log_probs) -> str:
@@ -40,6 +41,8 @@ class Choice:
         for i, token in enumerate(map(int, tokens)):
             if self.finish_reason:
                 break
+            if log_probs is not None:
+                self.drawn.append(float(log_probs['log_probs'][i]))
             if token == self.end:
                 self.finish_reason = 'stop'
                 break
@@ -80,6 +83,10 @@ class Choice:
         self.entries['top_logprobs'].append(top)
         self.entries['text_offset'].append(offset)
 
+    def mean_logprob(self) -> float:
+        """best_of's ranking: the mean log-prob of the tokens this choice drew (0 for none)."""
+        return sum(self.drawn) / len(self.drawn) if self.drawn else 0.0
+
     def logprobs_object(self) -> Optional[dict]:
         if self.logprobs is None:
             return None
@@ -114,7 +121,11 @@ def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dic
 
 
 class Completion:
-    """One request: its choices (prompt-major, n per prompt), the rows they draw from, and what they make."""
+    """One request: its choices (prompt-major, best_of per prompt), the rows they draw from, and what they make.
+
+    With best_of > n, each prompt's n choices with the highest mean token log-prob
+    are returned, renumbered prompt-major; usage counts every choice's tokens.
+    """
 
     def __init__(self, request: CompletionRequest, sampling: Sampling, encoder: Encoder, model_id: str):
         self.request, self.sampling, self.encoder = request, sampling, encoder
@@ -125,22 +136,27 @@ class Completion:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.choices: List[Choice] = []
         self.rows = {}  # choice index -> its Row; none when max_tokens is 0
+        self.started = time.monotonic()  # for the metrics: time to first token, time per output token
+        self.first_token: Optional[float] = None
+        self.last_token: Optional[float] = None
+        self.complete = False  # the whole response or stream was handed out
 
     async def submit(self, model: Model, batcher: Batcher) -> None:
         """Makes the choices (an echo's log-probs are scored off the event loop) and queues their rows."""
-        request = self.request
+        request, best_of = self.request, self.sampling.best_of
+        ranked = best_of > request.n and request.logprobs is None  # the ranking needs each token's log-prob
         for i, prompt in enumerate(self.sampling.prompts):
             prefix = self.encoder.decode(prompt) if request.echo and request.prompted else ''
             echoed = None
             if prefix and request.logprobs is not None:
                 echoed = await asyncio.to_thread(echo_logprobs, model, self.encoder, prompt, request.logprobs)
-            for j in range(request.n):
-                index = i * request.n + j
+            for j in range(best_of):
+                index = i * best_of + j
                 self.choices.append(Choice(index, self.encoder, request.stop or [], request.logprobs, prefix,
                                            copy.deepcopy(echoed)))
                 if request.max_tokens:
                     self.rows[index] = Row(prompt, request.max_tokens, self.sampling.options,
-                                           (self.sampling.seed, index), request.logprobs,
+                                           (self.sampling.seed, index), 0 if ranked else request.logprobs,
                                            functools.partial(self._deliver, index))
         if self.rows:
             batcher.submit(list(self.rows.values()))
@@ -161,23 +177,27 @@ class Completion:
                 yield choice, choice.prefix, False
             if not self.request.max_tokens:
                 yield choice, choice.finish('length'), True
-        open_rows = len(self.rows)
+        open_rows = set(self.rows)  # not row.done: the Batcher may set that before its last chunk arrives here
         while open_rows:
             index, tokens, log_probs, error = await self.inbox.get()
-            row, choice = self.rows[index], self.choices[index]
+            choice = self.choices[index]
             if error is not None:
                 raise APIError(500, f'generation failed: {error}', kind='server_error')
-            if row.done:
+            if index not in open_rows:
                 continue
             text = choice.add(tokens, log_probs) if tokens is not None else ''
+            if tokens is not None and len(tokens):
+                self.last_token = time.monotonic()
+                self.first_token = self.first_token or self.last_token
             if tokens is None or choice.finish_reason:
-                row.done = True
-                open_rows -= 1
+                self.rows[index].done = True
+                open_rows.discard(index)
                 yield choice, text + choice.finish('length'), True
             elif text:
                 yield choice, text, False
 
     def usage(self) -> Usage:
+        """Prompt tokens once per returned choice; completion tokens of every choice drawn (best_of of them)."""
         prompt = sum(len(p) for p in self.sampling.prompts) * self.request.n
         completion = sum(len(c.tokens) for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -193,8 +213,21 @@ class Completion:
                 texts[choice.index] += text
         finally:
             self.close()
-        return self.chunk([CompletionChoice(text=texts[c.index], index=c.index, logprobs=c.logprobs_object(),
-                                            finish_reason=c.finish_reason) for c in self.choices], self.usage())
+        self.complete = True
+        return self.chunk([CompletionChoice(text=texts[c.index], index=index, logprobs=c.logprobs_object(),
+                                            finish_reason=c.finish_reason) for index, c in enumerate(self.best())],
+                          self.usage())
+
+    def best(self) -> List[Choice]:
+        """The n choices of each prompt to return, prompt-major: the likeliest best_of ones if best_of > n."""
+        n, best_of = self.request.n, self.sampling.best_of
+        if best_of == n:
+            return self.choices
+        kept = []
+        for i in range(0, len(self.choices), best_of):
+            drawn = self.choices[i:i + best_of]
+            kept += sorted(drawn, key=lambda c: -c.mean_logprob())[:n]  # stable: ties keep their order
+        return kept
 
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: a chunk per new text, the usage when asked for, then [DONE]."""
@@ -207,5 +240,6 @@ class Completion:
             if (self.request.stream_options or {}).get('include_usage'):
                 yield f'data: {self.chunk([], self.usage()).model_dump_json()}\n\n'
             yield 'data: [DONE]\n\n'
+            self.complete = True
         finally:  # also when the client goes away
             self.close()

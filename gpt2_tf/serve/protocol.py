@@ -17,7 +17,9 @@ from ..hparams import HParams
 from ..validate import GPT2Error, check_sampling, check_seed, check_sequence, check_token_ids, check_window
 
 MAX_LOGPROBS = 5  # top log-probs per token, as OpenAI's completions
-MAX_CHOICES = 16  # n per prompt
+MAX_CHOICES = 16  # n, and best_of, per prompt
+MAX_BIAS = 100  # |logit_bias| values, as OpenAI's: -100 bans a token, 100 forces it
+MAX_PENALTY = 2  # |presence_penalty| and |frequency_penalty|, as OpenAI's
 
 
 class APIError(Exception):
@@ -44,6 +46,12 @@ def invalid(error: GPT2Error, param: Optional[str] = None) -> APIError:
 def invalid_request(errors: Sequence[dict]) -> APIError:
     """The first of pydantic's errors as a 400 (OpenAI answers 400 where FastAPI would answer 422)."""
     first = errors[0] if errors else {}
+    if first.get('type') == 'json_invalid':  # loc is ('body', character offset)
+        at = first.get('loc', ('body', '?'))[1:2] or ('?',)
+        reason = (first.get('ctx') or {}).get('error', 'JSON decode error')
+        return APIError(400, f'the body is not valid JSON ({reason} at character {at[0]}): send a JSON object')
+    if tuple(first.get('loc', ())) == ('body',) and first.get('type') != 'value_error':  # missing, or not an object
+        return APIError(400, 'the body must be a JSON object, such as {"prompt": "Hello", "max_tokens": 16}')
     param = '.'.join(str(p) for p in first.get('loc', ())[1:2]) or None
     message = first.get('msg', 'invalid request').removeprefix('Value error, ')
     if first.get('type') == 'extra_forbidden':
@@ -69,8 +77,9 @@ class Sampling:
     """A request as the engine takes it: checked token rows and per-row options."""
 
     prompts: List[List[int]]  # one row per prompt; n choices of each are drawn
-    options: dict  # temperature, top_k, top_p: sample_chunks' names
-    seed: int  # choice i of the request draws with the key (seed, i)
+    options: dict  # temperature, top_k, top_p, logit_bias, presence_penalty, frequency_penalty: the library's names
+    seed: int  # row i of the request draws with the key (seed, i)
+    best_of: int  # rows drawn per prompt; the n of them with the highest mean token log-prob are returned
 
 
 class CompletionRequest(BaseModel):
@@ -92,12 +101,11 @@ class CompletionRequest(BaseModel):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     user: Optional[str] = None
-    # Accepted so that clients sending the defaults work; anything else is refused by name.
-    best_of: Optional[int] = None
-    logit_bias: Optional[Dict[str, float]] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    suffix: Optional[str] = None
+    best_of: Optional[int] = None  # rows drawn per prompt (default n); not with stream
+    logit_bias: Optional[Dict[str, float]] = None  # {"token id": bias}, added to the logits before the filters
+    presence_penalty: float = 0.0  # logit -= count * frequency_penalty + (count > 0) * presence_penalty,
+    frequency_penalty: float = 0.0  # counting the tokens this choice has generated so far
+    suffix: Optional[str] = None  # accepted so that clients sending the default work; anything else is refused
 
     @field_validator('stop')
     @classmethod
@@ -107,15 +115,30 @@ class CompletionRequest(BaseModel):
             raise ValueError('stop takes up to 4 non-empty strings')
         return stops
 
+    @field_validator('presence_penalty', 'frequency_penalty')
+    @classmethod
+    def _penalty(cls, value, info):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ValueError(f'must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}')
+        return value
+
     @model_validator(mode='after')
     def _unsupported(self):
-        for name, unsupported in (('best_of', (self.best_of or 1) > 1), ('logit_bias', bool(self.logit_bias)),
-                                  ('presence_penalty', self.presence_penalty != 0),
-                                  ('frequency_penalty', self.frequency_penalty != 0),
-                                  ('suffix', self.suffix is not None)):
-            if unsupported:
-                raise ValueError(f'{name} is not supported by this server')
+        if self.suffix is not None:
+            raise ValueError('suffix is not supported by this server')
         return self
+
+    def choices(self) -> int:
+        """Rows drawn per prompt: best_of, in [n, MAX_CHOICES] and not streamed, or n."""
+        if self.best_of is None:
+            return self.n
+        if not self.n <= self.best_of <= MAX_CHOICES:
+            raise APIError(400, f'best_of must be an integer in [n, {MAX_CHOICES}] (n = {self.n}), got {self.best_of}',
+                           param='best_of')
+        if self.stream and self.best_of > 1:
+            raise APIError(400, 'best_of cannot be streamed: send stream=false, or leave out best_of',
+                           param='best_of')
+        return self.best_of
 
     @property
     def prompted(self) -> bool:
@@ -124,6 +147,7 @@ class CompletionRequest(BaseModel):
 
     def to_sampling(self, encoder: Encoder, hparams: HParams) -> Sampling:
         """The request's rows and options, after validate.py's checks; raises APIError 400."""
+        best_of = self.choices()
         prompts = self.prompts(encoder, hparams.n_vocab)
         for i, prompt in enumerate(prompts):
             try:
@@ -145,8 +169,26 @@ class CompletionRequest(BaseModel):
             except GPT2Error as e:
                 raise invalid(e, 'seed') from None
             seed = self.seed
-        options = dict(temperature=float(temperature[0]), top_k=int(top_k[0]), top_p=float(top_p[0]))
-        return Sampling(prompts, options, seed)
+        options = dict(temperature=float(temperature[0]), top_k=int(top_k[0]), top_p=float(top_p[0]),
+                       logit_bias=self.biases(hparams.n_vocab), presence_penalty=float(self.presence_penalty),
+                       frequency_penalty=float(self.frequency_penalty))
+        return Sampling(prompts, options, seed, best_of)
+
+    def biases(self, n_vocab: int) -> Optional[Dict[int, float]]:
+        """logit_bias with int token ids, each checked to be in the vocabulary, each bias in [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, bias in self.logit_bias.items():
+            token = int(key) if key.strip().lstrip('-').isdigit() else None
+            if token is None or not 0 <= token < n_vocab:
+                raise APIError(400, f'logit_bias: {key!r} is not a token id: use ids in [0, {n_vocab - 1}] '
+                               f'as strings, such as "50256"', param='logit_bias')
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise APIError(400, f'logit_bias: the bias of token {token} is {bias}; use values in '
+                               f'[-{MAX_BIAS}, {MAX_BIAS}]', param='logit_bias')
+            biases[token] = float(bias)
+        return biases
 
     def prompts(self, encoder: Encoder, n_vocab: int) -> List[List[int]]:
         """The prompts as checked lists of token ids; an omitted or empty prompt is <|endoftext|>."""

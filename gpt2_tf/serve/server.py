@@ -57,14 +57,17 @@ def check_port(host: str, port: int) -> None:
 
 def serve(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequence[str] = (), host: str = '127.0.0.1',
           port: int = 8000, api_key: Optional[str] = None, capacity: int = 16, queue_size: int = 256,
-          mode: Optional[str] = None) -> None:
-    """Serves create_app(...) with uvicorn until interrupted; says where once it listens there."""
+          mode: Optional[str] = None, quiet: bool = False) -> None:
+    """Serves create_app(...) with uvicorn until interrupted; says where once it listens there.
+
+    Each request then writes one access-log line to stderr, unless quiet.
+    """
     import uvicorn
 
     sock = bind(host, port)
     try:
         app = create_app(model, encoder, model_id=model_id, aliases=aliases, api_key=api_key, capacity=capacity,
-                         queue_size=queue_size, mode=mode)
+                         queue_size=queue_size, mode=mode, access_log=None if quiet else sys.stderr)
         where = f'[{host}]' if ':' in host else host
         print(f'gpt2-tf: serving {model_id} on http://{where}:{port}/v1 (Ctrl-C to stop)', file=sys.stderr,
               flush=True)

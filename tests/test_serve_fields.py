@@ -1,0 +1,114 @@
+"""The completions fields beyond sampling's: logit_bias, presence_penalty, frequency_penalty and best_of.
+
+Tested by what the server draws (a forced token always, a banned one never, the
+library's own penalised greedy text, best_of's likeliest choices) and by what it
+refuses, on the in-process server of test_serve_hostile over the bundled checkpoint.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import gpt2_tf
+from gpt2_tf.assets import bundled_checkpoint
+
+from test_serve_hostile import make_app, openai, post, running
+
+END = 50256
+
+
+@pytest.fixture(scope='module')
+def model():
+    return gpt2_tf.load_model(bundled_checkpoint())
+
+
+@pytest.fixture(scope='module')
+def served(model):
+    with running(make_app(model)) as port:
+        yield port, openai.OpenAI(base_url=f'http://127.0.0.1:{port}/v1', api_key='none', max_retries=0, timeout=120)
+
+
+def complete(served, **fields):
+    return served[1].completions.create(model='test', **{'prompt': 'Hello there', 'max_tokens': 4, **fields})
+
+
+# --- refused -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('fields, param, message', [
+    ({'logit_bias': {'x': 5}}, 'logit_bias', "'x' is not a token id"),
+    ({'logit_bias': {'50257': 5}}, 'logit_bias', "'50257' is not a token id: use ids in [0, 50256]"),
+    ({'logit_bias': {'-1': 5}}, 'logit_bias', "'-1' is not a token id"),
+    ({'logit_bias': {'13': 101}}, 'logit_bias', 'the bias of token 13 is 101.0; use values in [-100, 100]'),
+    ({'presence_penalty': 2.5}, 'presence_penalty', 'must be in [-2, 2], got 2.5'),
+    ({'frequency_penalty': -2.01}, 'frequency_penalty', 'must be in [-2, 2], got -2.01'),
+    ({'best_of': 2, 'n': 3}, 'best_of', 'best_of must be an integer in [n, 16] (n = 3), got 2'),
+    ({'best_of': 17}, 'best_of', 'best_of must be an integer in [n, 16] (n = 1), got 17'),
+    ({'best_of': 2, 'stream': True}, 'best_of', 'best_of cannot be streamed'),
+])
+def test_out_of_range_fields_are_400_naming_the_field(served, fields, param, message):
+    status, body = post(served[0], json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())
+    assert status == 400
+    assert body['error']['param'] == param and message in body['error']['message'], body
+
+
+def test_the_defaults_that_clients_send_are_accepted(served):
+    done = complete(served, best_of=1, logit_bias={}, presence_penalty=0, frequency_penalty=0, temperature=0)
+    assert len(done.choices) == 1 and done.choices[0].finish_reason in ('length', 'stop')
+
+
+# --- what they draw ---------------------------------------------------------------------------------
+
+def test_a_token_biased_by_100_is_always_drawn(served):
+    done = complete(served, max_tokens=8, n=4, seed=3, temperature=1.0, logit_bias={'13': 100})
+    assert [c.text for c in done.choices] == [gpt2_tf.decode([13]) * 8] * 4
+
+
+def test_a_token_biased_by_minus_100_is_never_drawn(served, model):
+    ids = gpt2_tf.encode('Hello there')
+    likeliest = int(gpt2_tf.sample_sequence(model, 1, context=ids, temperature=0, mode='eager')[0, -1])
+    banned = gpt2_tf.decode([likeliest])
+    free = complete(served, max_tokens=1, n=16, seed=5, top_p=1.0, extra_body={'top_k': 2})
+    assert banned in [c.text for c in free.choices]  # without the bias it is drawn: top-1 of 2, 16 draws
+    done = complete(served, max_tokens=1, n=16, seed=5, extra_body={'top_k': 2}, logit_bias={str(likeliest): -100})
+    assert banned not in [c.text for c in done.choices]
+
+
+def test_penalties_give_the_librarys_penalised_greedy_text(served, model):
+    ids = gpt2_tf.encode('Hello there')
+    options = dict(presence_penalty=1.5, frequency_penalty=2.0)
+    done = complete(served, max_tokens=24, temperature=0, logit_bias={str(END): -100}, **options)
+    tokens = gpt2_tf.sample_sequence(model, 24, context=ids, temperature=0, logit_bias={END: -100}, mode='eager',
+                                     **options)
+    plain = gpt2_tf.sample_sequence(model, 24, context=ids, temperature=0, logit_bias={END: -100}, mode='eager')
+    assert done.choices[0].text == gpt2_tf.decode(tokens[0, len(ids):])
+    assert gpt2_tf.decode(plain[0, len(ids):]) != done.choices[0].text  # the penalties change this text
+
+
+def mean_logprobs(choices) -> list:
+    return [float(np.mean(c.logprobs.token_logprobs)) for c in choices]
+
+
+def test_best_of_returns_the_n_likeliest_of_its_draws_and_counts_them_all(served):
+    fields = dict(prompt=['Hello there', 'One two'], max_tokens=6, seed=11, logit_bias={str(END): -100})
+    # The same seed and rows (choice i * best_of + j draws with the key (seed, i * best_of + j)), all returned.
+    every = complete(served, n=4, logprobs=1, **fields)
+    best = complete(served, n=2, best_of=4, **fields)
+    assert [c.index for c in best.choices] == [0, 1, 2, 3] and all(c.logprobs is None for c in best.choices)
+    for prompt in range(2):
+        drawn = every.choices[prompt * 4:(prompt + 1) * 4]
+        means = mean_logprobs(drawn)
+        likeliest = [drawn[i].text for i in sorted(range(4), key=lambda i: -means[i])[:2]]
+        assert [c.text for c in best.choices[prompt * 2:(prompt + 1) * 2]] == likeliest
+    assert best.usage.completion_tokens == 2 * 4 * 6  # every draw, kept or not (no end of text: banned)
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens // 2  # once per returned choice
+
+
+def test_best_of_with_logprobs_returns_the_chosen_ones_logprobs(served):
+    fields = dict(max_tokens=5, seed=2, logit_bias={str(END): -100}, logprobs=2)
+    every = complete(served, n=3, **fields)
+    best = complete(served, n=1, best_of=3, **fields)
+    means = mean_logprobs(every.choices)
+    chosen = every.choices[int(np.argmax(means))]
+    assert best.choices[0].text == chosen.text
+    np.testing.assert_allclose(best.choices[0].logprobs.token_logprobs, chosen.logprobs.token_logprobs, atol=1e-6)

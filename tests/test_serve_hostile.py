@@ -1,0 +1,357 @@
+"""The completions server against hostile and careless clients, and what it counts and logs.
+
+An in-process server (uvicorn on 127.0.0.1 in a thread) over the bundled checkpoint,
+spoken to through raw HTTP and the official openai client.
+"""
+
+import contextlib
+import http.client
+import io
+import json
+import re
+import socket
+import threading
+import time
+import types
+
+import pytest
+
+import gpt2_tf
+from gpt2_tf.assets import bundled_checkpoint
+
+from conftest import require
+
+openai = require('openai')
+require('fastapi')
+require('uvicorn')
+prometheus = require('prometheus_client')
+
+QUEUE = 24  # the test server's queue, in rows
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serves the app on a free port of 127.0.0.1 in a thread; yields the port."""
+    import uvicorn
+
+    from gpt2_tf.serve import bind
+
+    sock = bind('127.0.0.1', 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def make_app(model, **options):
+    from gpt2_tf.encoder import encoder_for
+    from gpt2_tf.serve import create_app
+
+    return create_app(model, encoder_for(bundled_checkpoint()), model_id='test', mode='eager', capacity=4,
+                      queue_size=QUEUE, **options)
+
+
+@pytest.fixture(scope='module')
+def model():
+    return gpt2_tf.load_model(bundled_checkpoint())
+
+
+@pytest.fixture(scope='module')
+def served(model):
+    log = io.StringIO()
+    app = make_app(model, access_log=log)
+    with running(app) as port:
+        yield types.SimpleNamespace(port=port, app=app, log=log)
+
+
+def post(port, body: bytes, path='/v1/completions', method='POST', headers=()):
+    """(status, parsed JSON body) of one raw request."""
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
+    connection.request(method, path, body=body, headers={'Content-Type': 'application/json', **dict(headers)})
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return response.status, json.loads(data)
+
+
+def assert_openai_error(body, message=None):
+    """OpenAI's error shape, exactly: {"error": {"message", "type", "param", "code"}}."""
+    assert set(body) == {'error'} and set(body['error']) == {'message', 'type', 'param', 'code'}, body
+    assert body['error']['type'] == 'invalid_request_error'
+    if message is not None:
+        assert re.search(message, body['error']['message']), body['error']['message']
+
+
+# --- malformed bodies -------------------------------------------------------------------------------
+
+def test_invalid_json_names_the_problem_and_no_param(served):
+    status, body = post(served.port, b'{"prompt": "Hi", max_tokens: 4}')
+    assert status == 400
+    assert_openai_error(body, r'^the body is not valid JSON \(Expecting property name enclosed in double quotes '
+                              r'at character 17\)')
+    assert body['error']['param'] is None and 'JSON decode error' not in body['error']['message']
+
+
+@pytest.mark.parametrize('raw', [b'', b'[1, 2]', b'"prompt"', b'null'])
+def test_a_body_that_is_not_an_object_is_400_saying_so(served, raw):
+    status, body = post(served.port, raw)
+    assert status == 400
+    assert_openai_error(body, '^the body must be a JSON object')
+    assert body['error']['param'] is None
+
+
+def test_a_5000_deep_array_is_400_in_the_openai_shape(served):
+    status, body = post(served.port, b'[' * 5000 + b']' * 5000)
+    assert status == 400
+    assert_openai_error(body, 'nests too deeply')
+
+
+@pytest.mark.parametrize('method, path, status, message', [
+    ('POST', '/v1/chat/completions', 404, r'^no route POST /v1/chat/completions: this server answers POST '
+                                          r'/v1/completions'),
+    ('GET', '/nothing/here', 404, '^no route GET /nothing/here'),
+    ('GET', '/v1/completions', 405, '^GET is not allowed on /v1/completions'),
+])
+def test_unknown_routes_and_methods_answer_in_the_openai_shape(served, method, path, status, message):
+    got, body = post(served.port, b'{}', path=path, method=method)
+    assert got == status
+    assert_openai_error(body, message)
+
+
+# --- the body bound, with and without a Content-Length ------------------------------------------------
+
+def chunked_request(port, chunks):
+    """Sends a POST with Transfer-Encoding: chunked (no Content-Length), chunk by chunk; (status, body).
+
+    With end=False in the last place of chunks, the terminating chunk is not sent: the server must answer
+    from what it has counted so far.
+    """
+    *pieces, end = chunks
+    with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
+        sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n'
+                     b'Transfer-Encoding: chunked\r\n\r\n')
+        for piece in pieces:
+            sock.sendall(b'%x\r\n%s\r\n' % (len(piece), piece))
+        if end:
+            sock.sendall(b'0\r\n\r\n')
+        reply = b''
+        while b'\r\n\r\n' not in reply or len(reply.split(b'\r\n\r\n', 1)[1]) < content_length(reply):
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    head, body = reply.split(b'\r\n\r\n', 1)
+    return int(head.split()[1]), json.loads(body[:content_length(reply)])
+
+
+def content_length(reply: bytes) -> int:
+    match = re.search(rb'(?i)content-length: (\d+)', reply)
+    return int(match.group(1)) if match else 1 << 30
+
+
+def test_a_chunked_body_over_the_limit_is_413_without_a_content_length(served):
+    from gpt2_tf.serve import MAX_BODY
+
+    piece = b' ' * (64 << 10)
+    chunks = [b'{"prompt": "'] + [piece] * (MAX_BODY // len(piece) + 1) + [False]  # past 1 MiB, never ended
+    status, body = chunked_request(served.port, chunks)
+    assert status == 413
+    assert_openai_error(body, 'over 1,048,576 bytes')
+
+
+def test_a_chunked_body_under_the_limit_is_served(served):
+    status, body = chunked_request(served.port, [b'{"prompt": "Hi", ', b'"max_tokens": 2, "temperature": 0}', True])
+    assert status == 200, body
+    assert body['usage']['completion_tokens'] <= 2 and body['choices'][0]['finish_reason'] in ('length', 'stop')
+
+
+# --- requests that can never be served, and the refusals that stay ------------------------------------
+
+def test_a_request_with_more_rows_than_the_queue_ever_holds_is_400_not_503(served):
+    status, body = post(served.port, json.dumps({'prompt': ['a'] * 1000, 'max_tokens': 2}).encode())
+    assert status == 400
+    assert_openai_error(body, f'asks for 1000 rows .* queues at most {QUEUE}')
+    status, body = post(served.port, json.dumps({'prompt': ['a', 'b'], 'n': 13, 'max_tokens': 2}).encode())
+    assert status == 400  # 2 prompts x 13 = 26 rows > 24
+    assert_openai_error(body, f'asks for 26 rows .* queues at most {QUEUE}')
+
+
+def test_a_request_that_can_never_fit_the_window_is_400(served):
+    status, body = post(served.port, json.dumps({'prompt': [1] * 100, 'max_tokens': 100}).encode())
+    assert status == 400
+    assert_openai_error(body, r'prompt 0: 100 tokens \+ length 100 exceeds the window')
+    assert body['error']['param'] == 'max_tokens'
+
+
+@pytest.mark.parametrize('fields, param, message', [
+    ({'temperture': 0.5}, 'temperture', "unknown field 'temperture'"),
+    ({'stop': ['a', 'b', 'c', 'd', 'e']}, 'stop', 'stop takes up to 4 non-empty strings'),
+    ({'logprobs': 6}, 'logprobs', 'less than or equal to 5'),
+    ({'seed': -2 ** 63 - 1}, 'seed', 'out of range'),
+    ({'seed': 2 ** 63}, 'seed', 'out of range'),
+])
+def test_refusals_that_stay_name_their_field(served, fields, param, message):
+    status, body = post(served.port, json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())
+    assert status == 400
+    assert_openai_error(body, re.escape(message))
+    assert body['error']['param'] == param
+
+
+def test_an_unknown_model_is_404_model_not_found(served):
+    status, body = post(served.port, json.dumps({'model': 'gpt-4', 'prompt': 'Hi', 'max_tokens': 2}).encode())
+    assert status == 404
+    assert set(body['error']) == {'message', 'type', 'param', 'code'}
+    assert body['error']['code'] == 'model_not_found' and body['error']['param'] == 'model'
+
+
+# --- a client that goes away --------------------------------------------------------------------------
+
+class Dripping:
+    """Stands in for the Batcher's submit: records the rows and feeds each a token every 20 ms until it is done."""
+
+    def __init__(self):
+        self.rows, self.delivered = [], 0
+
+    def __call__(self, rows):
+        self.rows.extend(rows)
+        threading.Thread(target=self._drip, args=(rows,), daemon=True).start()
+
+    def _drip(self, rows):
+        for _ in range(3000):  # a minute at most
+            if all(row.done for row in rows):
+                return
+            for row in rows:
+                if not row.done:
+                    row.deliver([11], None)
+                    self.delivered += 1
+            time.sleep(0.02)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(model, monkeypatch):
+    app = make_app(model)
+    drip = Dripping()
+    monkeypatch.setattr(app.state.batcher, 'submit', drip)
+    with running(app) as port:
+        with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
+            body = json.dumps({'prompt': 'Hi', 'max_tokens': 120, 'stream': True}).encode()
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                         b'Content-Length: %d\r\n\r\n%s' % (len(body), body))
+            reply = b''
+            while b'data: ' not in reply:  # the stream has begun
+                data = sock.recv(65536)
+                assert data, reply
+                reply += data
+        deadline = time.monotonic() + 60
+        while not all(row.done for row in drip.rows) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(drip.rows) == 1 and drip.rows[0].done, 'the row still runs after its client left'
+        assert drip.delivered < 3000
+
+
+# --- metrics --------------------------------------------------------------------------------------------
+
+def samples(port) -> dict:
+    """{(name, frozenset(labels)): value} of every sample /metrics shows."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
+    connection.request('GET', '/metrics')
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader('content-type').startswith('text/plain; version=0.0.4')
+    text = response.read().decode()
+    connection.close()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def settled(read, ready, seconds: float = 30):
+    """read() once ready(read()) holds, or the last read after `seconds`: a request is counted and logged just
+    after its response has gone, so its client may look before that."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = read()
+        if ready(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def greedy_tokens(model, prompt: str, length: int) -> int:
+    """How many tokens the library's greedy draws before <|endoftext|>, at most length."""
+    ids = gpt2_tf.encode(prompt)
+    tokens = list(gpt2_tf.sample_sequence(model, length, context=ids, temperature=0, mode='eager')[0, len(ids):])
+    return tokens.index(50256) if 50256 in tokens else length
+
+
+def test_metrics_count_tokens_requests_and_latencies(model):
+    app = make_app(model)
+    with running(app) as port:
+        client = openai.OpenAI(base_url=f'http://127.0.0.1:{port}/v1', api_key='none', max_retries=0, timeout=60)
+        for prompt, length in (('Hello there', 6), ('One two three', 5)):
+            client.completions.create(model='test', prompt=prompt, max_tokens=length, temperature=0)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model='test', prompt='Hi', max_tokens=2, temperature=9)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model='gpt-4', prompt='Hi', max_tokens=2)
+        post(port, b'{}', path='/v1/chat/completions')
+        got = settled(lambda: samples(port), lambda got: sum(v for (name, _), v in got.items()
+                                                             if name == 'gpt2_tf_requests_total') >= 5)
+    prompt_tokens = len(gpt2_tf.encode('Hello there')) + len(gpt2_tf.encode('One two three'))
+    completion_tokens = greedy_tokens(model, 'Hello there', 6) + greedy_tokens(model, 'One two three', 5)
+    assert got[('gpt2_tf_prompt_tokens_total', frozenset())] == prompt_tokens
+    assert got[('gpt2_tf_generation_tokens_total', frozenset())] == completion_tokens
+
+    def requests(code, outcome):
+        return got.get(('gpt2_tf_requests_total', frozenset({'code': code, 'outcome': outcome}.items())), 0)
+
+    assert requests('200', 'completed') == 2
+    assert requests('400', 'refused') == 1 and requests('404', 'refused') == 2
+    assert got[('gpt2_tf_time_to_first_token_seconds_count', frozenset())] == 2
+    assert got[('gpt2_tf_time_per_output_token_seconds_count', frozenset())] == 2
+    assert got[('gpt2_tf_time_to_first_token_seconds_sum', frozenset())] > 0
+    assert got[('gpt2_tf_num_requests_running', frozenset())] == 0
+    assert got[('gpt2_tf_num_requests_waiting', frozenset())] == 0
+
+
+def test_the_gauges_read_the_batcher_and_two_apps_keep_apart():
+    from gpt2_tf.serve.metrics import Metrics
+
+    first = Metrics(types.SimpleNamespace(running=3, waiting=5))
+    second = Metrics(types.SimpleNamespace(running=1, waiting=0))  # a second registry: no duplicate names
+    first.generation_tokens.inc(7)
+    text = first.scrape().decode()
+    assert 'gpt2_tf_num_requests_running 3.0' in text and 'gpt2_tf_num_requests_waiting 5.0' in text
+    assert 'gpt2_tf_generation_tokens_total 7.0' in text
+    assert 'gpt2_tf_generation_tokens_total 0.0' in second.scrape().decode()
+
+
+# --- the access log -----------------------------------------------------------------------------------
+
+def test_each_request_writes_one_access_line(served, model):
+    before = len(served.log.getvalue().splitlines())
+    status, body = post(served.port, json.dumps({'prompt': 'Hello there', 'max_tokens': 4, 'temperature': 0}).encode())
+    post(served.port, b'{}', path='/v1/chat/completions')
+    lines = settled(lambda: served.log.getvalue().splitlines()[before:], lambda lines: len(lines) >= 2)
+    prompt, completion = len(gpt2_tf.encode('Hello there')), greedy_tokens(model, 'Hello there', 4)
+    assert len(lines) == 2, lines
+    assert re.fullmatch(rf'gpt2-tf: POST /v1/completions 200 prompt_tokens={prompt} '
+                        rf'completion_tokens={completion} latency_ms=\d+', lines[0]), lines[0]
+    assert re.fullmatch(r'gpt2-tf: POST /v1/chat/completions 404 latency_ms=\d+', lines[1]), lines[1]
+
+
+def test_serve_quiet_turns_the_access_log_off(monkeypatch):
+    import gpt2_tf.serve
+    from gpt2_tf.cli import main
+
+    calls = []
+    monkeypatch.setattr(gpt2_tf.serve, 'check_port', lambda host, port: None)
+    monkeypatch.setattr(gpt2_tf.serve, 'serve', lambda *args, **kwargs: calls.append(kwargs['quiet']))
+    for extra in ([], ['--quiet']):
+        assert main(['serve', '--model_dir', bundled_checkpoint(), *extra]) in (0, None)
+    assert calls == [False, True]
