@@ -46,6 +46,33 @@ for name, strategy in (('two', make_strategy('mirrored')), ('one', None)):
 print(json.dumps(results))
 '''
 
+LORA = '''
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices('CPU')[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import numpy as np
+import gpt2_tf
+from gpt2_tf.distribute import make_strategy
+from gpt2_tf.train import Trainer
+folder, data = sys.argv[1:3]
+batches, held_out = np.load(data)['batches'][:3], np.load(data)['held_out']
+results = {}
+for name, strategy in (('two', make_strategy('mirrored')), ('one', None)):
+    model = gpt2_tf.load_model(folder, strategy=strategy)
+    trainer = Trainer(model, 1e-1, 'sgd', 2, True, lora_rank=2, lora_targets='c_attn,mlp.c_fc')
+    rng = np.random.default_rng(0)  # the same start on both sides
+    for adapter in trainer.adapters.values():
+        adapter.A.assign(rng.uniform(-0.1, 0.1, adapter.A.shape).astype(np.float32))
+    base = model.h[0].mlp.c_fc.w.numpy()
+    results[name] = {'losses': [trainer.step(b) for b in batches],
+                     'logits': model(held_out)['logits'].numpy().tolist(),
+                     'replicas': strategy.num_replicas_in_sync if strategy else 1,
+                     'frozen': bool((model.h[0].mlp.c_fc.w.numpy() == base).all()),
+                     'adapters': {n: [a.A.numpy().tolist(), a.B.numpy().tolist()] for n, a in trainer.adapters.items()}}
+print(json.dumps(results))
+'''
+
 WORKER = '''
 import json, sys
 import numpy as np
@@ -94,6 +121,26 @@ def test_mirrored_over_two_devices_equals_one_device(tmp_path, optimizer):
         for name, value in one['weights'].items():
             np.testing.assert_allclose(two['weights'][name], value, rtol=1e-5, atol=1e-5 * np.abs(value).max(),
                                        err_msg=name)
+
+
+@pytest.mark.slow  # about 25 s: two strategies' worth of tracing
+def test_lora_mirrored_over_two_devices_equals_one_device(tmp_path):
+    # SGD, so that the adapters themselves can be compared (Adam's update is the full-weight test's kernel);
+    # accumulated and recomputed, the base frozen on every device.
+    done = subprocess.run([sys.executable, '-c', LORA, str(HOT), str(data(tmp_path))],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    two, one = result['two'], result['one']
+    assert two['replicas'] == 2 and two['frozen'] and one['frozen']
+    np.testing.assert_allclose(two['losses'], one['losses'], rtol=1e-4)  # float32 sums in another order
+    assert abs(one['losses'][-1] - one['losses'][0]) > 1e-3  # the adapters learned something
+    reference = np.array(one['logits'])
+    assert np.abs(np.array(two['logits']) - reference).max() <= 1e-3 * max(1.0, np.abs(reference).max())
+    for name, (a, b) in one['adapters'].items():
+        assert np.abs(np.array(b)).max() > 1e-3, name  # B moved from zero
+        np.testing.assert_allclose(two['adapters'][name][0], a, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(two['adapters'][name][1], b, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def cluster_env(ports, index):
