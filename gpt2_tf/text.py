@@ -16,15 +16,19 @@ from .validate import GPT2Error, default_length, is_int
 def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[int] = None, *,
                  nsamples: Optional[int] = 1, batch_size: int = 1, encoder: Optional[Encoder] = None,
                  temperature=1, top_k=0, top_p=1, seed: Optional[int] = None, mode: Optional[str] = None,
-                 chunk: Optional[int] = None, progress: Optional[Callable[[int], None]] = None) -> Iterator[str]:
+                 chunk: Optional[int] = None, progress: Optional[Callable[[int], None]] = None,
+                 logit_bias=None, presence_penalty=0, frequency_penalty=0, repetition_penalty=1) -> Iterator[str]:
     """Yields generated texts (the continuation only), batch_size at a time.
 
     prompt None samples unconditionally after <|endoftext|>. nsamples None goes on
     until the caller stops; otherwise it must be a positive multiple of batch_size.
     Batch b samples with seed (seed, b). progress, when given, is called with the
-    number of new tokens after each compiled chunk of the loop.
+    number of new tokens after each compiled chunk of the loop. logit_bias and
+    the penalties are sample_chunks' (gpt2_tf.penalties).
     """
     encoder = encoder or get_encoder()
+    penalty = dict(logit_bias=logit_bias, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                   repetition_penalty=repetition_penalty)
     if not is_int(batch_size) or batch_size < 1:
         raise GPT2Error(f'batch_size must be a positive integer, got {batch_size!r}')
     if nsamples is not None and (not is_int(nsamples) or nsamples < 1 or nsamples % batch_size):
@@ -44,7 +48,7 @@ def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[in
         chunks = []
         for tokens in sample_chunks(model, length, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=None if seed is None else (seed, batch), mode=mode, chunk=chunk,
-                                    **request):
+                                    **request, **penalty):
             chunks.append(tokens)
             if progress is not None:
                 progress(tokens.size)
@@ -56,6 +60,6 @@ def generate(model: Model, prompt: Optional[str] = None, length: Optional[int] =
     """Generated texts for a prompt (or unconditionally): one call from text to text.
 
     Takes the options of iter_samples: nsamples, batch_size, encoder, temperature,
-    top_k, top_p, seed, mode, chunk, progress.
+    top_k, top_p, seed, mode, chunk, progress, logit_bias and the penalties.
     """
     return list(iter_samples(model, prompt, length, **options))

@@ -1,13 +1,12 @@
 """Penalties, tested by what the loop draws: over a fake decoder whose next-token logits are a fixed row once
 a known history has been forced, so the expected distribution is numpy's formula alone."""
 
-import inspect
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpt2_tf import HParams, penalties, sample, text
+from gpt2_tf import HParams, penalties, sample
 from gpt2_tf.cli import main
 from gpt2_tf.penalties import Penalties, penalize, penalties_for, record, start_state
 from gpt2_tf.sample import MODES, Decoder, sample_chunks, sample_sequence
@@ -297,9 +296,6 @@ def test_the_command_line_refuses_bad_penalties_in_one_line(capsys, monkeypatch,
     assert 'Traceback' not in err and not out
 
 
-@pytest.mark.skipif(not any(p.name == 'logit_bias' or p.kind is p.VAR_KEYWORD
-                            for p in inspect.signature(text.iter_samples).parameters.values()),
-                    reason='text.iter_samples does not take the penalties yet')
 def test_the_command_line_bans_and_forces(capsys, monkeypatch, tmp_path):
     common = ['--length', '6', '--seed', '2', '--mode', 'function', '--quiet', '--model_name', 'test']
     code, out, _ = run_cli(capsys, monkeypatch, tmp_path, 'generate', 'Hello', '--logit_bias', '13:100', *common)
