@@ -7,9 +7,11 @@ A random checkpoint of the size's shape is written once into bench/.cache/ (1558
 tensor saved alone, then the bundles merged, so no more than one tensor is ever in memory). Every case
 loads it, runs one step (tracing), then --steps timed steps (0: the first step's time is the step's), batch 1, recompute=True. Peak memory is the
 process's own VmHWM; a watchdog in this process kills a case whose RSS passes --limit-gb, and the table
-says in which phase it stopped (the machine is never pushed into swap). 'nograd' is the forward and the
+says in which phase it stopped (the machine is never pushed into swap). Beside each step's wall time, the
+process's CPU time for it: on a shared machine the load of others inflates the first more than the second. 'nograd' is the forward and the
 backward through the activations alone, with the same recompute and no weight's gradient: what a LoRA step
-needs at least, to which its time is compared. The cases run in turn, round after round, so that the
+needs at least, to which its time is compared. 'lora-int8' holds the frozen weights in int8 (their products
+then run as TensorFlow ops, which widen each matrix to float32 as it is used). The cases run in turn, round after round, so that the
 shared machine's load falls on every side alike.
 """
 
@@ -28,6 +30,7 @@ CACHE = pathlib.Path(__file__).parent / '.cache'
 
 CASES = {
     'lora': 'LoRA rank 8 on c_attn, Adam on the adapters',
+    'lora-int8': 'LoRA rank 8 on c_attn over int8 frozen weights',
     'nograd': 'forward + backward through the activations, no weight gradients',
     'adafactor': 'full weights, Adafactor',
     'adam': 'full weights, TF1 Adam',
@@ -72,7 +75,7 @@ def mark(phase):
     print(json.dumps({'phase': phase}), flush=True)
 
 case, folder, length, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-model = gpt2_tf.load_model(folder)
+model = gpt2_tf.load_model(folder, dtype='int8' if case == 'lora-int8' else 'float32')
 mark('loaded')
 tokens = np.random.default_rng(0).integers(0, 50257, (1, length)).astype(np.int32)
 if case == 'nograd':
@@ -88,7 +91,7 @@ if case == 'nograd':
         return loss, tf.reduce_sum(tape.gradient(loss, h))
     step = lambda t: float(run(tf.constant(t))[0])
 else:
-    options = dict(lora_rank=8, lora_targets='c_attn') if case == 'lora' else {}
+    options = dict(lora_rank=8, lora_targets='c_attn') if case.startswith('lora') else {}
     trainer = Trainer(model, 1e-4, 'adafactor' if case == 'adafactor' else 'adam', 1, True, **options)
     step = trainer.step
 mark('optimizer state made')
@@ -96,14 +99,16 @@ start = time.perf_counter()
 step(tokens)
 first = time.perf_counter() - start
 mark('first step done')
-times = []
+times, cpu = [], []
 for _ in range(steps):
-    start = time.perf_counter()
+    start, busy = time.perf_counter(), time.process_time()
     step(tokens)
     times.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - busy)
 with open('/proc/self/status') as f:
     peak = next(int(l.split()[1]) / 1024 for l in f if l.startswith('VmHWM'))
-print(json.dumps({'first_s': first, 'step_s': min(times) if times else first, 'peak_mb': peak}), flush=True)
+print(json.dumps({'first_s': first, 'step_s': min(times) if times else first, 'cpu_s': min(cpu) if cpu else None,
+                  'peak_mb': peak}), flush=True)
 '''
 
 
@@ -161,19 +166,22 @@ def main():
             results[case].append(run_case(case, folder, args.length, args.steps, args.limit_gb * 1024))
             print(case, results[case][-1], flush=True)
     print(f'\n{args.size}, batch 1, T={args.length}, recompute=True; CPU: {cpu()}; best of {args.rounds} round(s)')
-    print('| case | step (s) | first step (s) | peak RSS (GB) |\n|---|---|---|---|')
+    print('| case | step (s) | step CPU time (s) | first step (s) | peak RSS (GB) |\n|---|---|---|---|---|')
     best = {}
     for case in cases:
         done = [r for r in results[case] if 'step_s' in r]
         if not done:
-            print(f'| {CASES[case]} | {results[case][-1]["stopped"]} | | |')
+            print(f'| {CASES[case]} | {results[case][-1]["stopped"]} | | | |')
             continue
         best[case] = min(done, key=lambda r: r['step_s'])
         r = best[case]
-        print(f'| {CASES[case]} | {r["step_s"]:.2f} | {r["first_s"]:.1f} | {r["peak_mb"] / 1024:.2f} |')
-    for a, b in (('lora', 'adam'), ('lora', 'nograd')):
+        busy = '' if r.get('cpu_s') is None else f'{r["cpu_s"]:.2f}'
+        print(f'| {CASES[case]} | {r["step_s"]:.2f} | {busy} | {r["first_s"]:.1f} | {r["peak_mb"] / 1024:.2f} |')
+    for a, b in (('lora', 'adam'), ('lora', 'nograd'), ('lora-int8', 'lora')):
         if a in best and b in best:
-            print(f'{a} / {b}: step {best[a]["step_s"] / best[b]["step_s"]:.2f}x, '
+            busy = (f', CPU time {best[a]["cpu_s"] / best[b]["cpu_s"]:.2f}x'
+                    if best[a].get('cpu_s') and best[b].get('cpu_s') else '')
+            print(f'{a} / {b}: step {best[a]["step_s"] / best[b]["step_s"]:.2f}x{busy}, '
                   f'peak {best[a]["peak_mb"] / best[b]["peak_mb"]:.2f}x')
 
 
