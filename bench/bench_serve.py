@@ -8,7 +8,8 @@ default), warms it up, then runs through the official openai client:
 - levels: for 1, 8 and 32 concurrent clients, --requests completions of
   --max-tokens tokens each; requests/s, generated tokens/s, p50/p99 latency;
 - mixed: 24 concurrent clients, one request each for 16 to 256 tokens (seeded
-  lengths), temperature 0.8; generated tokens/s and the wall time;
+  lengths), temperature 0.8; generated tokens/s and the wall time (requests
+  unfinished after --deadline seconds count no tokens);
 - behind: a 16-token request's latency alone (median of 3), then the same
   request sent while one 400-token completion streams; the ratio of the two.
 
@@ -86,18 +87,24 @@ class Bench:
             print(f'{level:>8}{len(results) / elapsed:>12.2f}{tokens / elapsed:>10.1f}'
                   f'{statistics.median(latency):>8.2f}{p99:>8.2f}  {len(results)}/{requests} well-formed', flush=True)
 
-    def mixed(self, clients: int = 24, shortest: int = 16, longest: int = 256) -> None:
-        """Concurrent clients, one request each, for seeded lengths in [shortest, longest], temperature 0.8."""
+    def mixed(self, deadline: float, clients: int = 24, shortest: int = 16, longest: int = 256) -> None:
+        """Concurrent clients, one request each, for seeded lengths in [shortest, longest], temperature 0.8.
+
+        Requests unfinished after `deadline` seconds count no tokens (the rate is then a lower bound)."""
         lengths = np.random.default_rng(0).integers(shortest, longest + 1, clients)
         start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-            results = list(pool.map(lambda i: self.one(i, int(lengths[i]), 0.8), range(clients)))
+        pool = concurrent.futures.ThreadPoolExecutor(clients)
+        futures = [pool.submit(self.one, i, int(lengths[i]), 0.8) for i in range(clients)]
+        done, _ = concurrent.futures.wait(futures, timeout=deadline)
         elapsed = time.perf_counter() - start
+        pool.shutdown(wait=False, cancel_futures=True)
+        results = [f.result() for f in done]
         tokens = sum(r[1] for r in results)
+        late = f'; {clients - len(done)} unfinished after {deadline:.0f} s' if len(done) < clients else ''
         print(f'mixed: {clients} clients, {shortest}-{longest} tokens (asked {int(lengths.sum()):,}), temperature 0.8: '
               f'{tokens:,} tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} tokens/s; p50 '
-              f'{statistics.median(r[0] for r in results):.2f} s, longest {max(r[0] for r in results):.2f} s',
-              flush=True)
+              f'{statistics.median(r[0] for r in results) if results else float("nan"):.2f} s, longest '
+              f'{max((r[0] for r in results), default=float("nan")):.2f} s{late}', flush=True)
 
     def behind(self, short: int = 16, long: int = 400) -> None:
         """A short request's latency alone, then behind one long streamed completion that is already running."""
@@ -122,6 +129,7 @@ def main():
     parser.add_argument('--parts', default='levels,mixed,behind', help='which runs, of levels, mixed and behind')
     parser.add_argument('--model-dir', default=None)
     parser.add_argument('--max-batch', type=int, default=16)
+    parser.add_argument('--deadline', type=float, default=600, help='seconds the mixed run may take')
     args = parser.parse_args()
     parts = set(args.parts.split(','))
 
@@ -131,7 +139,8 @@ def main():
     folder = args.model_dir or str(checkpoint())
     server, port = start_server(folder, args.max_batch)
     try:
-        client = openai.OpenAI(base_url=f'http://127.0.0.1:{port}/v1', api_key='none', max_retries=0, timeout=1200)
+        client = openai.OpenAI(base_url=f'http://127.0.0.1:{port}/v1', api_key='none', max_retries=0,
+                               timeout=args.deadline + 1200)
         bench = Bench(client, os.path.basename(os.path.normpath(folder)))
         print(f'CPU: {cpu()}')
         print(f'model {folder}, {args.requests} requests per level, max_tokens {args.max_tokens}, '
@@ -142,10 +151,14 @@ def main():
         if 'behind' in parts:
             bench.behind()
         if 'mixed' in parts:
-            bench.mixed()
+            bench.mixed(args.deadline)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.terminate()  # uvicorn waits for open requests to end; unfinished ones are killed with it
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()  # the mixed run's unfinished requests then fail, and their threads end
 
 
 if __name__ == '__main__':

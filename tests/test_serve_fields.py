@@ -74,9 +74,9 @@ def test_a_token_biased_by_minus_100_is_never_drawn(served, model):
     assert banned not in [c.text for c in done.choices]
 
 
-def test_penalties_give_the_librarys_penalised_greedy_text(served, model):
+@pytest.mark.parametrize('options', [dict(presence_penalty=2.0), dict(frequency_penalty=1.5)])
+def test_penalties_give_the_librarys_penalised_greedy_text(served, model, options):
     ids = gpt2_tf.encode('Hello there')
-    options = dict(presence_penalty=1.5, frequency_penalty=2.0)
     done = complete(served, max_tokens=24, temperature=0, logit_bias={str(END): -100}, **options)
     tokens = gpt2_tf.sample_sequence(model, 24, context=ids, temperature=0, logit_bias={END: -100}, mode='eager',
                                      **options)
