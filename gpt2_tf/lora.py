@@ -15,6 +15,7 @@ weights (w + A·B·scale, what loading and merging do), merge() folds attached o
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import json
 import os
@@ -282,12 +283,31 @@ def scale_of(config: dict) -> float:
     return float(config['lora_alpha']) / float(config['r'])
 
 
-def merged_deltas(model, folder) -> dict:
-    """{checkpoint name of a product's w: A·B·scale [1, nx, nf] float32} of the adapter in folder (ours or
-    PEFT's), checked against the model: what loading adds to the float32 weights before rounding them."""
+class Deltas(collections.abc.Mapping):
+    """{checkpoint name of a product's w: A·B·scale [1, nx, nf] float32}, each formed when it is looked up, so
+    that loading holds one at a time (all four products of 1558M would be 5.9 GB at once)."""
+
+    def __init__(self, pairs: dict, scale: np.float32):
+        self.pairs, self.scale = pairs, scale  # {checkpoint name: (A [nx, r], B [r, nf])}
+
+    def __getitem__(self, name):
+        a, b = self.pairs[name]
+        return ((a @ b) * self.scale)[None]
+
+    def __iter__(self):
+        return iter(self.pairs)
+
+    def __len__(self):
+        return len(self.pairs)
+
+
+def merged_deltas(model, folder) -> Deltas:
+    """The adapter in folder (ours or PEFT's), checked against the model, as Deltas: what loading adds to the
+    float32 weights before rounding them."""
     config, pairs, _ = read(folder, model)
-    scale, found = np.float32(scale_of(config)), convs(model, TARGETS)
-    return {found[name].w.name.split(':')[0]: ((a @ b) * scale)[None] for name, (a, b) in pairs.items()}
+    found = convs(model, TARGETS)
+    named = {found[name].w.name.split(':')[0]: pair for name, pair in pairs.items()}
+    return Deltas(named, np.float32(scale_of(config)))
 
 
 def apply(model, folder) -> dict:
