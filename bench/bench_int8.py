@@ -1,6 +1,6 @@
 """int8 weights against float32: load time, greedy decoding, bytes read per token, and a 1558M-shaped peak RSS.
 
-    python bench/bench_int8.py [--reps 3] [--sections load,greedy,rss]
+    python bench/bench_int8.py [--reps 3] [--sections load,greedy,rss,perplexity] [--minutes 4]
 
 load: load_model(dir) and load_model(dir, dtype='int8') of the 124M-shaped random
 checkpoint (bench/.cache/), alternating. greedy: sample_sequence with its defaults
@@ -9,7 +9,11 @@ alternating, with the bytes each token reads (the weights, plus the KV cache at 
 mean length) and the time those bytes take at the bandwidth a plain float32 reduction
 reaches in the same run. rss: a 1558M-shaped checkpoint written tensor by tensor
 (bench/.cache/1558M-random, 6.2 GB), then `gpt2-tf generate --dtype int8` on it in
-a fresh process, its peak RSS from /usr/bin/time.
+a fresh process, its peak RSS from /usr/bin/time. perplexity: a small model (2 blocks
+of 128, GPT-2's vocabulary, random start) fine-tuned for --minutes with finetune on
+Python's own standard library sources (sorted files; every tenth held out, half of
+those for the validation loss, half for scoring), then the held-out perplexity
+(gpt2_tf.scoring.perplexity) of the run with float32 and with int8 weights.
 """
 
 import argparse
@@ -130,15 +134,68 @@ def rss(_folder, _reps):
               f'{time.perf_counter() - start:.0f} s', flush=True)
 
 
+PPL = pathlib.Path(__file__).parent / '.cache' / 'perplexity'
+
+
+def stdlib_texts() -> tuple:
+    """(training, validation, scoring) text files made from the standard library's .py files, every tenth
+    held out: the sources of the Python running this."""
+    import sysconfig
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()['stdlib']).glob('*.py'))
+    PPL.mkdir(parents=True, exist_ok=True)
+    parts = {'train': [f for i, f in enumerate(files) if i % 10], 'val': files[0::20], 'score': files[10::20]}
+    paths = []
+    for name, chosen in parts.items():
+        path = PPL / f'{name}.txt'
+        path.write_text('\n<|endoftext|>\n'.join(f.read_text(encoding='utf-8', errors='replace') for f in chosen))
+        paths.append(path)
+    return tuple(paths)
+
+
+def perplexity(_folder, _reps, minutes: float = 4.0):
+    from gpt2_tf.encoder import encode
+    from gpt2_tf.scoring import perplexity as score
+    from support import write_random_checkpoint
+
+    train, val, held_out = stdlib_texts()
+    base = PPL / 'base'
+    hparams = HParams(n_vocab=50257, n_ctx=128, n_embd=128, n_head=4, n_layer=2)
+    write_random_checkpoint(base, hparams, seed=0, scale=0.02, meta_graph=False)
+    deadline = time.perf_counter() + 60 * minutes
+    losses = []
+    trainer = gpt2_tf.finetune(
+        str(base), str(train), checkpoint_dir=str(PPL / 'runs'), run_name='stdlib', restore_from='fresh',
+        steps=-1, batch_size=8, accumulate_gradients=1, learning_rate=1e-3, seed=0, print_every=50,
+        sample_every=0, save_every=0, val_dataset=str(val), val_every=25, val_batch_size=4, val_batch_count=8,
+        log=lambda line: (print(line, flush=True), 'validation' in line and losses.append(line)),
+        stop=lambda step: time.perf_counter() > deadline)
+    run = PPL / 'runs' / 'stdlib'
+    ids = encode(held_out.read_text(encoding='utf-8'))
+    print(f'fine-tuned {minutes:g} min ({trainer.steps} steps); validation: '
+          f'{losses[0] if losses else "?"} ... {losses[-1] if losses else "?"}; held out: {len(ids)} tokens')
+    result = {}
+    for dtype in ('float32', 'int8'):
+        model = gpt2_tf.load_model(run, dtype=dtype)
+        result[dtype] = score(model, ids, stride=64)['perplexity']
+    base_ppl = score(gpt2_tf.load_model(base), ids, stride=64)['perplexity']
+    print(f'held-out perplexity: before fine-tuning {base_ppl:.1f}; float32 {result["float32"]:.3f}, '
+          f'int8 {result["int8"]:.3f} ({result["int8"] / result["float32"] - 1:+.2%})', flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--reps', type=int, default=3)
     parser.add_argument('--sections', default='load,greedy,rss')
+    parser.add_argument('--minutes', type=float, default=4.0, help='perplexity: minutes of fine-tuning')
     args = parser.parse_args()
     print(f'CPU: {cpu()}')
     folder = checkpoint()
     for section in args.sections.split(','):
-        {'load': load, 'greedy': greedy, 'rss': rss}[section](folder, args.reps)
+        if section == 'perplexity':
+            perplexity(folder, args.reps, args.minutes)
+        else:
+            {'load': load, 'greedy': greedy, 'rss': rss}[section](folder, args.reps)
 
 
 if __name__ == '__main__':

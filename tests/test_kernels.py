@@ -12,7 +12,8 @@ from gpt2_tf import kernels
 
 SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 96, 1000, True),
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
-          (11, 768, 1001, True), (16, 80, 64, False)]  # every count of rows left over by a tile of 4 or 6
+          (11, 768, 1001, True), (16, 80, 64, False),  # every count of rows left over by a tile of 4 or 6
+          (64, 96, 2500, False), (70, 40, 4100, True)]  # enough rows for the GEMM, over more than one chunk
 
 
 def case(m, k, n, transpose, seed=0):
@@ -53,7 +54,7 @@ def panels(w: np.ndarray, width: int) -> np.ndarray:
 
 @pytest.mark.parametrize('kernel', [True, False])
 @pytest.mark.parametrize('m, k, n, width', [(1, 768, 2304, 128), (7, 64, 384, 128), (13, 33, 256, 128),
-                                            (2, 40, 96, 32), (9, 768, 3072, 128)])
+                                            (2, 40, 96, 32), (9, 768, 3072, 128), (80, 64, 2560, 128)])
 def test_packed_product_equals_the_float64_product(m, k, n, width, kernel):
     if kernel and not kernels.available():
         pytest.skip(kernels.unavailable_reason())

@@ -14,6 +14,8 @@
 // channels are split over TensorFlow's intra-op threads; all rows of x are done per block, so each weight
 // byte comes from memory once.
 
+#define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
+
 #include <algorithm>
 #include <cstdint>
 
@@ -23,6 +25,7 @@
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor_types.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 
@@ -232,6 +235,56 @@ void Channels(const Problem& p, int64_t b) {
   }
 }
 
+// From this many rows of x on (a prompt, a forward pass), the product is compute-bound: the weights are
+// widened kChunk output channels at a time into a float32 temporary, scaled, and multiplied by Eigen's
+// threaded GEMM, which keeps the multipliers busier than the tiles above (they widen each weight again for
+// every few rows). The temporary stays small (wte's float32 copy would be 154 MB for 124M).
+constexpr int64_t kGemmRows = 64;
+constexpr int64_t kChunk = 2048;  // a multiple of the panel width
+
+// wide = w * scale for output channels [n0, n0 + c): [K, c] from w [K, N] in any panel layout, or [c, K]
+// from w [N, K]; units are rows of wide.
+void Widened(const Problem& p, bool transpose_w, int64_t n0, int64_t c, float* wide, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    if (transpose_w) {
+      const int8_t* row = p.w + (n0 + r) * p.K;
+      for (int64_t k = 0; k < p.K; ++k) wide[r * p.K + k] = static_cast<float>(row[k]) * p.scale[n0 + r];
+    } else {
+      for (int64_t j = 0; j < c; ++j) {
+        const int64_t n = n0 + j;
+        const int8_t q = p.w[((n / p.panel) * p.K + r) * p.panel + n % p.panel];
+        wide[r * c + j] = static_cast<float>(q) * p.scale[n];
+      }
+    }
+  }
+}
+
+void Gemm(OpKernelContext* context, const Problem& p, bool transpose_w) {
+  Tensor temporary;
+  const int64_t most = std::min(p.N, kChunk);
+  OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({p.K * most}), &temporary));
+  float* wide = temporary.flat<float>().data();
+  auto* threads = context->device()->tensorflow_cpu_worker_threads();
+  const auto& device = context->eigen_device<Eigen::ThreadPoolDevice>();
+  typename TTypes<float>::ConstMatrix x(p.x, p.M, p.K);
+  typename TTypes<float>::Matrix y(p.y, p.M, p.N);
+  for (int64_t n0 = 0; n0 < p.N; n0 += kChunk) {
+    const int64_t c = std::min(kChunk, p.N - n0);
+    Shard(threads->num_threads, threads->workers, transpose_w ? c : p.K, 2 * (transpose_w ? p.K : c),
+          [&](int64_t r0, int64_t r1) { Widened(p, transpose_w, n0, c, wide, r0, r1); });
+    const Eigen::array<Eigen::Index, 2> offsets = {0, n0}, extents = {p.M, c};
+    if (transpose_w) {
+      typename TTypes<float>::ConstMatrix w(wide, c, p.K);
+      const Eigen::array<Eigen::IndexPair<int>, 1> dims = {Eigen::IndexPair<int>(1, 1)};
+      y.slice(offsets, extents).device(device) = x.contract(w, dims);
+    } else {
+      typename TTypes<float>::ConstMatrix w(wide, p.K, c);
+      const Eigen::array<Eigen::IndexPair<int>, 1> dims = {Eigen::IndexPair<int>(1, 0)};
+      y.slice(offsets, extents).device(device) = x.contract(w, dims);
+    }
+  }
+}
+
 class Int8MatMulOp : public OpKernel {
  public:
   explicit Int8MatMulOp(OpKernelConstruction* context) : OpKernel(context) {
@@ -257,6 +310,10 @@ class Int8MatMulOp : public OpKernel {
     if (M == 0 || N == 0) return;
     const Problem p{x.flat<float>().data(), w.flat<int8_t>().data(), scale.flat<float>().data(),
                     y->flat<float>().data(), M, K, N, panel};
+    if (M >= kGemmRows) {
+      Gemm(context, p, transpose_w_);
+      return;
+    }
     const int64_t width = transpose_w_ ? kRowChannels : kBlock;
     const int64_t units = (N + width - 1) / width;
     const int64_t cost = 2 * K * width * M + K * width;  // multiply-adds per unit, plus widening its weights
