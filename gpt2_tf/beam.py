@@ -39,6 +39,7 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from . import corpus, validate
+from .loading import resolve
 
 # Rows per model call; a batch is padded up to the next of these. Rows pad by powers of two, not by
 # compiled.bucket (8, 16, 32, ...: for sequence lengths, where 8 is small): a lone element would cost 8 rows.
@@ -81,11 +82,10 @@ class GPT2ModelHandler(ModelHandler):
         if task not in INFERENCE:
             raise validate.GPT2Error(f'task must be one of {INFERENCE}, got {task!r}')
         validate.check_sampling(temperature, top_k, top_p, 1)
+        folder = resolve(model_dir)  # a folder or a model name, as every command takes
         if task == 'generate':
-            from .hparams import HParams
-
-            validate.check_length(length, HParams.from_json(f'{model_dir}/hparams.json').n_ctx)
-        self.model_dir, self.task, self.length, self.seed, self.stride = model_dir, task, length, seed, stride
+            validate.check_length(length, folder.hparams().n_ctx)
+        self.model_dir, self.task, self.length, self.seed, self.stride = folder.path, task, length, seed, stride
         self.options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.max_batch_size = min(max_batch_size, BATCH_SIZES[-1])
         self.threads = threads  # TensorFlow's threads per worker (None: its own choice, every core)
@@ -153,10 +153,9 @@ class Tokenize(beam.DoFn):
 
     def setup(self):
         from .encoder import encoder_for
-        from .hparams import HParams
 
         self.encoder = encoder_for(self.model_dir)
-        self.hparams = HParams.from_json(f'{self.model_dir}/hparams.json')
+        self.hparams = resolve(self.model_dir).hparams()
 
     def process(self, element):
         key, text = element
@@ -197,7 +196,7 @@ def pipeline(p, *, task: str, model_dir: str, input_glob: str, output: str, hand
     """The named transforms, from files to JSONL records."""
     tokenized = (p
                  | 'Read' >> (fileio.MatchFiles(input_glob) | fileio.ReadMatches() | beam.FlatMap(_lines))
-                 | 'Tokenize' >> beam.ParDo(Tokenize(model_dir, task, handler.length)).with_outputs(
+                 | 'Tokenize' >> beam.ParDo(Tokenize(handler.model_dir, task, handler.length)).with_outputs(
                      'errors', main='ok'))
     results = tokenized.ok | 'RunInference' >> RunInference(handler)
     return ((results, tokenized.errors) | 'Merge' >> beam.Flatten()

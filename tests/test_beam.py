@@ -115,6 +115,12 @@ def test_bad_options_are_refused_when_the_handler_is_made(capsys):
     assert 'top_k must be an integer >= 0' in capsys.readouterr().err
 
 
+def test_the_handler_takes_a_model_name_as_every_command_does():
+    assert os.path.samefile(GPT2ModelHandler('test', 'generate', length=8).model_dir, bundled_checkpoint())
+    with pytest.raises(GPT2Error, match="'no-such-model' is not a model name"):
+        GPT2ModelHandler('no-such-model', 'score')
+
+
 def test_batches_pad_to_powers_of_two_rows():
     assert [len(_padded([[n]] * n)) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
 
