@@ -152,7 +152,7 @@ def _pick(logits, step, out: dict, at, *, options: Options, plan: Plan, state=()
     out = dict(out)
     for name, value in found.items():
         if write is not None:
-            value = tf.where(write, value, out[name][at])
+            value = tf.where(write, value, tf.gather(out[name], at))
         out[name] = tf.tensor_scatter_nd_update(out[name], [[at]], value[None])
     if plan.penalized:
         counts = penalties.record(state[0], token)

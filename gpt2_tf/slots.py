@@ -129,22 +129,29 @@ class Slots:
         if not self.occupied.any():
             raise validate.GPT2Error('no slot holds a row; join one first')
         self._resize()
-        rows = self.occupied
-        penalized = bool(self.penalized[rows].any())
-        plan = plan_for(self.temperature[rows], self.top_k[rows], self.model.hparams.n_vocab, chunk=self.chunk,
-                        logprobs=logprobs, penalized=penalized)
-        options = Options(*(tf.constant(x) for x in (self.temperature, self.top_k, self.top_p, self.keys)),
-                          penalties=penalties.Penalties(*map(tf.constant, self.penalties)) if penalized else None)
-        state = (tf.constant(self.counts), tf.constant(self.seen)) if penalized else ()
+        plan = self.plan(logprobs)
+        state = (tf.constant(self.counts), tf.constant(self.seen)) if plan.penalized else ()
         where = dict(pads=self.pads, pos=self.pos, made=self.made)
         out, self.logits, self.caches, state = self._decode(
-            self.model, self.logits, self.caches, options=options, plan=plan, decoder=self.decoder, state=state,
-            **{name: tf.constant(value) for name, value in where.items()})
-        if penalized:
+            self.model, self.logits, self.caches, options=self.options(), plan=plan, decoder=self.decoder,
+            state=state, **{name: tf.constant(value) for name, value in where.items()})
+        if plan.penalized:
             self.counts = np.array(state[0])  # a writable copy: joining rows reset theirs
         self.pos += self.chunk
         self.made += self.chunk
         return {name: value.numpy() for name, value in out.items()}
+
+    def plan(self, logprobs: Optional[int]) -> Plan:
+        """The static plan for the rows the slots hold now."""
+        rows = self.occupied
+        return plan_for(self.temperature[rows], self.top_k[rows], self.model.hparams.n_vocab, chunk=self.chunk,
+                        logprobs=logprobs, penalized=bool(self.penalized[rows].any()))
+
+    def options(self) -> Options:
+        """Every slot's options as tensors; the penalties only when some row has them."""
+        found = penalties.Penalties(*map(tf.constant, self.penalties)) if self.penalized[self.occupied].any() else None
+        return Options(*(tf.constant(x) for x in (self.temperature, self.top_k, self.top_p, self.keys)),
+                       penalties=found)
 
     def _resize(self) -> None:
         """Sizes the cache for the rows it holds: grown for a longer row, shrunk once the long ones leave."""

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from gpt2_tf import compiled
 from gpt2_tf.hparams import HParams
 from gpt2_tf.tf1_reference import gpt2_graph
 
@@ -63,3 +64,13 @@ def chi_square_p_value(counts, expected, *, merge_below: float = 5.0) -> tuple:
     df = len(wanted) - 1
     z = ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
     return statistic, df, 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def compiled_hlo(shared, model, *args, **static) -> str:
+    """The HLO that XLA compiles for this call: an argument that it needs as a constant shows as its value."""
+    shared(model, *args, **static)  # traced
+    shared._model.value = model
+    try:
+        return shared._compiled.experimental_get_compiler_ir(compiled.weights(model), *args, **static)(stage='hlo')
+    finally:
+        shared._model.value = None

@@ -15,6 +15,7 @@ from gpt2_tf.compiled import bucket
 from gpt2_tf.sample import MODES, Decoder, sample_chunks, sample_sequence, top_k_logits, top_p_logits
 
 from conftest import FIXTURES
+from support import compiled_hlo
 
 GREEDY = {'tf1-tiny': (5, 20), 'tf1-tiny-hot': (8, 40)}  # prompt length P, new tokens N
 
@@ -78,6 +79,20 @@ def test_new_prompt_length_in_a_bucket_does_not_retrace():
         sample_sequence(model, length, context=list(range(1, prompt + 1)), seed=1, top_k=40, top_p=0.9)
     assert bucket(3) == bucket(8) == 8 and bucket(17) == bucket(32) == 32
     assert traces(model) - before <= 2  # at most one trace each of begin and advance
+
+
+def test_a_chunk_compiles_once_wherever_it_starts():
+    """XLA compiles anew for each value of an argument it must know at compile time; `done` must not be one,
+    or the first generation of a process compiles every chunk."""
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    request = sample.Request(model, 24, [1, 2, 3], None, None, 1.0, 0, 1.0, 1, 'xla', 8)
+    first, then = (compiled.shared(fn, model, 'xla') for fn in (sample.begin, sample.advance))
+    pads = tf.constant(request.pads)
+    logits, caches = first(model, tf.constant(request.context), pads=pads, size=request.size)
+    loop = dict(pads=pads, prompt=tf.constant(request.context.shape[1], tf.int32), options=request.options(),
+                length=tf.constant(request.length, tf.int32), plan=request.plan, decoder=sample.DECODER)
+    at = [compiled_hlo(then, model, logits, caches, done=tf.constant(done), **loop) for done in (0, 8, 16)]
+    assert at[0] == at[1] == at[2]
 
 
 SEEDED = ('import gpt2_tf, sys; from gpt2_tf.sample import sample_sequence; '

@@ -9,6 +9,8 @@ from gpt2_tf.sample import sample_sequence
 from gpt2_tf.slots import Slots, cache_size
 from gpt2_tf.validate import GPT2Error
 
+from support import compiled_hlo
+
 
 @pytest.fixture(scope='module')
 def model():
@@ -76,3 +78,18 @@ def test_bad_rows_are_refused_before_anything_runs(model):
         engine.join(0, [1, 2], length=4, key=(0, 0), logit_bias={60000: 1.0})
     with pytest.raises(GPT2Error, match='no slot holds a row'):
         engine.step()
+
+
+def test_a_step_compiles_once_wherever_its_rows_are(model):
+    """Positions and step counts are arguments XLA must not need as constants, or every chunk compiles."""
+    import tensorflow as tf
+
+    engine = Slots(model, 2, chunk=4, mode='xla')
+    engine.join(0, [1, 2, 3], length=20, key=(0, 1))
+    hlo = []
+    for pos, made in ((8, 0), (12, 4), (30, 9)):
+        options, plan = engine.options(), engine.plan(None)
+        hlo.append(compiled_hlo(engine._decode, model, engine.logits, engine.caches, options=options, plan=plan,
+                                decoder=engine.decoder, state=(), pads=tf.constant(engine.pads),
+                                pos=tf.constant([pos, 0]), made=tf.constant([made, 0])))
+    assert hlo[0] == hlo[1] == hlo[2]
