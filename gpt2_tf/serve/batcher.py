@@ -82,8 +82,8 @@ class Batcher:
         """Queues the rows, or raises APIError: 400 when they could never all be queued, 503 when the queue is
         full now. A row that cannot fit the window fails now."""
         if len(rows) > self.queue_size:
-            raise APIError(400, f'the request asks for {len(rows)} rows (prompts times n); this server queues at most '
-                           f'{self.queue_size}: send fewer prompts or a smaller n')
+            raise APIError(400, f'the request asks for {len(rows)} rows (prompts times best_of, n by default); this server '
+                           f'queues at most {self.queue_size}: send fewer prompts, or a smaller n or best_of')
         fitting = []
         for row in rows:
             try:
