@@ -57,6 +57,14 @@ def decode_slots(model, logits, caches, *, pads, pos, made, options: Options, pl
     return by_row, logits, caches, state
 
 
+def fit(x, axis: int, n: int):
+    """x cut or zero-padded to n along axis."""
+    have = x.shape[axis]
+    if n <= have:
+        return tf.gather(x, tf.range(n), axis=axis)
+    return tf.pad(x, [[0, 0]] * axis + [[0, n - have]] + [[0, 0]] * (x.shape.rank - axis - 1))
+
+
 class Slots:
     """`slots` decoding rows over one cache; rows join and leave between steps (see the module's docstring).
 
@@ -73,8 +81,7 @@ class Slots:
         self.temperature, self.top_p = np.zeros(slots, np.float32), np.ones(slots, np.float32)
         self.top_k, self.keys = np.zeros(slots, np.int32), np.zeros([slots, 2], np.int64)
         vocab = model.hparams.n_vocab
-        self.logits = tf.zeros([slots, vocab])
-        self.caches = None
+        self.logits = self.caches = None  # for the first `width` slots, the ones that decode (see _resize)
         self.penalized = np.zeros(slots, bool)  # rows with penalties; the others' are neutral
         self.penalties = penalties.neutral(slots, vocab)
         self.counts, self.seen = penalties.start_state([[]] * slots, vocab)
@@ -102,8 +109,8 @@ class Slots:
         self.occupied[slot] = True
         self._resize()
         at = tf.constant([[slot]])
-        grow = [[0, 0]] * 3 + [[0, self.caches[0].shape[3] - padded], [0, 0]]
-        self.caches = [tf.tensor_scatter_nd_update(big, at, tf.pad(row, grow)) for big, row in zip(self.caches, caches)]
+        self.caches = [tf.tensor_scatter_nd_update(big, at, fit(row, 3, big.shape[3]))
+                       for big, row in zip(self.caches, caches)]
         self.logits = tf.tensor_scatter_nd_update(self.logits, at, logits)
         self.pads[slot], self.pos[slot], self.made[slot] = pads[0], padded, 0
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = temperature, top_k, top_p
@@ -123,20 +130,25 @@ class Slots:
         self.need[slot] = 0
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = 0, 0, 1  # an idle slot is greedy: cheapest
 
+    @property
+    def width(self) -> int:
+        """How many slots decode: the first ones, up to the highest a row holds, in powers of two."""
+        return 0 if self.caches is None else self.caches[0].shape[0]
+
     def step(self, logprobs: Optional[int] = None) -> dict:
-        """Decodes one chunk for every slot -> {'tokens': int32 [slots, chunk]} (numpy), and with logprobs=N
-        also 'log_probs' [slots, chunk] and 'top_ids', 'top_log_probs' [slots, chunk, N]."""
+        """Decodes one chunk for the first `width` slots -> {'tokens': int32 [width, chunk]} (numpy), and with
+        logprobs=N also 'log_probs' [width, chunk] and 'top_ids', 'top_log_probs' [width, chunk, N]."""
         if not self.occupied.any():
             raise validate.GPT2Error('no slot holds a row; join one first')
         self._resize()
-        plan = self.plan(logprobs)
-        state = (tf.constant(self.counts), tf.constant(self.seen)) if plan.penalized else ()
-        where = dict(pads=self.pads, pos=self.pos, made=self.made)
+        plan, w = self.plan(logprobs), self.width
+        state = (tf.constant(self.counts[:w]), tf.constant(self.seen[:w])) if plan.penalized else ()
+        where = dict(pads=self.pads[:w], pos=self.pos[:w], made=self.made[:w])
         out, self.logits, self.caches, state = self._decode(
             self.model, self.logits, self.caches, options=self.options(), plan=plan, decoder=self.decoder,
             state=state, **{name: tf.constant(value) for name, value in where.items()})
         if plan.penalized:
-            self.counts = np.array(state[0])  # a writable copy: joining rows reset theirs
+            self.counts[:w] = state[0].numpy()
         self.pos += self.chunk
         self.made += self.chunk
         return {name: value.numpy() for name, value in out.items()}
@@ -149,18 +161,26 @@ class Slots:
 
     def options(self) -> Options:
         """Every slot's options as tensors; the penalties only when some row has them."""
-        found = penalties.Penalties(*map(tf.constant, self.penalties)) if self.penalized[self.occupied].any() else None
-        return Options(*(tf.constant(x) for x in (self.temperature, self.top_k, self.top_p, self.keys)),
+        w = self.width
+        found = None
+        if self.penalized[self.occupied].any():
+            found = penalties.Penalties(*(tf.constant(x[:w]) for x in self.penalties))
+        return Options(*(tf.constant(x[:w]) for x in (self.temperature, self.top_k, self.top_p, self.keys)),
                        penalties=found)
 
     def _resize(self) -> None:
-        """Sizes the cache for the rows it holds: grown for a longer row, shrunk once the long ones leave."""
+        """Sizes the cache for the rows it holds: as many rows as `width`, as many slots as the longest row
+        needs (powers of two), grown when a row joins and shrunk once rows leave."""
+        held = np.flatnonzero(self.occupied)
+        width = min(1 << int(held.max()).bit_length(), self.slots) if held.size else 1
         size = cache_size(int(self.need.max()))
         if self.caches is None:
-            self.caches = self.decoder.cache(self.model, self.slots, size)
+            self.caches = self.decoder.cache(self.model, width, size)
+            self.logits = tf.zeros([width, self.model.hparams.n_vocab])
             return
-        now = self.caches[0].shape[3]
-        if size > now:
-            self.caches = [tf.pad(c, [[0, 0]] * 3 + [[0, size - now], [0, 0]]) for c in self.caches]
-        elif size < now:
-            self.caches = [c[:, :, :, :size] for c in self.caches]
+        rows, now = self.caches[0].shape[0], self.caches[0].shape[3]
+        if width != rows:
+            self.caches = [fit(c, 0, width) for c in self.caches]
+            self.logits = fit(self.logits, 0, width)
+        if size != now:
+            self.caches = [fit(c, 3, size) for c in self.caches]

@@ -70,6 +70,19 @@ def test_the_cache_sizes_are_powers_of_two():
     assert [cache_size(n) for n in (1, 64, 65, 128, 129, 1000, 1025)] == [64, 64, 128, 128, 256, 1024, 2048]
 
 
+def test_only_the_slots_up_to_the_highest_held_one_decode(model):
+    engine = Slots(model, 8, chunk=2, mode='function')
+    engine.join(0, [1, 2], length=30, key=(0, 0))
+    assert engine.step()['tokens'].shape == (1, 2)  # one row: a batch of one, not of eight
+    engine.join(2, [3], length=4, key=(0, 1))
+    assert engine.step()['tokens'].shape == (4, 2)  # slots 0 .. 3, in powers of two
+    engine.leave(2)
+    alone = engine.step()['tokens']
+    assert alone.shape == (1, 2)
+    expected = sample_sequence(model, 6, context=[[1, 2]], seed=np.array([(0, 0)]), mode='function')[0, 2:]
+    assert engine.made[0] == 6 and alone[0].tolist() == expected[4:].tolist()
+
+
 def test_bad_rows_are_refused_before_anything_runs(model):
     engine = Slots(model, 2, chunk=4, mode='function')
     with pytest.raises(GPT2Error, match='exceeds the window'):
@@ -90,6 +103,6 @@ def test_a_step_compiles_once_wherever_its_rows_are(model):
     for pos, made in ((8, 0), (12, 4), (30, 9)):
         options, plan = engine.options(), engine.plan(None)
         hlo.append(compiled_hlo(engine._decode, model, engine.logits, engine.caches, options=options, plan=plan,
-                                decoder=engine.decoder, state=(), pads=tf.constant(engine.pads),
-                                pos=tf.constant([pos, 0]), made=tf.constant([made, 0])))
+                                decoder=engine.decoder, state=(), pads=tf.constant(engine.pads[:1]),
+                                pos=tf.constant([pos]), made=tf.constant([made])))
     assert hlo[0] == hlo[1] == hlo[2]
