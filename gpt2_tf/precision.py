@@ -27,8 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import kernels
-
-DTYPES = ('float32', 'bfloat16', 'float16', 'int8')
+from .validate import DTYPES
 SCALE = '_scale'  # an int8 matrix `name` has its scales in the variable `name + SCALE`
 PANEL = 128  # output channels per panel of a packed int8 conv1d w: two cache lines of int8 per row
 

@@ -291,7 +291,7 @@ class Run:
         self.log = log if self.chief else (lambda line: None)  # the chief speaks for the cluster
         saved = runfolder.is_adapter_run if config.lora_rank else runfolder.has_checkpoint
         resume = config.restore_from == 'latest' and saved(self.run_dir)
-        self.model = loading.load_model(model_dir, strategy=strategy)
+        self.model = loading.load_model(model_dir, strategy=strategy, dtype=config.dtype)
         if resume and runfolder.run_hparams(self.run_dir) != self.model.hparams:
             raise CheckpointError(f'{self.run_dir} holds a run of another model size '
                                   f'({runfolder.run_hparams(self.run_dir)}); use another --run_name, or the '

@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from typing import Optional
 
-from .validate import INT64, GPT2Error, is_int, shown
+from .validate import DTYPES, INT64, GPT2Error, is_int, shown
 
 OPTIMIZERS = ('adam', 'sgd', 'adafactor')
 RESTORE_FROM = ('latest', 'fresh')
@@ -52,6 +52,8 @@ class FinetuneConfig:
     lora_targets: str = option('c_attn', 'the products that get adapters, comma-separated: c_attn, attn.c_proj, '
                                          'mlp.c_fc, mlp.c_proj')
     lora_dropout: float = option(0.0, "dropout on the adapters' input while training")
+    dtype: str = option('float32', "the frozen base weights' precision under LoRA (full fine-tuning trains "
+                                   'float32 weights; see gpt2_tf.precision)', choices=DTYPES)
     # the data
     combine: int = option(50000, 'characters of text per encoded chunk; training windows never cross chunks '
                                  '(a token file has none: windows start anywhere)')
@@ -162,6 +164,10 @@ def check_lora(config: FinetuneConfig) -> None:
     dropout = config.lora_dropout
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise GPT2Error(f'lora_dropout must be in [0, 1), got {_shown(dropout)}')
+    check_choice('dtype', config.dtype, DTYPES)
+    if config.dtype != 'float32' and not config.lora_rank:
+        raise GPT2Error(f'dtype {config.dtype} holds frozen weights, and only LoRA adapters train over them: '
+                        f'set lora_rank too, or keep dtype float32 for full fine-tuning')
 
 
 def check_validation(config: FinetuneConfig) -> None:

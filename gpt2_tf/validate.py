@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+DTYPES = ('float32', 'bfloat16', 'float16', 'int8')  # the weights' precisions (gpt2_tf.precision)
 INT64 = np.iinfo(np.int64)
 
 

@@ -130,6 +130,17 @@ def test_finetune_with_lora_writes_peft_files_only(tmp_path):
     assert (tmp_path / 'r' / 'counter').read_text().strip() == '2'
 
 
+def test_finetune_trains_adapters_over_int8_weights_and_refuses_full_fine_tuning_of_them(tmp_path):
+    chunks = [np.arange(200) % 512]
+    options = dict(checkpoint_dir=str(tmp_path), sample_every=0, print_every=0, seed=0, log=lambda line: None)
+    trainer = finetune(str(TINY), chunks, steps=1, lora_rank=2, dtype='int8', run_name='q', **options)
+    assert trainer.model.dtype == 'int8'
+    assert (tmp_path / 'q' / 'adapter_model.safetensors').exists()
+    assert not list((tmp_path / 'q').glob('model-*'))  # the int8 base is never written
+    with pytest.raises(GPT2Error, match='dtype int8 holds frozen weights, and only LoRA adapters train over them'):
+        finetune(str(TINY), chunks, steps=1, dtype='int8', run_name='f', **options)
+
+
 def test_lora_options_are_checked():
     for bad in (dict(lora_rank=-1), dict(lora_alpha=0), dict(lora_targets='attn.c_fc'), dict(lora_dropout=1.0)):
         with pytest.raises(GPT2Error, match=next(iter(bad)).replace('lora_', 'lora_')):

@@ -61,7 +61,7 @@ def test_every_flags_help_ends_with_its_default():
              'sample_length': '1023', 'sample_num': '1', 'sample_dir': 'samples', 'val_dataset': 'none',
              'val_every': '0', 'val_fraction': '0', 'val_batch_size': '2', 'val_batch_count': '40', 'strategy': 'none',
              'collective_timeout': '300', 'lora_rank': '0', 'lora_alpha': 'none', 'lora_targets': 'c_attn',
-             'lora_dropout': '0'}
+             'lora_dropout': '0', 'dtype': 'float32'}
     helps = {action.dest: action.help for action in parser()._actions if action.dest != 'help'}
     assert set(helps) == {f.name for f in dataclasses.fields(FinetuneConfig)} == set(shown)
     for name, default in shown.items():

@@ -14,11 +14,10 @@ import sys
 
 from .. import quiet
 from ..loading import BUNDLED, DEFAULT_MODEL, DEFAULT_MODELS_DIR, ModelFolder, resolve
-from ..validate import GPT2Error
+from ..validate import DTYPES, GPT2Error
 
 BANNER = '=' * 40 + ' SAMPLE {} ' + '=' * 40
-# precision.DTYPES and compiled.MODES, which import TensorFlow; tests/test_cli.py holds them equal.
-DTYPES = ('float32', 'bfloat16', 'float16', 'int8')
+# compiled.MODES, which imports TensorFlow; tests/test_cli.py holds them equal.
 MODES = ('xla', 'function', 'eager')
 
 
