@@ -74,3 +74,20 @@ def compiled_hlo(shared, model, *args, **static) -> str:
         return shared._compiled.experimental_get_compiler_ir(compiled.weights(model), *args, **static)(stage='hlo')
     finally:
         shared._model.value = None
+
+
+class FakeModel(tf.Module):
+    """A model shape without weights: what the loop, the slots and compiled.shared read of a model."""
+
+    dtype = 'float32'
+
+    def __init__(self, n_vocab: int, n_ctx: int):
+        super().__init__()
+        self.hparams = HParams(n_vocab=n_vocab, n_ctx=n_ctx, n_embd=4, n_head=1, n_layer=1)
+
+    def on_device(self):
+        return tf.device('/CPU:0')
+
+
+def no_cache(model, batch, size):
+    return []

@@ -7,24 +7,14 @@ import time
 import pytest
 import tensorflow as tf
 
-from gpt2_tf import HParams
 from gpt2_tf.sample import Decoder
 
 from conftest import require
+from support import FakeModel
 
 require('fastapi')
 
 V_FAKE = 50
-
-
-class FakeModel(tf.Module):
-    """A model shape without weights: what the slots and compiled.shared read of a model."""
-
-    dtype = 'float32'
-
-    def __init__(self, n_ctx):
-        super().__init__()
-        self.hparams = HParams(n_vocab=V_FAKE, n_ctx=n_ctx, n_embd=4, n_head=1, n_layer=1)
 
 
 def echo_step(model, X, *, pads, caches, index):
@@ -68,7 +58,7 @@ def batcher(**options):
     from gpt2_tf.serve import Batcher
 
     defaults = dict(capacity=2, chunk=4, mode='eager', decoder=ECHO, timeout=0)
-    return Batcher(FakeModel(options.pop('n_ctx', 64)), **{**defaults, **options})
+    return Batcher(FakeModel(V_FAKE, options.pop('n_ctx', 64)), **{**defaults, **options})
 
 
 def row(prompt, max_tokens, inbox, **options):

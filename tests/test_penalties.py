@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpt2_tf import HParams, penalties, sample
+from gpt2_tf import penalties, sample
 from gpt2_tf.cli import main
 from gpt2_tf.penalties import Penalties, penalize, penalties_for, record, start_state
 from gpt2_tf.sample import MODES, Decoder, sample_chunks, sample_sequence
 
-from support import chi_square_p_value
+from support import FakeModel, chi_square_p_value, no_cache
 
 P_MIN = 1e-4  # as in test_sampling_stats: a correct sampler fails one such test in 10,000 seeds; seeds are fixed
 V = 12
@@ -19,20 +19,6 @@ ROW = np.array([2.0, 1.5, 1.0, 0.5, 0.2, -0.3, -0.6, -1.0, 1.2, 0.8, -0.2, 0.0],
 PROMPT = [0, 5]  # one positive and one negative logit, never generated: repetition's prompt half
 HISTORY = [1, 1, 6, 1]  # forced as the first generated tokens: token 1 three times, token 6 once
 FORCE = 1000.0  # a forced history token's logit, beyond any penalty's reach
-
-
-class FakeModel(tf.Module):
-    """A model shape without weights: what the loop and compiled.shared read of a model."""
-
-    hparams = HParams(n_vocab=V, n_ctx=64, n_embd=4, n_head=1, n_layer=1)
-    dtype = 'float32'
-
-    def on_device(self):
-        return tf.device('/CPU:0')
-
-
-def no_cache(model, batch, size):
-    return []
 
 
 def history_step(model, X, *, pads, caches, index):
@@ -78,7 +64,7 @@ def softmax(z, top_k=0):
 
 def next_token_counts(rows, *, mode='xla', temperature=1.0, top_k=0, **options) -> np.ndarray:
     """Counts [V] of the token drawn after PROMPT + HISTORY, one draw per row, each row with its own key."""
-    out = sample_sequence(FakeModel(), len(HISTORY) + 1, context=PROMPT, batch_size=rows, seed=17, mode=mode,
+    out = sample_sequence(FakeModel(V, 64), len(HISTORY) + 1, context=PROMPT, batch_size=rows, seed=17, mode=mode,
                           temperature=temperature, top_k=top_k, decoder=HISTORY_DECODER, **options)
     np.testing.assert_array_equal(out[:, len(PROMPT):-1], np.tile(HISTORY, [rows, 1]))  # the history as forced
     return np.bincount(out[:, -1], minlength=V)
@@ -118,12 +104,12 @@ def test_all_penalties_apply_in_their_order_before_temperature_and_top_k():
 @pytest.mark.parametrize('temperature', [0.0, 1.0, 2.0])
 def test_a_banned_token_is_never_drawn_and_a_forced_one_always_is(temperature):
     best, worst = int(ROW.argmax()), int(ROW.argmin())
-    banned = sample_sequence(FakeModel(), 30, context=PROMPT, batch_size=200, seed=3, temperature=temperature,
+    banned = sample_sequence(FakeModel(V, 64), 30, context=PROMPT, batch_size=200, seed=3, temperature=temperature,
                              logit_bias={best: -100}, decoder=FIXED)[:, len(PROMPT):]
     assert (banned != best).all()  # 6,000 draws
     if temperature:
         assert len(np.unique(banned)) == V - 1  # every other token still drawn
-    forced = sample_sequence(FakeModel(), 30, context=PROMPT, batch_size=200, seed=3, temperature=temperature,
+    forced = sample_sequence(FakeModel(V, 64), 30, context=PROMPT, batch_size=200, seed=3, temperature=temperature,
                              logit_bias={worst: 100}, decoder=FIXED)[:, len(PROMPT):]
     assert (forced == worst).all()
 
@@ -132,16 +118,16 @@ def test_each_row_keeps_its_own_penalties():
     best, worst = int(ROW.argmax()), int(ROW.argmin())
     prompts = [PROMPT] * 3
     options = dict(seed=(5, 1), temperature=1.0, decoder=FIXED)
-    together = sample_sequence(FakeModel(), 40, context=prompts, logit_bias=[{best: -100}, {worst: 100}, None],
+    together = sample_sequence(FakeModel(V, 64), 40, context=prompts, logit_bias=[{best: -100}, {worst: 100}, None],
                                presence_penalty=[0, 0, 0], **options)[:, len(PROMPT):]
     assert (together[0] != best).all() and (together[1] == worst).all()
-    alone = sample_sequence(FakeModel(), 40, context=prompts, **options)[:, len(PROMPT):]
+    alone = sample_sequence(FakeModel(V, 64), 40, context=prompts, **options)[:, len(PROMPT):]
     np.testing.assert_array_equal(together[2], alone[2])  # the row without penalties draws as it does without
     assert (alone[0] == best).any() and (alone[1] != worst).any()
 
 
 def test_per_row_repetition_draws_each_rows_distribution():
-    out = sample_sequence(FakeModel(), len(HISTORY) + 1, context=[PROMPT] * 4000, seed=23, temperature=0.8,
+    out = sample_sequence(FakeModel(V, 64), len(HISTORY) + 1, context=[PROMPT] * 4000, seed=23, temperature=0.8,
                           repetition_penalty=np.repeat([1.0, 2.0], 2000), decoder=HISTORY_DECODER)
     for half, repetition in enumerate([1.0, 2.0]):
         counts = np.bincount(out[half * 2000:(half + 1) * 2000, -1], minlength=V)
@@ -158,14 +144,14 @@ def traces(model, mode) -> int:
 @pytest.mark.parametrize('mode', MODES)
 def test_without_penalties_the_loop_is_unchanged(mode):
     kwargs = dict(context=[[1, 2, 3], [4]], seed=9, top_k=5, mode=mode, chunk=4, decoder=FIXED)
-    plain = sample_sequence(FakeModel(), 12, **kwargs)
-    before = traces(FakeModel(), mode)
-    defaults = sample_sequence(FakeModel(), 12, logit_bias=[{}, None], presence_penalty=[0, 0], frequency_penalty=0.0,
+    plain = sample_sequence(FakeModel(V, 64), 12, **kwargs)
+    before = traces(FakeModel(V, 64), mode)
+    defaults = sample_sequence(FakeModel(V, 64), 12, logit_bias=[{}, None], presence_penalty=[0, 0], frequency_penalty=0.0,
                                repetition_penalty=1, **kwargs)
-    assert traces(FakeModel(), mode) == before  # the same compiled loop: no penalties traced in
+    assert traces(FakeModel(V, 64), mode) == before  # the same compiled loop: no penalties traced in
     for a, b in zip(plain, defaults):
         np.testing.assert_array_equal(a, b)
-    request = sample.Request(FakeModel(), 12, [1, 2], None, None, 1, 0, 1, 0, mode, None, presence_penalty=0)
+    request = sample.Request(FakeModel(V, 64), 12, [1, 2], None, None, 1, 0, 1, 0, mode, None, presence_penalty=0)
     assert not request.plan.penalized and request.penalties is None
 
 
@@ -175,8 +161,8 @@ def test_penalties_draw_the_same_in_every_mode_and_chunk(mode, chunk):
     kwargs = dict(context=[[1, 2, 3], [4, 4]], seed=4, temperature=[0.9, 1.5], top_k=[0, 7], length=20,
                   logit_bias=[{3: 2.0}, {0: -100}], presence_penalty=[0.5, -0.3], frequency_penalty=[0.2, 1.0],
                   repetition_penalty=[1.3, 0.8], decoder=FIXED)
-    reference = sample_sequence(FakeModel(), mode='xla', chunk=5, **kwargs)
-    for got, want in zip(sample_sequence(FakeModel(), mode=mode, chunk=chunk, **kwargs), reference):
+    reference = sample_sequence(FakeModel(V, 64), mode='xla', chunk=5, **kwargs)
+    for got, want in zip(sample_sequence(FakeModel(V, 64), mode=mode, chunk=chunk, **kwargs), reference):
         np.testing.assert_array_equal(got, want)
     assert (reference[1][2:] != 0).all() and (reference[0][3:] == 3).mean() < 0.5  # the penalties at work
 
@@ -184,7 +170,7 @@ def test_penalties_draw_the_same_in_every_mode_and_chunk(mode, chunk):
 def test_frequency_penalty_counts_across_chunks():
     """A frequency penalty of 2 on logits 1 apart: greedy takes each token at most twice running, whatever the
     chunk boundaries, so the counts must travel between chunks."""
-    out = sample_sequence(FakeModel(), 30, context=[0], temperature=0, frequency_penalty=2.0, chunk=2,
+    out = sample_sequence(FakeModel(V, 64), 30, context=[0], temperature=0, frequency_penalty=2.0, chunk=2,
                           decoder=FIXED)[0, 1:]
     # In numpy: greedy over ROW - 2 * counts, one token at a time.
     counts, expected = np.zeros(V), []
@@ -196,7 +182,7 @@ def test_frequency_penalty_counts_across_chunks():
 
 def test_log_probs_stay_the_models_raw_distribution():
     worst = int(ROW.argmin())
-    chunks = list(sample_chunks(FakeModel(), 6, context=PROMPT, seed=1, logit_bias={worst: 100}, logprobs=2,
+    chunks = list(sample_chunks(FakeModel(V, 64), 6, context=PROMPT, seed=1, logit_bias={worst: 100}, logprobs=2,
                                 repetition_penalty=3.0, decoder=FIXED))
     raw = ROW.astype(np.float64) - np.log(np.exp(ROW.astype(np.float64)).sum())
     np.testing.assert_array_equal(chunks[0]['tokens'], [[worst] * 6])
@@ -264,7 +250,7 @@ def test_rows_built_together_equal_rows_built_alone():
 ])
 def test_bad_penalties_fail_before_compute(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        sample_sequence(FakeModel(), 5, context=[[1], [2]], decoder=Decoder(step=failing_step, cache=no_cache),
+        sample_sequence(FakeModel(V, 64), 5, context=[[1], [2]], decoder=Decoder(step=failing_step, cache=no_cache),
                         **kwargs)
 
 

@@ -9,13 +9,12 @@ import pytest
 import tensorflow as tf
 
 import gpt2_tf
-from gpt2_tf import HParams
 from gpt2_tf import compiled, noise, sample, thresholds
 from gpt2_tf.compiled import bucket
 from gpt2_tf.sample import MODES, Decoder, sample_chunks, sample_sequence, top_k_logits, top_p_logits
 
 from conftest import FIXTURES
-from support import compiled_hlo
+from support import FakeModel, compiled_hlo, no_cache
 
 GREEDY = {'tf1-tiny': (5, 20), 'tf1-tiny-hot': (8, 40)}  # prompt length P, new tokens N
 
@@ -136,20 +135,6 @@ def test_start_token_is_unconditional_sampling(models):
 V_FAKE = 50
 
 
-class FakeModel(tf.Module):
-    """A model shape without weights: what the loop and compiled.shared read of a model."""
-
-    hparams = HParams(n_vocab=V_FAKE, n_ctx=40, n_embd=4, n_head=1, n_layer=1)
-    dtype = 'float32'
-
-    def on_device(self):
-        return tf.device('/CPU:0')
-
-
-def no_cache(model, batch, size):
-    return []
-
-
 def counting_step(model, X, *, pads, caches, index):
     """The next token is (position + 1) % V_FAKE, position the last fed token's within its row."""
     position = index + tf.shape(X)[1] - 1 - pads
@@ -198,7 +183,7 @@ def test_loop_positions_with_a_fake_step(chunk):
         fed.append(X.shape[1])
         return counting_step(model, X, **where)
 
-    out = sample_sequence(FakeModel(), 6, context=[[7, 7, 7], [9]], top_k=1, mode='eager', chunk=chunk,
+    out = sample_sequence(FakeModel(V_FAKE, 40), 6, context=[[7, 7, 7], [9]], top_k=1, mode='eager', chunk=chunk,
                           decoder=Decoder(step=recording_step, cache=no_cache))
     np.testing.assert_array_equal(out[0], [7, 7, 7, 3, 4, 5, 6, 7, 8])
     np.testing.assert_array_equal(out[1], [9, 1, 2, 3, 4, 5, 6])
@@ -209,7 +194,7 @@ def test_loop_positions_with_a_fake_step(chunk):
 @pytest.mark.parametrize('chunk', [1, 4, 32])
 def test_the_loop_feeds_back_the_tokens_it_chose(mode, chunk):
     prompts = [[7, 7, 7], [9], [2, 11]]
-    out = sample_sequence(FakeModel(), 9, context=prompts, top_k=1, mode=mode, chunk=chunk,
+    out = sample_sequence(FakeModel(V_FAKE, 40), 9, context=prompts, top_k=1, mode=mode, chunk=chunk,
                           decoder=Decoder(step=echo_step, cache=no_cache))
     for prompt, row in zip(prompts, out):
         expected = list(prompt)
@@ -220,7 +205,7 @@ def test_the_loop_feeds_back_the_tokens_it_chose(mode, chunk):
 
 @pytest.mark.parametrize('chunk', [1, 5, 32])
 def test_the_loop_threads_the_caches_through_every_step(chunk):
-    out = sample_sequence(FakeModel(), 12, context=[[7, 7, 7], [9]], top_k=1, mode='function', chunk=chunk,
+    out = sample_sequence(FakeModel(V_FAKE, 40), 12, context=[[7, 7, 7], [9]], top_k=1, mode='function', chunk=chunk,
                           decoder=Decoder(step=slot_step, cache=slot_cache))
     padded = 8  # both prompts fill the 8 slots of their bucket
     np.testing.assert_array_equal(out[1][1:], np.arange(padded, padded + 12) % V_FAKE)
@@ -230,7 +215,7 @@ def test_the_loop_threads_the_caches_through_every_step(chunk):
 @pytest.mark.parametrize('chunk', [2, 3, 32])
 def test_the_loops_log_probs_come_from_the_steps_logits(chunk):
     prompt = [5, 6, 7]
-    chunks = list(sample_chunks(FakeModel(), 7, context=prompt, batch_size=2, top_k=1, mode='eager', chunk=chunk,
+    chunks = list(sample_chunks(FakeModel(V_FAKE, 40), 7, context=prompt, batch_size=2, top_k=1, mode='eager', chunk=chunk,
                                 logprobs=3, decoder=Decoder(step=ramp_step, cache=no_cache)))
     got = {name: np.concatenate([c[name] for c in chunks], axis=1) for name in chunks[0]}
     fed = [prompt[-1]]  # expected, from numpy alone: greedy over ramp_logits, log-softmax in float64
