@@ -67,7 +67,7 @@ class Bench:
         return time.perf_counter() - start, done.usage.completion_tokens
 
     def warm_up(self, max_batch: int, max_tokens: int) -> None:
-        """Compiles the waves of each batch size the levels will use (1, 2, 4, ... max_batch)."""
+        """Compiles the step for each width the levels will use (1, 2, 4, ... max_batch slots)."""
         size = 1
         while size <= max_batch:
             with concurrent.futures.ThreadPoolExecutor(size) as pool:

@@ -129,7 +129,7 @@ def add_commands(commands) -> None:
                        help="the model id /v1/models lists; clients may also send the folder's name, its published "
                             "name (124M) or, for the bundled checkpoint, test (default: the model's name)")
     serve.add_argument('--max-batch', '--max_batch', type=int, default=16,
-                       help='rows per decode call (default: 16)')
+                       help='decoding slots: rows decoded together, joining and leaving between chunks (default: 16)')
     serve.add_argument('--queue-size', '--queue_size', type=int, default=256,
                        help='rows waiting before new requests get 503 (default: 256)')
     serve.add_argument('--quiet', action='store_true',

@@ -166,7 +166,7 @@ class Completion:
         self.loop.call_soon_threadsafe(self.inbox.put_nowait, (index, tokens, log_probs, error))
 
     def close(self) -> None:
-        """Done, or the client went away: the rows stop taking a place in their wave."""
+        """Done, or the client went away: their rows leave their slots at the next chunk."""
         for row in self.rows.values():
             row.done = True
 
