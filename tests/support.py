@@ -5,8 +5,11 @@ bench/ imports this module too (it puts tests/ on sys.path).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -91,3 +94,24 @@ class FakeModel(tf.Module):
 
 def no_cache(model, batch, size):
     return []
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serves the app on a free port of 127.0.0.1 in a thread; yields the port."""
+    import uvicorn
+
+    from gpt2_tf.serve import bind
+
+    sock = bind('127.0.0.1', 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -7,7 +7,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from gpt2_tf.assets import bundled_checkpoint
 from gpt2_tf.validate import GPT2Error
 
 from conftest import require
+from support import running
 
 openai = require('openai')
 require('fastapi')
@@ -276,24 +276,13 @@ def test_options_are_refused_with_their_name(client):
 
 @pytest.fixture(scope='module')
 def named_server(model):
-    import uvicorn
-
     from gpt2_tf.encoder import encoder_for
-    from gpt2_tf.serve import bind, create_app
+    from gpt2_tf.serve import create_app
 
     app = create_app(model, encoder_for(bundled_checkpoint()), model_id='test', aliases=['test-checkpoint'],
                      mode='eager')
-    sock = bind('127.0.0.1', 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield openai.OpenAI(base_url=f'http://127.0.0.1:{sock.getsockname()[1]}/v1', api_key='none', max_retries=0,
-                        timeout=60)
-    server.should_exit = True
-    thread.join(30)
+    with running(app) as port:
+        yield openai.OpenAI(base_url=f'http://127.0.0.1:{port}/v1', api_key='none', max_retries=0, timeout=60)
 
 
 def test_the_model_answers_to_its_id_and_its_aliases(named_server):

@@ -4,7 +4,6 @@ An in-process server (uvicorn on 127.0.0.1 in a thread) over the bundled checkpo
 spoken to through raw HTTP and the official openai client.
 """
 
-import contextlib
 import http.client
 import io
 import json
@@ -20,6 +19,7 @@ import gpt2_tf
 from gpt2_tf.assets import bundled_checkpoint
 
 from conftest import require
+from support import running
 
 openai = require('openai')
 require('fastapi')
@@ -27,27 +27,6 @@ require('uvicorn')
 prometheus = require('prometheus_client')
 
 QUEUE = 24  # the test server's queue, in rows
-
-
-@contextlib.contextmanager
-def running(app):
-    """Serves the app on a free port of 127.0.0.1 in a thread; yields the port."""
-    import uvicorn
-
-    from gpt2_tf.serve import bind
-
-    sock = bind('127.0.0.1', 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def make_app(model, **options):
