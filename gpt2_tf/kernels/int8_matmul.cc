@@ -152,32 +152,39 @@ void Narrow(const Problem& p, int64_t n0, int64_t n1) {
     }
 }
 
-// The last rows - m0 < kMaxRows rows as one tile of that many rows.
+// A tile function as a type, so that one row loop serves both layouts' tiles.
 template <int R, int V>
+struct PanelTile {
+  static void Run(const Problem& p, int64_t m0, int64_t n0) { Tile<R, V>(p, m0, n0); }
+};
+
+// The last rows - m0 < kMaxRows rows as one tile of that many rows.
+template <template <int, int> class T, int R, int C>
 void LastRows(const Problem& p, int64_t m0, int64_t n0, int64_t rows) {
   if (rows == R) {
-    Tile<R, V>(p, m0, n0);
+    T<R, C>::Run(p, m0, n0);
   } else if constexpr (R > 1) {
-    LastRows<R - 1, V>(p, m0, n0, rows);
+    LastRows<T, R - 1, C>(p, m0, n0, rows);
   }
 }
 
-template <int V>
+// Every row of x for the C-wide channel group at n0, kMaxRows rows a tile.
+template <template <int, int> class T, int C>
 void AllRows(const Problem& p, int64_t n0) {
   int64_t m = 0;
-  for (; m + kMaxRows <= p.M; m += kMaxRows) Tile<kMaxRows, V>(p, m, n0);
-  if (m < p.M) LastRows<kMaxRows - 1, V>(p, m, n0, p.M - m);
+  for (; m + kMaxRows <= p.M; m += kMaxRows) T<kMaxRows, C>::Run(p, m, n0);
+  if (m < p.M) LastRows<T, kMaxRows - 1, C>(p, m, n0, p.M - m);
 }
 
 // Output channels [b * kBlock, (b + 1) * kBlock) for every row of x.
 void Columns(const Problem& p, int64_t b) {
   const int64_t n0 = b * kBlock, n1 = std::min(p.N, n0 + kBlock);
   if (n1 - n0 == kBlock && (n0 % p.panel) + kBlock <= p.panel) {
-    AllRows<kVectors>(p, n0);
+    AllRows<PanelTile, kVectors>(p, n0);
     return;
   }
   int64_t n = n0;
-  for (; n + kLanes <= n1 && (n % p.panel) + kLanes <= p.panel; n += kLanes) AllRows<1>(p, n);
+  for (; n + kLanes <= n1 && (n % p.panel) + kLanes <= p.panel; n += kLanes) AllRows<PanelTile, 1>(p, n);
   Narrow(p, n, n1);
 }
 
@@ -210,28 +217,17 @@ void RowTile(const Problem& p, int64_t m0, int64_t n0) {
 constexpr int kRowChannels = 1;  // output channels per tile of the [N, K] layout: one stream (see Prefetch)
 
 template <int R, int U>
-void LastRowsOfRows(const Problem& p, int64_t m0, int64_t n0, int64_t rows) {
-  if (rows == R) {
-    RowTile<R, U>(p, m0, n0);
-  } else if constexpr (R > 1) {
-    LastRowsOfRows<R - 1, U>(p, m0, n0, rows);
-  }
-}
-
-template <int U>
-void RowsAll(const Problem& p, int64_t n0) {
-  int64_t m = 0;
-  for (; m + kMaxRows <= p.M; m += kMaxRows) RowTile<kMaxRows, U>(p, m, n0);
-  if (m < p.M) LastRowsOfRows<kMaxRows - 1, U>(p, m, n0, p.M - m);
-}
+struct RowsTile {
+  static void Run(const Problem& p, int64_t m0, int64_t n0) { RowTile<R, U>(p, m0, n0); }
+};
 
 // Output channels [b * kRowChannels, ...) of the [N, K] layout, for every row of x.
 void Channels(const Problem& p, int64_t b) {
   const int64_t n0 = b * kRowChannels, n1 = std::min(p.N, n0 + kRowChannels);
   if (n1 - n0 == kRowChannels) {
-    RowsAll<kRowChannels>(p, n0);
+    AllRows<RowsTile, kRowChannels>(p, n0);
   } else {
-    for (int64_t n = n0; n < n1; ++n) RowsAll<1>(p, n);
+    for (int64_t n = n0; n < n1; ++n) AllRows<RowsTile, 1>(p, n);
   }
 }
 
