@@ -69,7 +69,8 @@ class Slots:
     """`slots` decoding rows over one cache; rows join and leave between steps (see the module's docstring).
 
     mode: sample_sequence's ('xla' for float32 weights by default). Every step
-    decodes `chunk` tokens for every slot, occupied or not.
+    decodes `chunk` tokens for the first `width` slots, up to the highest one
+    a row holds, idle ones among them included.
     """
 
     def __init__(self, model, slots: int, *, chunk: int, mode: Optional[str] = None, decoder: Decoder = DECODER):

@@ -14,12 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..encoder import END_OF_TEXT, Encoder
 from ..hparams import HParams
-from ..validate import GPT2Error, check_sampling, check_seed, check_sequence, check_token_ids, check_window
+from ..validate import (MAX_LOGIT_BIAS, MAX_PENALTY, GPT2Error, check_sampling, check_seed, check_sequence,
+                        check_token_ids, check_window)
 
 MAX_LOGPROBS = 5  # top log-probs per token, as OpenAI's completions
 MAX_CHOICES = 16  # n, and best_of, per prompt
-MAX_BIAS = 100  # |logit_bias| values, as OpenAI's: -100 bans a token, 100 forces it
-MAX_PENALTY = 2  # |presence_penalty| and |frequency_penalty|, as OpenAI's
 
 
 class APIError(Exception):
@@ -119,7 +118,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _penalty(cls, value, info):
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise ValueError(f'must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}')
+            raise ValueError(f'must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}')
         return value
 
     @model_validator(mode='after')
@@ -184,9 +183,9 @@ class CompletionRequest(BaseModel):
             if token is None or not 0 <= token < n_vocab:
                 raise APIError(400, f'logit_bias: {key!r} is not a token id: use ids in [0, {n_vocab - 1}] '
                                f'as strings, such as "50256"', param='logit_bias')
-            if not -MAX_BIAS <= bias <= MAX_BIAS:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise APIError(400, f'logit_bias: the bias of token {token} is {bias}; use values in '
-                               f'[-{MAX_BIAS}, {MAX_BIAS}]', param='logit_bias')
+                               f'[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]', param='logit_bias')
             biases[token] = float(bias)
         return biases
 
