@@ -19,7 +19,7 @@ import os
 import warnings
 from typing import Optional
 
-from . import hf
+from . import hf, precision
 from .assets import bundled_checkpoint
 from .download import partial_folder
 from .encoder import Encoder, encoder_for, vocabulary_files
@@ -186,7 +186,8 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
     prefix = find_checkpoint(folder.path) if folder.layout == 'original' else None
     hparams = folder.hparams()
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = Model(hparams, device=device, jit_compile=jit_compile, dtype=dtype)
+        with precision.unfilled():  # every variable is assigned below, or the model is dropped
+            model = Model(hparams, device=device, jit_compile=jit_compile, dtype=dtype)
         # The adapter is added to the float32 values as they are read, before they are rounded or quantized
         # to dtype: bfloat16 and int8 round the merged weight once.
         deltas = lora.merged_deltas(model, adapter) if adapter is not None else None

@@ -94,6 +94,14 @@ def test_past_chained_over_three_calls(random_checkpoint, hparams):
 
 # --- the module itself ------------------------------------------------------------------------
 
+@pytest.mark.parametrize('dtype', ['float32', 'int8'])
+def test_a_built_model_starts_at_zeros_with_gains_and_scales_at_one(dtype):
+    # load_model alone builds its models unfilled (precision.unfilled), then assigns every variable.
+    hparams = HParams(n_vocab=11, n_ctx=7, n_embd=12, n_head=3, n_layer=2)
+    for name, v in Model(hparams, dtype=dtype).variables_by_name().items():
+        assert np.all(v.numpy() == (1 if name.endswith(('/g', '_scale')) else 0)), name
+
+
 def test_variable_names_are_checkpoint_names():
     hparams = HParams(n_vocab=11, n_ctx=7, n_embd=12, n_head=3, n_layer=2)
     shapes = {name: v.shape.as_list() for name, v in Model(hparams).variables_by_name().items()}
