@@ -1,11 +1,12 @@
 """Fine-tuning memory and speed: LoRA (rank 8 on c_attn), Adafactor and Adam, each in a fresh process.
 
     python bench/bench_lora.py [--size 124M|1558M] [--length 1024] [--steps 1] [--rounds 1] [--limit-gb 15]
-                               [--cases lora,adam,...]
+                               [--cases lora,adam,...] [--no-recompute]
 
 A random checkpoint of the size's shape is written once into bench/.cache/ (1558M tensor by tensor: each
 tensor saved alone, then the bundles merged, so no more than one tensor is ever in memory). Every case
-loads it, runs one step (tracing), then --steps timed steps (0: the first step's time is the step's), batch 1, recompute=True. Peak memory is the
+loads it, runs one step (tracing), then --steps timed steps (0: the first step's time is the step's), batch 1, recompute=True
+(--no-recompute: False, finetune's default, on every side). Peak memory is the
 process's own VmHWM; a watchdog in this process kills a case whose RSS passes --limit-gb, and the table
 says in which phase it stopped (the machine is never pushed into swap). Beside each step's wall time, the
 process's CPU time for it: on a shared machine the load of others inflates the first more than the second. 'nograd' is the forward and the
@@ -74,12 +75,12 @@ from gpt2_tf.train import Trainer
 def mark(phase):
     print(json.dumps({'phase': phase}), flush=True)
 
-case, folder, length, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+case, folder, length, steps, recompute = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == '1'
 model = gpt2_tf.load_model(folder, dtype='int8' if case == 'lora-int8' else 'float32')
 mark('loaded')
 tokens = np.random.default_rng(0).integers(0, 50257, (1, length)).astype(np.int32)
 if case == 'nograd':
-    wrap = lambda block: tf.recompute_grad(lambda h: block(h)[0])
+    wrap = tf.recompute_grad if recompute else None
     @tf.function(autograph=False)
     def run(tokens):
         with tf.GradientTape() as tape:
@@ -92,7 +93,7 @@ if case == 'nograd':
     step = lambda t: float(run(tf.constant(t))[0])
 else:
     options = dict(lora_rank=8, lora_targets='c_attn') if case.startswith('lora') else {}
-    trainer = Trainer(model, 1e-4, 'adafactor' if case == 'adafactor' else 'adam', 1, True, **options)
+    trainer = Trainer(model, 1e-4, 'adafactor' if case == 'adafactor' else 'adam', 1, recompute, **options)
     step = trainer.step
 mark('optimizer state made')
 start = time.perf_counter()
@@ -120,11 +121,11 @@ def rss_mb(pid: int) -> float:
         return 0.0
 
 
-def run_case(case: str, folder, length: int, steps: int, limit_mb: float) -> dict:
+def run_case(case: str, folder, length: int, steps: int, limit_mb: float, recompute: bool) -> dict:
     """The case in a fresh process under the RSS watchdog -> its result, or where it stopped."""
     import threading
 
-    process = subprocess.Popen([sys.executable, '-c', CHILD, case, str(folder), str(length), str(steps)],
+    process = subprocess.Popen([sys.executable, '-c', CHILD, case, str(folder), str(length), str(steps), str(int(recompute))],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     items = []
     reader = threading.Thread(target=lambda: items.extend(json.loads(line) for line in process.stdout), daemon=True)
@@ -155,6 +156,8 @@ def main():
     parser.add_argument('--rounds', type=int, default=1)
     parser.add_argument('--limit-gb', type=float, default=15.0)
     parser.add_argument('--cases', default=','.join(CASES))
+    parser.add_argument('--no-recompute', dest='recompute', action='store_false',
+                        help='recompute=False on every side (finetune\'s default)')
     args = parser.parse_args()
     from bench_generate import cpu
 
@@ -163,9 +166,9 @@ def main():
     results = {case: [] for case in cases}
     for _ in range(args.rounds):
         for case in cases:
-            results[case].append(run_case(case, folder, args.length, args.steps, args.limit_gb * 1024))
+            results[case].append(run_case(case, folder, args.length, args.steps, args.limit_gb * 1024, args.recompute))
             print(case, results[case][-1], flush=True)
-    print(f'\n{args.size}, batch 1, T={args.length}, recompute=True; CPU: {cpu()}; best of {args.rounds} round(s)')
+    print(f'\n{args.size}, batch 1, T={args.length}, recompute={args.recompute}; CPU: {cpu()}; best of {args.rounds} round(s)')
     print('| case | step (s) | step CPU time (s) | first step (s) | peak RSS (GB) |\n|---|---|---|---|---|')
     best = {}
     for case in cases:

@@ -162,14 +162,25 @@ class Block(tf.Module):
             self.mlp = MLP(nx, 'mlp', nx * 4, dtype=dtype)
 
     def __call__(self, x, *, kv=None, record=None):  # [batch, sequence, nx] -> [batch, sequence, nx], present
-        x0, z1 = x, self.ln_1(x)
-        a, present = self.attn(z1, kv=kv or Past(), record=record)
-        x = x + a
-        x1, z2 = x, self.ln_2(x)
+        x, present = self.attend(x, kv=kv or Past(), record=record)
+        return self.feed(x, record=record), present
+
+    def attend(self, x, *, kv, record=None):  # x + a, present: the block's first residual half
+        z1 = self.ln_1(x)
+        a, present = self.attn(z1, kv=kv, record=record)
+        out = x + a
+        if record is not None: record(x=x, z1=z1, attn=a, x_attn=out)  # noqa: E701
+        return out, present
+
+    def feed(self, x, *, record=None):  # x + m: the second
+        z2 = self.ln_2(x)
         m = self.mlp(z2)
-        x = x + m
-        if record is not None: record(x=x0, z1=z1, attn=a, x_attn=x1, z2=z2, mlp=m, out=x)  # noqa: E701
-        return x, present
+        out = x + m
+        if record is not None: record(z2=z2, mlp=m, out=out)  # noqa: E701
+        return out
+
+    def halves(self) -> tuple:  # the two halves in turn, each as x -> x: what training's recompute wraps
+        return (lambda x: self.attend(x, kv=Past())[0]), self.feed
 
 
 def past_shape(*, hparams: HParams, batch_size=None, sequence=None):
@@ -203,12 +214,18 @@ class Graph(tf.Module):
 
     def blocks(self, h, kvs=None, *, wrap=None, record=None):
         """h [batch, sequence, n_embd] through every block -> h, [present per block]. kvs: a key/value source per
-        block (default Past()); wrap(block): each block as h -> h (training's recompute, from outside);
-        record(layer, **states) sees the named states."""
+        block (default Past()); wrap(half): each block's two residual halves (Block.halves) as run, x -> x
+        (training's recompute, from outside: a half's own backward then needs only what the gradients
+        read, so frozen weights' products are not recomputed); record(layer, **states) sees the named states."""
         presents = []
         for layer, (block, kv) in enumerate(zip(self.h, kvs or [None] * len(self.h))):
+            if wrap:
+                for half in block.halves():
+                    h = wrap(half)(h)
+                presents.append(None)
+                continue
             note = record and (lambda **states: record(layer, **states))  # called within this step
-            h, present = (wrap(block)(h), None) if wrap else block(h, kv=kv, record=note)
+            h, present = block(h, kv=kv, record=note)
             presents.append(present)
         return h, presents
 

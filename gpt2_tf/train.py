@@ -52,7 +52,8 @@ class Trainer:
     applies their mean gradient: the whole batch's update at a fraction of the
     memory (1 here: the step itself; finetune's default is FinetuneConfig's).
     recompute=True recomputes each block's activations in the backward pass
-    (tf.recompute_grad around each block, from outside the model). Only the
+    (tf.recompute_grad around each half block, from outside the model; LoRA's
+    backward then skips the frozen products whose outputs only the next half reads). Only the
     trained variables are watched: no gradient of a frozen weight is formed.
     only_train_transformer_layers=True trains the h* blocks only.
     lora_rank=R > 0 trains LoRA adapters of rank R on the lora_targets
@@ -115,7 +116,7 @@ class Trainer:
 
     def _gradients(self, tokens):
         """tokens [batch, T] -> (mean loss, mean gradients) over `accumulate` micro-batches, one at a time."""
-        wrap = (lambda block: tf.recompute_grad(lambda h: block(h)[0])) if self.recompute else None
+        wrap = tf.recompute_grad if self.recompute else None
         k = self.accumulate
         if k == 1:
             with self._tape() as tape:
