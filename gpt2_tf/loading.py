@@ -19,7 +19,7 @@ import os
 import warnings
 from typing import Optional
 
-from . import hf, precision
+from . import hf
 from .assets import bundled_checkpoint
 from .download import partial_folder
 from .encoder import Encoder, encoder_for, vocabulary_files
@@ -178,7 +178,7 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
     rounding: the model is the adapted one, and save_checkpoint or save_hf
     write it merged.
     """
-    from . import lora
+    from . import lora, precision
     from .checkpoint import find_checkpoint, restore
     from .runtime import Model
 
