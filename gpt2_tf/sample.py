@@ -346,8 +346,9 @@ def sample_sequence(model, length: int, context=None, start_token: Optional[int]
     (1: none) are numbers, or one per row. seed: an int, a pair of ints, or one
     pair per row [batch, 2]; a pair p gives row i the key fold_in(p, i), and a row
     draws the same tokens as its key given alone as a one-row seed. None draws a
-    random seed. mode: 'xla' (the default for float32 weights), 'function' (the
-    default for reduced ones, see compiled.default_mode) or 'eager'; all three
+    random seed. mode: 'xla' (the default for float32 weights, and for int8 ones
+    where the int8 kernel compiles under XLA), 'function' (the default for
+    bfloat16 and float16, see compiled.default_mode) or 'eager'; all three
     draw the same tokens. chunk: tokens per compiled call (see sample_chunks).
     decoder: how the loop calls the model (see Decoder); the model's own by default.
 

@@ -173,3 +173,20 @@ def test_saving_an_int8_model_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match='int8 model cannot be saved: the original format holds float32'):
         gpt2_tf.save_checkpoint(model, tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_int8_decodes_under_xla_by_default_with_the_same_tokens(random_checkpoint):
+    # Where the kernel compiles under XLA (its custom call), int8 decoding runs there; the tokens are those of
+    # the plain tf.function: greedy, seeded top_k, and a prompt long enough for the GEMM path (64+ rows).
+    from gpt2_tf import compiled, kernels
+
+    if not kernels.xla_available():
+        pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
+    hparams = HParams(n_vocab=300, n_ctx=128, n_embd=256, n_head=4, n_layer=2)
+    model = gpt2_tf.load_model(random_checkpoint(hparams, seed=5), dtype='int8')
+    assert compiled.default_mode(model) == 'xla'
+    rows = np.random.default_rng(0).integers(0, 300, (3, 70)).astype(np.int32)
+    for context, options in [(rows[:, :9], dict(top_k=1)), (rows[:, :9], dict(top_k=40, seed=3)),
+                             (rows, dict(top_k=1))]:
+        np.testing.assert_array_equal(gpt2_tf.sample_sequence(model, 12, context=context, **options),
+                                      gpt2_tf.sample_sequence(model, 12, context=context, mode='function', **options))

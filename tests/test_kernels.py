@@ -1,4 +1,5 @@
-"""The int8 product: the C++ kernel and the TensorFlow fallback against a float64 numpy product."""
+"""The int8 product: the C++ kernel (as a TensorFlow op, and as XLA's custom call inside an XLA-compiled
+function) and the TensorFlow fallback, against a float64 numpy product."""
 
 import os
 import subprocess
@@ -26,21 +27,36 @@ def case(m, k, n, transpose, seed=0):
 
 
 def test_the_kernel_builds_here():
-    # CI's machines have g++; elsewhere the fallback is used and this says why.
+    # CI's machines have g++ and TensorFlow's XLA headers; elsewhere the fallback is used and this says why.
     if os.environ.get('CI') == 'true':
         assert kernels.available(), kernels.unavailable_reason()
+        assert kernels.xla_available()
     elif not kernels.available():
         pytest.skip(kernels.unavailable_reason())
 
 
-@pytest.mark.parametrize('kernel', [True, False])
+WHERE = ['kernel', 'kernel under XLA', 'TensorFlow ops']
+
+
+def product(x, w, scale, where, **options):
+    """int8_matmul as `where` says -> numpy; under XLA, the compiled HLO is checked to call the kernel."""
+    if where != 'TensorFlow ops' and not (kernels.xla_available() if 'XLA' in where else kernels.available()):
+        pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
+    kernel = where != 'TensorFlow ops'
+    if 'XLA' not in where:
+        return kernels.int8_matmul(tf.constant(x), tf.constant(w), tf.constant(scale), kernel=kernel,
+                                   **options).numpy()
+    run = tf.function(lambda x: kernels.int8_matmul(x, tf.constant(w), tf.constant(scale), kernel=True, **options),
+                      jit_compile=True)
+    assert 'gpt2_tf_int8_matmul' in run.experimental_get_compiler_ir(tf.constant(x))(stage='hlo')
+    return run(tf.constant(x)).numpy()
+
+
+@pytest.mark.parametrize('where', WHERE)
 @pytest.mark.parametrize('m, k, n, transpose', SHAPES)
-def test_int8_product_equals_the_float64_product(m, k, n, transpose, kernel):
-    if kernel and not kernels.available():
-        pytest.skip(kernels.unavailable_reason())
+def test_int8_product_equals_the_float64_product(m, k, n, transpose, where):
     x, w, scale, reference = case(m, k, n, transpose)
-    y = kernels.int8_matmul(tf.constant(x), tf.constant(w), tf.constant(scale), transpose_w=transpose,
-                            kernel=kernel).numpy()
+    y = product(x, w, scale, where, transpose_w=transpose)
     assert y.shape == reference.shape
     # float32 sums of k terms: a few ulps of the largest partial sum, far below one step of the int8 grid.
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
@@ -52,15 +68,13 @@ def panels(w: np.ndarray, width: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(k, n // width, width).transpose(1, 0, 2)).reshape(k, n)
 
 
-@pytest.mark.parametrize('kernel', [True, False])
+@pytest.mark.parametrize('where', WHERE)
 @pytest.mark.parametrize('m, k, n, width', [(1, 768, 2304, 128), (7, 64, 384, 128), (13, 33, 256, 128),
-                                            (2, 40, 96, 32), (9, 768, 3072, 128), (80, 64, 2560, 128)])
-def test_packed_product_equals_the_float64_product(m, k, n, width, kernel):
-    if kernel and not kernels.available():
-        pytest.skip(kernels.unavailable_reason())
+                                            (2, 40, 96, 32), (9, 768, 3072, 128), (80, 64, 2560, 128),
+                                            (8, 768, 2304, 128), (19, 96, 512, 128)])  # half-width tiles
+def test_packed_product_equals_the_float64_product(m, k, n, width, where):
     x, w, scale, reference = case(m, k, n, False, seed=2)
-    y = kernels.int8_matmul(tf.constant(x), tf.constant(panels(w, width)), tf.constant(scale), panel=width,
-                            kernel=kernel).numpy()
+    y = product(x, panels(w, width), scale, where, panel=width)
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # as above
 
 

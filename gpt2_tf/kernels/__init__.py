@@ -4,14 +4,17 @@
     y = int8_matmul(x, w, scale, transpose_w=True)  # w int8 [N, K] (wte), scale [N] -> [M, N]
     y = int8_matmul(x, w, scale, panel=128)         # w [K, N] stored as panels [N / 128, K, 128]
 
-The kernel (int8_matmul.cc) reads the int8 weights themselves and widens them
+The kernel (matmul.cc) reads the int8 weights themselves and widens them
 next to the multiply, so a product streams a quarter of float32's bytes. It is
 built with the machine's g++ and TensorFlow's own compile flags into a cache
 folder ($GPT2_TF_KERNEL_CACHE, default ~/.cache/gpt2_tf/kernels), keyed by the
 source, the TensorFlow version and the CPU, so it works from a plain checkout.
+Built with TensorFlow's XLA headers where they compile, the op also runs inside
+XLA-compiled functions, as a custom call (xla_available()); otherwise the library
+holds the op alone (a failed XLA build is not tried again for the same key).
 Where no compiler is there, or GPT2_TF_KERNELS=off, the same product runs as
-TensorFlow ops: the weights unpacked from their panels, cast to float32, scaled, and multiplied.
-Both sum in float32; they agree to float32 rounding (the tests compare them).
+TensorFlow ops: the weights unpacked from their panels, cast to float32, scaled,
+and multiplied. Both sum in float32; they agree to float32 rounding (the tests compare them).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-SOURCE = pathlib.Path(__file__).with_name('int8_matmul.cc')
+SOURCE = pathlib.Path(__file__).with_name('matmul.cc')
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 _local = threading.local()  # .off: inside tensorflow_ops() on this thread
@@ -47,52 +50,80 @@ def _cpu_key() -> str:
     return flags
 
 
-def _library_path() -> pathlib.Path:
+def _library_path(xla: bool) -> pathlib.Path:
     key = hashlib.sha256(SOURCE.read_bytes() + tf.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
-    return cache_folder() / f'int8_matmul-{key}.so'
+    return cache_folder() / f'matmul-{key}{"-xla" if xla else ""}.so'
 
 
-def _compile(target: pathlib.Path) -> None:
+def _flags(xla: bool) -> list:
+    """g++'s flags: TensorFlow's own; with xla, also the headers and library that XLA's custom calls need."""
+    flags, links = tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+    if not xla:
+        return [*flags, str(SOURCE), *links]
+    include = pathlib.Path(tf.sysconfig.get_include()) / 'external'
+    extra = [f'-I{include / "highwayhash"}', f'-I{include / "farmhash_archive" / "src"}', '-DGPT2_TF_XLA']
+    return [*flags, *extra, str(SOURCE), *links, '-l:libtensorflow_cc.so.2']
+
+
+def _compile(target: pathlib.Path, xla: bool) -> None:
     """Builds the kernel into target, through a temporary file renamed into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(suffix='.so', dir=target.parent)
     os.close(handle)
-    command = ['g++', '-shared', '-fPIC', '-O3', '-march=native', '-w', *tf.sysconfig.get_compile_flags(),
-               str(SOURCE), '-o', partial, *tf.sysconfig.get_link_flags()]
+    command = ['g++', '-shared', '-fPIC', '-O3', '-march=native', '-w', *_flags(xla), '-o', partial]
     try:
-        subprocess.run(command, check=True, capture_output=True, timeout=600)
+        subprocess.run(command, check=True, capture_output=True, timeout=900)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
 
 
-@functools.lru_cache(maxsize=1)
-def _library():
-    """The loaded op library, or the reason it is not there (a str)."""
-    if os.environ.get(SWITCH_ENV, '').lower() == 'off':
-        return f'{SWITCH_ENV}=off'
-    if not sys.platform.startswith('linux'):
-        return 'the kernel is built on Linux only'
-    target = _library_path()
+def _load(xla: bool):
+    """The op library built with (or without) XLA's custom calls, or the reason it is not there (a str)."""
+    target = _library_path(xla)
+    failed = target.with_suffix('.failed')  # a build that failed once is not tried again for this key
     try:
+        if failed.exists():
+            return failed.read_text()
         if not target.exists():
-            _compile(target)
+            _compile(target, xla)
         return tf.load_op_library(str(target))
     except FileNotFoundError:
         return 'no g++ on this machine'
     except subprocess.CalledProcessError as e:
-        return 'g++ failed: ' + (e.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]
+        reason = 'g++ failed: ' + (e.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]
+        if xla:
+            failed.write_text(reason)
+        return reason
     except (subprocess.TimeoutExpired, OSError, tf.errors.OpError) as e:
         return f'the kernel could not be built or loaded: {e}'
 
 
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple:
+    """(the loaded op library or the reason it is not there (a str), whether it holds XLA's custom calls)."""
+    if os.environ.get(SWITCH_ENV, '').lower() == 'off':
+        return f'{SWITCH_ENV}=off', False
+    if not sys.platform.startswith('linux'):
+        return 'the kernel is built on Linux only', False
+    library = _load(xla=True)
+    if not isinstance(library, str):
+        return library, True
+    return _load(xla=False), False
+
+
 def available() -> bool:
-    return not isinstance(_library(), str)
+    return not isinstance(_library()[0], str)
+
+
+def xla_available() -> bool:
+    """Whether the int8 product also compiles under XLA (the library was built with XLA's headers)."""
+    return available() and _library()[1]
 
 
 def unavailable_reason() -> Optional[str]:
-    library = _library()
+    library = _library()[0]
     return library if isinstance(library, str) else None
 
 
@@ -122,10 +153,12 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     """
     use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
     if use:
-        library = _library()
+        library = _library()[0]
         if isinstance(library, str):
             raise RuntimeError(f'the int8 kernel is not available: {library}')
         return library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel)
     wide = tf.cast(unpack(w, panel) if panel else w, tf.float32)
     wide = wide * (scale[:, None] if transpose_w else scale)
     return tf.matmul(x, wide, transpose_b=transpose_w)
+
+

@@ -13,11 +13,21 @@
 // compiler's target (built with -march=native: AVX-512, AVX2, or plain C++ elsewhere). Blocks of output
 // channels are split over TensorFlow's intra-op threads; all rows of x are done per block, so each weight
 // byte comes from memory once.
+//
+// Built with GPT2_TF_XLA, the op also compiles under XLA (tf.function(jit_compile=True)): it becomes a custom
+// call into the same code, with the shapes fixed at compile time, on a thread pool of this library's own
+// (XLA passes a custom call none). The decoding loops then run int8 models under XLA too.
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -28,6 +38,13 @@
 #include "tensorflow/core/framework/tensor_types.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+
+#ifdef GPT2_TF_XLA
+#include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
+#include "xla/hlo/builder/xla_builder.h"
+#include "xla/service/custom_call_target_registry.h"
+#include "xla/shape_util.h"
+#endif
 
 using namespace tensorflow;
 
@@ -65,6 +82,7 @@ inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 constexpr int kVectors = 4;  // a tile: up to 6 rows x 4 vectors of output channels, 24 of the 32 registers
 constexpr int kMaxRows = 6;
+constexpr int kHalfRows = 12;  // from 7 rows on, tiles of up to 12 rows x 2 vectors (24 registers)
 #elif defined(__AVX2__)
 constexpr int kLanes = 8;
 using Vec = __m256;
@@ -83,6 +101,7 @@ inline float Sum(Vec v) {
 }
 constexpr int kVectors = 2;  // 4 rows x 2 vectors: 8 of the 16 registers
 constexpr int kMaxRows = 4;
+constexpr int kHalfRows = kMaxRows;  // no half-width tiles
 #else
 constexpr int kLanes = 1;
 using Vec = float;
@@ -95,6 +114,7 @@ inline void Store(float* p, Vec v) { *p = v; }
 inline float Sum(Vec v) { return v; }
 constexpr int kVectors = 8;
 constexpr int kMaxRows = 4;
+constexpr int kHalfRows = kMaxRows;
 #endif
 
 // The hardware prefetchers of some CPUs (seen on a virtualised AMD EPYC) follow one stream of int8 well and
@@ -168,18 +188,25 @@ void LastRows(const Problem& p, int64_t m0, int64_t n0, int64_t rows) {
   }
 }
 
-// Every row of x for the C-wide channel group at n0, kMaxRows rows a tile.
-template <template <int, int> class T, int C>
+// Every row of x for the C-wide channel group at n0, Rows rows a tile.
+template <template <int, int> class T, int C, int Rows = kMaxRows>
 void AllRows(const Problem& p, int64_t n0) {
   int64_t m = 0;
-  for (; m + kMaxRows <= p.M; m += kMaxRows) T<kMaxRows, C>::Run(p, m, n0);
-  if (m < p.M) LastRows<T, kMaxRows - 1, C>(p, m, n0, p.M - m);
+  for (; m + Rows <= p.M; m += Rows) T<Rows, C>::Run(p, m, n0);
+  if (m < p.M) LastRows<T, Rows - 1, C>(p, m, n0, p.M - m);
 }
 
 // Output channels [b * kBlock, (b + 1) * kBlock) for every row of x.
 void Columns(const Problem& p, int64_t b) {
   const int64_t n0 = b * kBlock, n1 = std::min(p.N, n0 + kBlock);
   if (n1 - n0 == kBlock && (n0 % p.panel) + kBlock <= p.panel) {
+    if constexpr (kHalfRows > kMaxRows) {
+      if (p.M > kMaxRows) {  // two half-width passes: each vector of weights widened once per kHalfRows rows
+        AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0);
+        AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0 + kBlock / 2);
+        return;
+      }
+    }
     AllRows<PanelTile, kVectors>(p, n0);
     return;
   }
@@ -255,30 +282,51 @@ void Widened(const Problem& p, bool transpose_w, int64_t n0, int64_t c, float* w
   }
 }
 
-void Gemm(OpKernelContext* context, const Problem& p, bool transpose_w) {
-  Tensor temporary;
-  const int64_t most = std::min(p.N, kChunk);
-  OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({p.K * most}), &temporary));
-  float* wide = temporary.flat<float>().data();
-  auto* threads = context->device()->tensorflow_cpu_worker_threads();
-  const auto& device = context->eigen_device<Eigen::ThreadPoolDevice>();
+// Where a product's work runs: TensorFlow's intra-op threads for the op, this library's own pool for XLA's
+// custom call. For(units, cost, fn) runs fn(start, limit) over [0, units); device runs Eigen's GEMM.
+struct Threads {
+  const Eigen::ThreadPoolDevice& device;
+  std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)> For;
+};
+
+// wide holds K * min(N, kChunk) floats.
+void Gemm(const Problem& p, bool transpose_w, float* wide, const Threads& threads) {
   typename TTypes<float>::ConstMatrix x(p.x, p.M, p.K);
   typename TTypes<float>::Matrix y(p.y, p.M, p.N);
   for (int64_t n0 = 0; n0 < p.N; n0 += kChunk) {
     const int64_t c = std::min(kChunk, p.N - n0);
-    Shard(threads->num_threads, threads->workers, transpose_w ? c : p.K, 2 * (transpose_w ? p.K : c),
-          [&](int64_t r0, int64_t r1) { Widened(p, transpose_w, n0, c, wide, r0, r1); });
+    threads.For(transpose_w ? c : p.K, 2 * (transpose_w ? p.K : c),
+                [&](int64_t r0, int64_t r1) { Widened(p, transpose_w, n0, c, wide, r0, r1); });
     const Eigen::array<Eigen::Index, 2> offsets = {0, n0}, extents = {p.M, c};
     if (transpose_w) {
       typename TTypes<float>::ConstMatrix w(wide, c, p.K);
       const Eigen::array<Eigen::IndexPair<int>, 1> dims = {Eigen::IndexPair<int>(1, 1)};
-      y.slice(offsets, extents).device(device) = x.contract(w, dims);
+      y.slice(offsets, extents).device(threads.device) = x.contract(w, dims);
     } else {
       typename TTypes<float>::ConstMatrix w(wide, p.K, c);
       const Eigen::array<Eigen::IndexPair<int>, 1> dims = {Eigen::IndexPair<int>(1, 0)};
-      y.slice(offsets, extents).device(device) = x.contract(w, dims);
+      y.slice(offsets, extents).device(threads.device) = x.contract(w, dims);
     }
   }
+}
+
+// Floats of temporary the product needs (Gemm's), 0 for the tiles.
+int64_t Temporary(const Problem& p) { return p.M >= kGemmRows ? p.K * std::min(p.N, kChunk) : 0; }
+
+// The whole product, by tiles (blocks of output channels split over the threads) or, from kGemmRows rows, by
+// Gemm into the temporary `wide`.
+void Multiply(const Problem& p, bool transpose_w, float* wide, const Threads& threads) {
+  if (p.M == 0 || p.N == 0) return;
+  if (p.M >= kGemmRows) {
+    Gemm(p, transpose_w, wide, threads);
+    return;
+  }
+  const int64_t width = transpose_w ? kRowChannels : kBlock;
+  const int64_t units = (p.N + width - 1) / width;
+  const int64_t cost = 2 * p.K * width * p.M + p.K * width;  // multiply-adds per unit, plus widening its weights
+  threads.For(units, cost, [&p, transpose_w](int64_t start, int64_t limit) {
+    for (int64_t b = start; b < limit; ++b) transpose_w ? Channels(p, b) : Columns(p, b);
+  });
 }
 
 class Int8MatMulOp : public OpKernel {
@@ -303,21 +351,16 @@ class Int8MatMulOp : public OpKernel {
     OP_REQUIRES(context, N % panel == 0, errors::InvalidArgument("panel must divide the output channels"));
     Tensor* y = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({M, N}), &y));
-    if (M == 0 || N == 0) return;
     const Problem p{x.flat<float>().data(), w.flat<int8_t>().data(), scale.flat<float>().data(),
                     y->flat<float>().data(), M, K, N, panel};
-    if (M >= kGemmRows) {
-      Gemm(context, p, transpose_w_);
-      return;
-    }
-    const int64_t width = transpose_w_ ? kRowChannels : kBlock;
-    const int64_t units = (N + width - 1) / width;
-    const int64_t cost = 2 * K * width * M + K * width;  // multiply-adds per unit, plus widening its weights
-    auto* threads = context->device()->tensorflow_cpu_worker_threads();
-    const bool t = transpose_w_;
-    Shard(threads->num_threads, threads->workers, units, cost, [&p, t](int64_t start, int64_t limit) {
-      for (int64_t b = start; b < limit; ++b) t ? Channels(p, b) : Columns(p, b);
-    });
+    Tensor temporary;
+    if (Temporary(p)) OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({Temporary(p)}), &temporary));
+    auto* workers = context->device()->tensorflow_cpu_worker_threads();
+    const Threads threads{context->eigen_device<Eigen::ThreadPoolDevice>(),
+                          [workers](int64_t units, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
+                            Shard(workers->num_threads, workers->workers, units, cost, fn);
+                          }};
+    Multiply(p, transpose_w_, Temporary(p) ? temporary.flat<float>().data() : nullptr, threads);
   }
 
  private:
@@ -325,6 +368,82 @@ class Int8MatMulOp : public OpKernel {
   int64_t panel_;
 };
 
+#ifdef GPT2_TF_XLA
+
+// XLA passes a custom call no threads: a pool of one thread per CPU this process may run on.
+int Cpus() {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+}
+
+const Threads& PoolThreads() {
+  static Eigen::ThreadPool* pool = new Eigen::ThreadPool(Cpus());
+  static Eigen::ThreadPoolDevice* device = new Eigen::ThreadPoolDevice(pool, pool->NumThreads());
+  static const Threads threads{*device, [](int64_t units, int64_t cost,
+                                           const std::function<void(int64_t, int64_t)>& fn) {
+                                 device->parallelFor(units, Eigen::TensorOpCost(0, 0, static_cast<double>(cost)),
+                                                     [&fn](Eigen::Index a, Eigen::Index b) { fn(a, b); });
+                               }};
+  return threads;
+}
+
+// The custom call (XLA's API_VERSION_STATUS_RETURNING_UNIFIED): in = {x, w, scale}, out = y; the shapes come
+// in `config` as "M K N panel transpose_w", written by Int8MatMulXla below, which has checked them.
+void Int8MatMulCall(void* out, const void** in, const char* config, size_t size, void* /*status*/) {
+  long long M, K, N, panel;
+  int transpose_w;
+  if (std::sscanf(std::string(config, size).c_str(), "%lld %lld %lld %lld %d", &M, &K, &N, &panel,
+                  &transpose_w) != 5) {
+    return;
+  }
+  const Problem p{static_cast<const float*>(in[0]), static_cast<const int8_t*>(in[1]),
+                  static_cast<const float*>(in[2]), static_cast<float*>(out), M, K, N, panel};
+  std::vector<float> wide(Temporary(p));
+  Multiply(p, transpose_w, wide.data(), PoolThreads());
+}
+
+// The op under XLA, once the shapes are known: the custom call above.
+class Int8MatMulXla : public XlaOpKernel {
+ public:
+  explicit Int8MatMulXla(OpKernelConstruction* context) : XlaOpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w_));
+    OP_REQUIRES_OK(context, context->GetAttr("panel", &panel_));
+  }
+
+  void Compile(XlaOpKernelContext* context) override {
+    const TensorShape x = context->InputShape(0), w = context->InputShape(1), scale = context->InputShape(2);
+    OP_REQUIRES(context, x.dims() == 2 && w.dims() == 2 && scale.dims() == 1,
+                errors::InvalidArgument("x and w must be matrices and scale a vector"));
+    const int64_t M = x.dim_size(0), K = x.dim_size(1), N = transpose_w_ ? w.dim_size(0) : w.dim_size(1);
+    const int64_t panel = panel_ > 0 ? panel_ : std::max<int64_t>(N, 1);
+    OP_REQUIRES(context, (transpose_w_ ? w.dim_size(1) : w.dim_size(0)) == K && scale.dim_size(0) == N,
+                errors::InvalidArgument("x [M, K], w and scale do not agree"));
+    OP_REQUIRES(context, N % panel == 0 && (!transpose_w_ || panel_ == 0),
+                errors::InvalidArgument("panel must divide the output channels of an untransposed w"));
+    const std::string config = std::to_string(M) + " " + std::to_string(K) + " " + std::to_string(N) + " " +
+                               std::to_string(panel) + " " + (transpose_w_ ? "1" : "0");
+    context->SetOutput(0, xla::CustomCall(context->builder(), "gpt2_tf_int8_matmul",
+                                          {context->Input(0), context->Input(1), context->Input(2)},
+                                          xla::ShapeUtil::MakeShape(xla::F32, {M, N}), config,
+                                          /*has_side_effect=*/false, /*output_operand_aliasing=*/{},
+                                          /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
+                                          xla::CustomCallApiVersion::API_VERSION_STATUS_RETURNING_UNIFIED));
+  }
+
+ private:
+  bool transpose_w_;
+  int64_t panel_;
+};
+
+#endif  // GPT2_TF_XLA
+
 }  // namespace
 
 REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU), Int8MatMulOp);
+
+#ifdef GPT2_TF_XLA
+XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM("gpt2_tf_int8_matmul", Int8MatMulCall);
+// The kernel of XLA's CPU compilation device, registered directly: REGISTER_XLA_OP's registry is read once
+// per process, at its first XLA compile, and this library may load after that.
+REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU_XLA_JIT), Int8MatMulXla);
+#endif
