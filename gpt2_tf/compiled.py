@@ -22,7 +22,8 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from . import kernels
+from . import kernels, quiet
+from .validate import GPT2Error
 
 _functions = {}
 _variables = weakref.WeakKeyDictionary()  # model -> its variables; tf.Module takes 2.5 ms to list 148
@@ -154,12 +155,20 @@ def bucket(n, limit=None):
     return size if limit is None else min(size, limit)
 
 
+def _custom_calls_unsafe(model) -> bool:
+    """Whether XLA code for this model would call the int8 kernel and may be read back from XLA's persistent
+    cache: code read back from it into another process crashes at the kernel's call (the kernel library
+    loads at another address), so such a model decodes in a plain tf.function there."""
+    return model.dtype == 'int8' and kernels.available() and quiet.xla_cache_on()
+
+
 def default_mode(model) -> str:
     """XLA for float32 weights, and for int8 ones where the int8 kernel compiles under XLA (its custom
-    call; 0.5x the time per token of a plain tf.function at batch 1, measured). For bfloat16 and float16, a
-    plain tf.function: XLA on CPU upcasts them into float32 copies (twice the memory, no speed gained)."""
+    call; 0.42x float32's time per token at batch 1, measured) and XLA's persistent cache is off (see
+    _custom_calls_unsafe; the command line turns the cache on). For bfloat16 and float16, a plain
+    tf.function: XLA on CPU upcasts them into float32 copies (twice the memory, no speed gained)."""
     if model.dtype == 'int8':
-        return 'xla' if kernels.xla_available() else 'function'
+        return 'xla' if kernels.xla_available() and not _custom_calls_unsafe(model) else 'function'
     return 'xla' if model.dtype == 'float32' else 'function'
 
 
@@ -168,6 +177,10 @@ def shared(fn: Callable, model, mode: Optional[str] = None) -> Shared:
     mode = mode or default_mode(model)
     if mode not in MODES:
         raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+    if mode == 'xla' and _custom_calls_unsafe(model):
+        raise GPT2Error("mode='xla' for an int8 model with XLA's persistent cache on (TF_XLA_FLAGS): cached "
+                        "code that calls the int8 kernel crashes when read back; use mode='function', or "
+                        "start without the cache (GPT2_TF_XLA_CACHE=off for gpt2-tf)")
     key = (fn, model.hparams, model.dtype, mode)
     if key not in _functions:
         _functions[key] = Shared(fn, mode)

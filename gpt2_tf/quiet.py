@@ -24,6 +24,7 @@ import importlib.abc
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 from typing import Optional
@@ -85,6 +86,11 @@ def use_xla_cache() -> Optional[str]:
     os.environ['TF_XLA_FLAGS'] = (os.environ.get('TF_XLA_FLAGS', '') +
                                   f' --tf_xla_persistent_cache_directory={folder}').strip()
     return folder
+
+
+def xla_cache_on() -> bool:
+    """Whether this process keeps compiled XLA code across processes (TF_XLA_FLAGS names a cache folder)."""
+    return re.search(r'--tf_xla_persistent_cache_directory=\S', os.environ.get('TF_XLA_FLAGS', '')) is not None
 
 
 @contextlib.contextmanager

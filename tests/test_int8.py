@@ -190,3 +190,30 @@ def test_int8_decodes_under_xla_by_default_with_the_same_tokens(random_checkpoin
                              (rows, dict(top_k=1))]:
         np.testing.assert_array_equal(gpt2_tf.sample_sequence(model, 12, context=context, **options),
                                       gpt2_tf.sample_sequence(model, 12, context=context, mode='function', **options))
+
+
+def test_int8_keeps_out_of_xla_where_its_persistent_cache_is_on(monkeypatch):
+    # XLA code read back from the persistent cache into another process crashes at the kernel's call.
+    from gpt2_tf import compiled, sample
+    from gpt2_tf.validate import GPT2Error
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny', dtype='int8')
+    monkeypatch.setenv('TF_XLA_FLAGS', '--tf_xla_persistent_cache_directory=/tmp/any')
+    assert compiled.default_mode(model) == 'function'
+    with pytest.raises(GPT2Error, match="mode='xla' for an int8 model with XLA's persistent cache on"):
+        compiled.shared(sample.begin, model, 'xla')
+
+
+def test_the_command_line_decodes_int8_twice_over_its_xla_cache(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GPT2_TF_XLA_CACHE=str(tmp_path / 'xla'))
+    for _ in range(2):  # the second run reads what the first one cached
+        done = subprocess.run([sys.executable, '-m', 'gpt2_tf', 'generate', '--model_dir', 'test', '--dtype', 'int8',
+                               '--length', '4', '--seed', '0', '--quiet', 'Hello'], capture_output=True, text=True,
+                              env=env, cwd=FIXTURES.parent.parent, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
