@@ -92,3 +92,22 @@ def test_off_switch_uses_the_fallback():
               'print(kernels.available(), kernels.unavailable_reason())')
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ['False', 'GPT2_TF_KERNELS=off']
+
+
+def test_the_kernel_compiles_under_xla_when_it_loads_after_the_first_xla_compile():
+    # XLA's op registry is read at the process's first XLA compile; the kernel registers itself for XLA directly.
+    script = '''
+import numpy as np, tensorflow as tf
+tf.function(lambda x: x * 2, jit_compile=True)(tf.ones(3))
+from gpt2_tf import kernels
+if not kernels.xla_available():
+    print('skip', kernels.unavailable_reason() or 'the kernel was built without XLA'); raise SystemExit
+x, w, s = np.ones((2, 8), np.float32), np.ones((8, 3), np.int8), np.full(3, 0.5, np.float32)
+run = tf.function(lambda x: kernels.int8_matmul(x, w, s, kernel=True), jit_compile=True)
+print('gpt2_tf_int8_matmul' in run.experimental_get_compiler_ir(tf.constant(x))(stage='hlo'), run(x).numpy().tolist())
+'''
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.startswith('skip'):
+        pytest.skip(out.stdout)
+    assert out.stdout.split('\n')[0] == 'True [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]'
