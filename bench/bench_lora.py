@@ -70,7 +70,7 @@ import json, sys, time
 import numpy as np, tensorflow as tf
 import gpt2_tf
 from gpt2_tf.model import positions_for
-from gpt2_tf.train import Trainer
+from gpt2_tf.train import Trainer, recomputed
 
 def mark(phase):
     print(json.dumps({'phase': phase}), flush=True)
@@ -80,7 +80,7 @@ model = gpt2_tf.load_model(folder, dtype='int8' if case == 'lora-int8' else 'flo
 mark('loaded')
 tokens = np.random.default_rng(0).integers(0, 50257, (1, length)).astype(np.int32)
 if case == 'nograd':
-    wrap = tf.recompute_grad if recompute else None
+    wrap = recomputed if recompute else None
     @tf.function(autograph=False)
     def run(tokens):
         with tf.GradientTape() as tape:

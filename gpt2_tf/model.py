@@ -165,21 +165,19 @@ class Block(tf.Module):
         x, present = self.attend(x, kv=kv or Past(), record=record)
         return self.feed(x, record=record), present
 
-    def attend(self, x, *, kv, record=None):  # x + a, present: the block's first residual half
+    def attend(self, x, *, kv, record=None):  # the first residual half: x + attn(ln_1(x)), present
         z1 = self.ln_1(x)
         a, present = self.attn(z1, kv=kv, record=record)
-        out = x + a
-        if record is not None: record(x=x, z1=z1, attn=a, x_attn=out)  # noqa: E701
-        return out, present
+        if record is not None: record(x=x, z1=z1, attn=a, x_attn=x + a)  # noqa: E701
+        return x + a, present
 
-    def feed(self, x, *, record=None):  # x + m: the second
+    def feed(self, x, *, record=None):  # the second: x + mlp(ln_2(x))
         z2 = self.ln_2(x)
         m = self.mlp(z2)
-        out = x + m
-        if record is not None: record(z2=z2, mlp=m, out=out)  # noqa: E701
-        return out
+        if record is not None: record(z2=z2, mlp=m, out=x + m)  # noqa: E701
+        return x + m
 
-    def halves(self) -> tuple:  # the two halves in turn, each as x -> x: what training's recompute wraps
+    def halves(self) -> tuple:  # the two halves in turn, each x -> x (training's recompute wraps each)
         return (lambda x: self.attend(x, kv=Past())[0]), self.feed
 
 
@@ -214,18 +212,12 @@ class Graph(tf.Module):
 
     def blocks(self, h, kvs=None, *, wrap=None, record=None):
         """h [batch, sequence, n_embd] through every block -> h, [present per block]. kvs: a key/value source per
-        block (default Past()); wrap(half): each block's two residual halves (Block.halves) as run, x -> x
-        (training's recompute, from outside: a half's own backward then needs only what the gradients
-        read, so frozen weights' products are not recomputed); record(layer, **states) sees the named states."""
+        block (default Past()); wrap(block): each block as h -> h (training's recompute, from outside);
+        record(layer, **states) sees the named states."""
         presents = []
         for layer, (block, kv) in enumerate(zip(self.h, kvs or [None] * len(self.h))):
-            if wrap:
-                for half in block.halves():
-                    h = wrap(half)(h)
-                presents.append(None)
-                continue
             note = record and (lambda **states: record(layer, **states))  # called within this step
-            h, present = block(h, kv=kv, record=note)
+            h, present = (wrap(block)(h), None) if wrap else block(h, kv=kv, record=note)
             presents.append(present)
         return h, presents
 

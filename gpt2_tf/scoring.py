@@ -29,8 +29,8 @@ def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
     """The residual stream after the last block: X [batch, T] -> h [batch, T, n_embd]; model.logits(h) ends
     the original model() (ln_f, then the tied wte).
 
-    wrap, when given, turns each half block (Block.halves) into the function h -> h that runs it
-    (training passes tf.recompute_grad this way, from outside the model).
+    wrap, when given, turns each block into the function h -> h that runs it
+    (training passes its recompute this way, from outside the model: train.recomputed).
     """
     return model.blocks(model.embed(X, positions_for(X, 0)), wrap=wrap)[0]
 

@@ -13,6 +13,7 @@ is_chief). Their names are importable from here too, as they always were.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from typing import Callable, Optional
@@ -39,6 +40,14 @@ DECAY_POWER, EPSILON1, CLIP = 0.8, 1e-30, 1.0
 
 
 # --- one training step ---------------------------------------------------------------------------
+
+def recomputed(block):
+    """The block as h -> h with each half's activations recomputed in the backward pass (Block.halves):
+    a half's backward then runs only what its gradients read, so frozen products whose outputs only the
+    next half reads are not recomputed."""
+    halves = [tf.recompute_grad(half) for half in block.halves()]
+    return lambda h: functools.reduce(lambda x, half: half(x), halves, h)
+
 
 class Trainer:
     """One optimizer update per step, equal to the original training graph's.
@@ -116,7 +125,7 @@ class Trainer:
 
     def _gradients(self, tokens):
         """tokens [batch, T] -> (mean loss, mean gradients) over `accumulate` micro-batches, one at a time."""
-        wrap = tf.recompute_grad if self.recompute else None
+        wrap = recomputed if self.recompute else None
         k = self.accumulate
         if k == 1:
             with self._tape() as tape:

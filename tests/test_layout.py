@@ -113,8 +113,9 @@ def test_no_submodule_shadows_an_exported_name():
 
 
 def test_model_py_reads_beside_the_original():
-    # openai/gpt-2 src/model.py at revision 9b63575 has 174 lines; ours adds docstrings and shape comments.
-    assert len((PACKAGE / 'model.py').read_text().splitlines()) <= 230
+    # openai/gpt-2 src/model.py at revision 9b63575 has 174 lines; ours adds docstrings, shape comments, and
+    # the block's two residual halves as methods (training's recompute wraps each).
+    assert len((PACKAGE / 'model.py').read_text().splitlines()) <= 240
 
 
 def test_no_function_over_80_lines():
