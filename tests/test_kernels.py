@@ -111,3 +111,18 @@ print('gpt2_tf_int8_matmul' in run.experimental_get_compiler_ir(tf.constant(x))(
     if out.stdout.startswith('skip'):
         pytest.skip(out.stdout)
     assert out.stdout.split('\n')[0] == 'True [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]'
+
+
+def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    calls = []
+
+    def failing(command, **options):
+        calls.append(command)
+        raise subprocess.CalledProcessError(1, command, stderr=b'fatal error: some_header.h: No such file')
+
+    monkeypatch.setattr(kernels.subprocess, 'run', failing)
+    reason = 'g++ failed: fatal error: some_header.h: No such file'
+    assert kernels._load(xla=True) == reason
+    assert kernels._load(xla=True) == reason and len(calls) == 1  # read from the record, g++ not run again
+    assert kernels._load(xla=False) == reason and len(calls) == 2  # the build without XLA is still tried
