@@ -160,5 +160,3 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     wide = tf.cast(unpack(w, panel) if panel else w, tf.float32)
     wide = wide * (scale[:, None] if transpose_w else scale)
     return tf.matmul(x, wide, transpose_b=transpose_w)
-
-
