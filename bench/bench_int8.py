@@ -1,6 +1,6 @@
 """int8 weights against float32: load time, greedy decoding, bytes read per token, and a 1558M-shaped peak RSS.
 
-    python bench/bench_int8.py [--reps 3] [--sections load,greedy,rss,perplexity] [--minutes 4]
+    python bench/bench_int8.py [--reps 3] [--sections load,greedy,rss,onednn,perplexity] [--minutes 4]
 
 load: load_model(dir) and load_model(dir, dtype='int8') of the 124M-shaped random
 checkpoint (bench/.cache/), alternating. greedy: sample_sequence with its defaults
@@ -9,7 +9,9 @@ alternating, with the bytes each token reads (the weights, plus the KV cache at 
 mean length) and the time those bytes take at the bandwidth a plain float32 reduction
 reaches in the same run. rss: a 1558M-shaped checkpoint written tensor by tensor
 (bench/.cache/1558M-random, 6.2 GB), then `gpt2-tf generate --dtype int8` on it in
-a fresh process, its peak RSS from /usr/bin/time. perplexity: a small model (2 blocks
+a fresh process, its peak RSS from /usr/bin/time. onednn: int8 greedy in a plain
+tf.function and forward passes, with TensorFlow's oneDNN ops on and off, in fresh
+processes (what the command line's choice per command rests on). perplexity: a small model (2 blocks
 of 128, GPT-2's vocabulary, random start) fine-tuned for --minutes with finetune on
 Python's own standard library sources (sorted files; every tenth held out, half of
 those for the validation loss, half for scoring), then the held-out perplexity
@@ -134,6 +136,35 @@ def rss(_folder, _reps):
               f'{time.perf_counter() - start:.0f} s', flush=True)
 
 
+def onednn_child(folder, reps):
+    """One process's int8 times (TF_ENABLE_ONEDNN_OPTS as the parent set it): greedy in a plain tf.function
+    (the command line's mode) at batch 1 and 8, and forward passes."""
+    model = gpt2_tf.load_model(folder, dtype='int8')
+    rng = np.random.default_rng(0)
+    cases = {}
+    for batch in (1, 8):
+        prompt = rng.integers(0, model.hparams.n_vocab, (batch, 16)).astype(np.int32)
+        cases[f'greedy B{batch}'] = lambda p=prompt: gpt2_tf.sample_sequence(model, 64, context=p, top_k=1,
+                                                                               mode='function')
+    for batch, length in ((1, 1024), (8, 128)):
+        tokens = rng.integers(0, model.hparams.n_vocab, (batch, length)).astype(np.int32)
+        cases[f'forward B{batch} T{length}'] = lambda t=tokens: model(t)['logits'].numpy()
+    seconds = alternating(cases, reps)
+    print('  '.join(f'{name} {s * 1e3:.0f}' for name, s in seconds.items()), flush=True)
+
+
+def onednn(folder, reps):
+    """int8 with TensorFlow's oneDNN ops on, on with the system allocator, and off, each in fresh processes,
+    in turn twice."""
+    settings = ({'TF_ENABLE_ONEDNN_OPTS': '1'}, {'TF_ENABLE_ONEDNN_OPTS': '1', 'TF_ONEDNN_USE_SYSTEM_ALLOCATOR': '1'},
+                {'TF_ENABLE_ONEDNN_OPTS': '0'})
+    for _ in range(2):
+        for setting in settings:
+            print(' '.join(f'{k}={v}' for k, v in setting.items()) + ': ', end='', flush=True)
+            subprocess.run([sys.executable, __file__, '--sections', 'onednn_child', '--reps', str(reps)], cwd=ROOT,
+                           env=dict(os.environ, **setting), check=True, stderr=subprocess.DEVNULL)
+
+
 PPL = pathlib.Path(__file__).parent / '.cache' / 'perplexity'
 
 
@@ -189,13 +220,14 @@ def main():
     parser.add_argument('--sections', default='load,greedy,rss')
     parser.add_argument('--minutes', type=float, default=4.0, help='perplexity: minutes of fine-tuning')
     args = parser.parse_args()
-    print(f'CPU: {cpu()}')
+    if args.sections != 'onednn_child':
+        print(f'CPU: {cpu()}')
     folder = checkpoint()
     for section in args.sections.split(','):
         if section == 'perplexity':
             perplexity(folder, args.reps, args.minutes)
         else:
-            {'load': load, 'greedy': greedy, 'rss': rss}[section](folder, args.reps)
+            {'load': load, 'greedy': greedy, 'rss': rss, 'onednn': onednn, 'onednn_child': onednn_child}[section](folder, args.reps)
 
 
 if __name__ == '__main__':

@@ -125,12 +125,18 @@ def _start(load) -> None:
     _captured = read()
 
 
-def tensorflow(*, verbose: bool = False):
-    """The tensorflow module, imported and its devices initialised without printing anything."""
+def tensorflow(*, verbose: bool = False, onednn: bool = True):
+    """The tensorflow module, imported and its devices initialised without printing anything.
+
+    onednn=False turns TensorFlow's oneDNN ops off unless TF_ENABLE_ONEDNN_OPTS is set (they are on by
+    default only on CPUs with AVX-512 VNNI, bfloat16 or AMX), where that is measured to pay: see gpt2_tf.cli.common.open_model.
+    """
     _uninstall()
     if 'tensorflow' in sys.modules:
         return sys.modules['tensorflow']
     use_xla_cache()
+    if not onednn:
+        os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
     # The C++ log lines after start-up too (oneDNN's fallback notices come as errors); --verbose shows them.
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '0' if verbose else '3')
     _start(lambda: importlib.import_module('tensorflow'))

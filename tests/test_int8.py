@@ -217,3 +217,21 @@ def test_the_command_line_decodes_int8_twice_over_its_xla_cache(tmp_path):
                                '--length', '4', '--seed', '0', '--quiet', 'Hello'], capture_output=True, text=True,
                               env=env, cwd=FIXTURES.parent.parent, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_command_line_decodes_int8_without_onednn_unless_asked():
+    import os
+    import subprocess
+    import sys
+
+    oneDNN_on = 'oneDNN custom operations are on'  # TensorFlow's start-up line, shown by --verbose
+
+    def start_up_lines(*args, **env):
+        done = subprocess.run([sys.executable, '-m', 'gpt2_tf', *args, '--model_dir', 'test', '--dtype', 'int8',
+                               '--verbose'], capture_output=True, text=True, cwd=FIXTURES.parent.parent, timeout=300,
+                              env={k: v for k, v in os.environ.items() if k != 'TF_ENABLE_ONEDNN_OPTS'} | env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr
+
+    assert oneDNN_on not in start_up_lines('generate', '--length', '2', '--seed', '0', 'Hello')
+    assert oneDNN_on in start_up_lines('generate', '--length', '2', '--seed', '0', 'Hello', TF_ENABLE_ONEDNN_OPTS='1')

@@ -91,7 +91,7 @@ def run_samples(model, encoder, prompt, length: int, args, options: dict, nsampl
 def cmd_sample(args):
     options = checked_options(args)
     folder, hparams, encoder, length = prepare(args, conditional=False)
-    model = open_model(args, folder)
+    model = open_model(args, folder, decodes=True)
     run_samples(model, encoder, None, length, args, options, args.nsamples or None)  # 0: until interrupted
 
 
@@ -102,14 +102,14 @@ def cmd_generate(args):
     folder, hparams, encoder, length = prepare(args, conditional=True)
     if args.prompt is not None:
         check_prompt(args.prompt, encoder, hparams, length)
-        model = open_model(args, folder)
+        model = open_model(args, folder, decodes=True)
         run_samples(model, encoder, args.prompt, length, args, options, args.nsamples)
         return
     try:
         import readline  # noqa: F401  (line editing and history for input(); the prompt goes to the terminal)
     except ImportError:
         pass
-    interactive(open_model(args, folder), encoder, hparams, length, args, options)
+    interactive(open_model(args, folder, decodes=True), encoder, hparams, length, args, options)
 
 
 def interactive(model, encoder, hparams, length: int, args, options: dict) -> None:
