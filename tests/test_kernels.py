@@ -14,7 +14,7 @@ from gpt2_tf import kernels
 SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 96, 1000, True),
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
           (11, 768, 1001, True), (16, 80, 64, False),  # every count of rows left over by a tile of 4 or 6
-          (64, 96, 2500, False), (70, 40, 4100, True)]  # enough rows for the GEMM, over more than one chunk
+          (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True)]  # enough rows for the GEMM, over more than one chunk
 
 
 def case(m, k, n, transpose, seed=0):
