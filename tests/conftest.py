@@ -1,5 +1,6 @@
 import os
 import pathlib
+import signal
 
 import numpy as np
 import pytest
@@ -20,6 +21,12 @@ FLOAT32 = 5e-6
 # Elsewhere (other frameworks' kernels, reduced paths) 1e-4 of the largest magnitude, still far under
 # what a real defect moves (a dropped bias or gain, a shifted position, the wrong GELU: > 1e-2).
 LOOSE = 1e-4
+
+
+def default_sigint() -> None:
+    """For a child process before it starts: Ctrl-C (SIGINT) as a terminal delivers it. A run started as a
+    background job of a non-interactive shell ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def tolerance(reference, rel: float = LOOSE) -> float:

@@ -21,7 +21,7 @@ import pytest
 from gpt2_tf import quiet
 from gpt2_tf.cli import BANNER, main
 
-from conftest import FIXTURES
+from conftest import FIXTURES, default_sigint
 
 ROOT = pathlib.Path(__file__).parent.parent
 GPT2_TF = [sys.executable, '-m', 'gpt2_tf.cli']
@@ -161,6 +161,7 @@ def pty_session(argv, cwd, respond, *, timeout=180):
     pid, fd = pty.fork()
     if pid == 0:
         os.chdir(cwd)
+        default_sigint()
         os.execvpe(argv[0], argv, subprocess_env())
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack('HHHH', 24, 120, 0, 0))  # a terminal's size, as a user's has
     output, deadline = b'', time.monotonic() + timeout
@@ -333,7 +334,7 @@ def test_an_interrupted_finetune_saves_and_exits_130(tmp_path):
     (tmp_path / 'corpus.txt').write_text('It was a bright cold day in April, and the clocks were striking. ' * 200)
     process = subprocess.Popen([*GPT2_TF, 'finetune', 'corpus.txt', '--model_name', 'test', '--sample_every', '0',
                                 '--print_every', '1'], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=subprocess_env())
+                               text=True, env=subprocess_env(), preexec_fn=default_sigint)
     lines = []
     while len(lines) < 2:  # two steps done
         line = process.stdout.readline()

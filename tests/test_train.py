@@ -22,7 +22,7 @@ from gpt2_tf.dataset import Sampler, encode_dataset, load_dataset
 from gpt2_tf.train import Trainer, finetune
 from gpt2_tf.validate import GPT2Error
 
-from conftest import FIXTURES, tolerance
+from conftest import FIXTURES, default_sigint, tolerance
 
 HOT = FIXTURES / 'tf1-tiny-hot'
 HPARAMS = HParams.from_json(HOT / 'hparams.json')
@@ -283,7 +283,8 @@ def test_ctrl_c_in_the_finetune_command_exits_130_after_saving(tmp_path):
     (tmp_path / 'corpus.txt').write_text('One two three four five six seven. ' * 40)
     command = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--batch_size', '1',
                '--accumulate_gradients', '1', '--sample_every', '0', '--save_every', '0', '--seed', '1']
-    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_sigint)
     try:
         seen = ''
         while '[2 |' not in seen:  # steps=-1: it trains until interrupted
