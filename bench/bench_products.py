@@ -1,0 +1,97 @@
+"""The decode step's weight products alone, inside an XLA loop: float32 (XLA's dots) and int8 (the kernel).
+
+    python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,int8] [--reps 5]
+
+For each dtype and number of rows (the batch of a decode step), 20 steps of a compiled
+while loop, each doing what a step of the 124M-shaped model does with its weights: the
+48 block products (c_attn, attn c_proj, c_fc, mlp c_proj of 12 layers) and, apart, the
+tied logits against wte. Printed per step: ms, the weight bytes over that time (GB/s), and
+the FLOP rate; beside them the bandwidth a plain float32 reduction reaches in the same
+process (bench_int8's measure).
+"""
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import gpt2_tf  # noqa: E402
+from gpt2_tf import precision  # noqa: E402
+from bench_generate import checkpoint, cpu  # noqa: E402
+from bench_int8 import read_bandwidth  # noqa: E402
+
+STEPS = 20
+MATRICES = ('attn/c_attn', 'attn/c_proj', 'mlp/c_fc', 'mlp/c_proj')
+
+
+def products(model):
+    """(the 48 block products, the logits) as functions of x [rows, 768] and its [rows, 3072] widening."""
+    variables = model.variables_by_name()
+
+    def weight(name):
+        w = variables[name]
+        return w[0] if w.shape.rank == 3 else w, variables.get(name + precision.SCALE)
+
+    blocks = [[weight(f'model/h{i}/{m}/w') for m in MATRICES] for i in range(model.hparams.n_layer)]
+    wte, wte_scale = weight('model/wte')[0], variables.get('model/wte' + precision.SCALE)
+
+    def block_products(x, wide):
+        out = []
+        for layer in blocks:
+            for (w, scale), rows in zip(layer, (x, x, x, wide)):
+                out.append(tf.reduce_sum(precision.product(rows, w, scale)))
+        return tf.add_n(out)
+
+    def logits(x, _wide):
+        return tf.reduce_sum(precision.product(x, wte, wte_scale, transpose_b=True))
+
+    weights = sum(int(np.prod(w.shape)) * w.dtype.size for layer in blocks for w, _ in layer)
+    return {'blocks': (block_products, weights), 'logits': (logits, int(np.prod(wte.shape)) * wte.dtype.size)}
+
+
+def timed_loop(fn, rows: int, reps: int) -> float:
+    x, wide = tf.random.normal([rows, 768]), tf.random.normal([rows, 3072])
+
+    @tf.function(jit_compile=True)
+    def run():
+        body = lambda i, a: (i + 1, a * 1e-9 + fn(x + a, wide + a))  # noqa: E731  (each step depends on the last)
+        return tf.while_loop(lambda i, a: i < STEPS, body, (0, 0.0))[1]
+
+    run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run().numpy()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / STEPS
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--rows', default='1,8,16')
+    parser.add_argument('--dtypes', default='float32,int8')
+    parser.add_argument('--reps', type=int, default=5)
+    args = parser.parse_args()
+    print(f'CPU: {cpu()}')
+    print(f'read bandwidth (reduce_sum over 512 MB): {read_bandwidth() / 1e9:.1f} GB/s')
+    for dtype in args.dtypes.split(','):
+        model = gpt2_tf.load_model(checkpoint(), dtype=dtype)
+        for name, (fn, nbytes) in products(model).items():
+            for rows in map(int, args.rows.split(',')):
+                seconds = timed_loop(fn, rows, args.reps)
+                flops = 2 * rows * nbytes / (1 if dtype == 'int8' else 4)
+                print(f'{dtype:<8} {name:<7} {rows:>3} rows: {seconds * 1e3:7.2f} ms a step, '
+                      f'{nbytes / seconds / 1e9:5.1f} GB/s of weights, {flops / seconds / 1e9:6.1f} GFLOP/s',
+                      flush=True)
+
+
+if __name__ == '__main__':
+    main()
