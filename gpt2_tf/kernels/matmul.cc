@@ -333,30 +333,52 @@ void Multiply(const Problem& p, bool transpose_w, float* wide, const Threads& th
   });
 }
 
+// The op's attributes, as both of its kernels read them.
+struct Attrs {
+  bool transpose_w = false;
+  int64_t panel = 0;  // 0: the plain layout
+
+  explicit Attrs(OpKernelConstruction* context) {
+    OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w));
+    OP_REQUIRES_OK(context, context->GetAttr("panel", &panel));
+  }
+};
+
+struct Sizes {
+  int64_t M, K, N, panel;  // panel: N for the plain layout
+};
+
+// x [M, K], w and scale checked against each other and the attributes, for both kernels.
+Status Checked(const TensorShape& x, const TensorShape& w, const TensorShape& scale, const Attrs& attrs,
+               Sizes* sizes) {
+  if (x.dims() != 2 || w.dims() != 2 || scale.dims() != 1) {
+    return errors::InvalidArgument("x and w must be matrices and scale a vector");
+  }
+  const int64_t K = x.dim_size(1), N = attrs.transpose_w ? w.dim_size(0) : w.dim_size(1);
+  if ((attrs.transpose_w ? w.dim_size(1) : w.dim_size(0)) != K || scale.dim_size(0) != N) {
+    return errors::InvalidArgument("x [M, K], w and scale do not agree");
+  }
+  if (attrs.transpose_w && attrs.panel != 0) return errors::InvalidArgument("a transposed w has no panels");
+  const int64_t panel = attrs.panel > 0 ? attrs.panel : std::max<int64_t>(N, 1);
+  if (N % panel != 0) return errors::InvalidArgument("panel must divide the output channels");
+  *sizes = Sizes{x.dim_size(0), K, N, panel};
+  return OkStatus();
+}
+
 class Int8MatMulOp : public OpKernel {
  public:
-  explicit Int8MatMulOp(OpKernelConstruction* context) : OpKernel(context) {
-    OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w_));
-    OP_REQUIRES_OK(context, context->GetAttr("panel", &panel_));
-  }
+  explicit Int8MatMulOp(OpKernelConstruction* context) : OpKernel(context), attrs_(context) {}
 
   void Compute(OpKernelContext* context) override {
     const Tensor& x = context->input(0);
     const Tensor& w = context->input(1);
     const Tensor& scale = context->input(2);
-    OP_REQUIRES(context, x.dims() == 2 && w.dims() == 2 && scale.dims() == 1,
-                errors::InvalidArgument("x and w must be matrices and scale a vector"));
-    const int64_t M = x.dim_size(0), K = x.dim_size(1);
-    const int64_t N = transpose_w_ ? w.dim_size(0) : w.dim_size(1);
-    OP_REQUIRES(context, (transpose_w_ ? w.dim_size(1) : w.dim_size(0)) == K && scale.dim_size(0) == N,
-                errors::InvalidArgument("x [M, K], w and scale do not agree"));
-    const int64_t panel = panel_ > 0 ? panel_ : std::max<int64_t>(N, 1);
-    OP_REQUIRES(context, !transpose_w_ || panel_ == 0, errors::InvalidArgument("a transposed w has no panels"));
-    OP_REQUIRES(context, N % panel == 0, errors::InvalidArgument("panel must divide the output channels"));
+    Sizes n;
+    OP_REQUIRES_OK(context, Checked(x.shape(), w.shape(), scale.shape(), attrs_, &n));
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({M, N}), &y));
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({n.M, n.N}), &y));
     const Problem p{x.flat<float>().data(), w.flat<int8_t>().data(), scale.flat<float>().data(),
-                    y->flat<float>().data(), M, K, N, panel};
+                    y->flat<float>().data(), n.M, n.K, n.N, n.panel};
     Tensor temporary;
     if (Temporary(p)) OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({Temporary(p)}), &temporary));
     auto* workers = context->device()->tensorflow_cpu_worker_threads();
@@ -364,12 +386,11 @@ class Int8MatMulOp : public OpKernel {
                           [workers](int64_t units, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
                             Shard(workers->num_threads, workers->workers, units, cost, fn);
                           }};
-    Multiply(p, transpose_w_, Temporary(p) ? temporary.flat<float>().data() : nullptr, threads);
+    Multiply(p, attrs_.transpose_w, Temporary(p) ? temporary.flat<float>().data() : nullptr, threads);
   }
 
  private:
-  bool transpose_w_;
-  int64_t panel_;
+  const Attrs attrs_;
 };
 
 #ifdef GPT2_TF_XLA
@@ -409,34 +430,24 @@ void Int8MatMulCall(void* out, const void** in, const char* config, size_t size,
 // The op under XLA, once the shapes are known: the custom call above.
 class Int8MatMulXla : public XlaOpKernel {
  public:
-  explicit Int8MatMulXla(OpKernelConstruction* context) : XlaOpKernel(context) {
-    OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w_));
-    OP_REQUIRES_OK(context, context->GetAttr("panel", &panel_));
-  }
+  explicit Int8MatMulXla(OpKernelConstruction* context) : XlaOpKernel(context), attrs_(context) {}
 
   void Compile(XlaOpKernelContext* context) override {
-    const TensorShape x = context->InputShape(0), w = context->InputShape(1), scale = context->InputShape(2);
-    OP_REQUIRES(context, x.dims() == 2 && w.dims() == 2 && scale.dims() == 1,
-                errors::InvalidArgument("x and w must be matrices and scale a vector"));
-    const int64_t M = x.dim_size(0), K = x.dim_size(1), N = transpose_w_ ? w.dim_size(0) : w.dim_size(1);
-    const int64_t panel = panel_ > 0 ? panel_ : std::max<int64_t>(N, 1);
-    OP_REQUIRES(context, (transpose_w_ ? w.dim_size(1) : w.dim_size(0)) == K && scale.dim_size(0) == N,
-                errors::InvalidArgument("x [M, K], w and scale do not agree"));
-    OP_REQUIRES(context, N % panel == 0 && (!transpose_w_ || panel_ == 0),
-                errors::InvalidArgument("panel must divide the output channels of an untransposed w"));
-    const std::string config = std::to_string(M) + " " + std::to_string(K) + " " + std::to_string(N) + " " +
-                               std::to_string(panel) + " " + (transpose_w_ ? "1" : "0");
+    Sizes n;
+    OP_REQUIRES_OK(context, Checked(context->InputShape(0), context->InputShape(1), context->InputShape(2), attrs_,
+                                    &n));
+    const std::string config = std::to_string(n.M) + " " + std::to_string(n.K) + " " + std::to_string(n.N) + " " +
+                               std::to_string(n.panel) + " " + (attrs_.transpose_w ? "1" : "0");
     context->SetOutput(0, xla::CustomCall(context->builder(), "gpt2_tf_int8_matmul",
                                           {context->Input(0), context->Input(1), context->Input(2)},
-                                          xla::ShapeUtil::MakeShape(xla::F32, {M, N}), config,
+                                          xla::ShapeUtil::MakeShape(xla::F32, {n.M, n.N}), config,
                                           /*has_side_effect=*/false, /*output_operand_aliasing=*/{},
                                           /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
                                           xla::CustomCallApiVersion::API_VERSION_STATUS_RETURNING_UNIFIED));
   }
 
  private:
-  bool transpose_w_;
-  int64_t panel_;
+  const Attrs attrs_;
 };
 
 #endif  // GPT2_TF_XLA
