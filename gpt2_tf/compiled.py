@@ -157,14 +157,14 @@ def bucket(n, limit=None):
 
 def _custom_calls_unsafe(model) -> bool:
     """Whether XLA code for this model would call the int8 kernel and may be read back from XLA's persistent
-    cache: code read back from it into another process crashes at the kernel's call (the kernel library
-    loads at another address), so such a model decodes in a plain tf.function there."""
+    cache: code read back from it into another process crashes at the kernel's call (inside XLA's untyped
+    custom-call path), so such a model decodes in a plain tf.function there."""
     return model.dtype == 'int8' and kernels.available() and quiet.xla_cache_on()
 
 
 def default_mode(model) -> str:
     """XLA for float32 weights, and for int8 ones where the int8 kernel compiles under XLA (its custom
-    call; 0.42x float32's time per token at batch 1, measured) and XLA's persistent cache is off (see
+    call; 0.44x float32's time at batch 1 in bench_int8) and XLA's persistent cache is off (see
     _custom_calls_unsafe; the command line turns the cache on). For bfloat16 and float16, a plain
     tf.function: XLA on CPU upcasts them into float32 copies (twice the memory, no speed gained)."""
     if model.dtype == 'int8':

@@ -129,7 +129,8 @@ def tensorflow(*, verbose: bool = False, onednn: bool = True):
     """The tensorflow module, imported and its devices initialised without printing anything.
 
     onednn=False turns TensorFlow's oneDNN ops off unless TF_ENABLE_ONEDNN_OPTS is set (they are on by
-    default only on CPUs with AVX-512 VNNI, bfloat16 or AMX), where that is measured to pay: see gpt2_tf.cli.common.open_model.
+    default only on CPUs with AVX-512 VNNI, bfloat16 or AMX), where that is measured to pay: see
+    gpt2_tf.cli.common.open_model.
     """
     _uninstall()
     if 'tensorflow' in sys.modules:
