@@ -1,6 +1,6 @@
 """gpt2_tf against its peers on one CPU: ours float32 and int8, the TF1 original, HF PyTorch, CTranslate2 float32 and int8.
 
-    python bench/bench_peers.py [--rounds 2] [--reps 1] [--engines ...] [--rows ...]
+    python bench/bench_peers.py [--rounds 2] [--reps 1] [--engines ...] [--rows ...] [--isa avx2]
 
 The 124M-shaped random checkpoint (bench/.cache/, bench_generate's), the HF folder
 gpt2_tf.save_hf writes from it, and CTranslate2's TransformersConverter on that
@@ -14,6 +14,10 @@ per step plus the KV cache, at the read bandwidth a plain TensorFlow reduction o
 and the logits written) for float32 and int8 weights, and the FLOP bound (the
 matrix products alone, at the rate TensorFlow's best kernel, XLA or not, reaches on
 the same shapes with the weights in cache).
+
+--isa avx2 runs every engine as it runs on a CPU with AVX2 and FMA but no AVX-512
+(each library's own switch, AVX2 below: the engines' code paths, not that CPU's
+caches or memory), on a machine that has AVX-512.
 """
 
 import argparse
@@ -35,6 +39,15 @@ ROWS = {'greedy B1': ('greedy', 1, 16), 'greedy B8': ('greedy', 8, 16), 'greedy 
         'top_k=40 B1': ('top_k', 1, 16), 'forward B1 T1024': ('forward', 1, 1024),
         'forward B8 T128': ('forward', 8, 128)}
 NEW = 64  # new tokens per sampling call
+AVX2 = {  # each engine's switch to its AVX2 code, as on a CPU without AVX-512
+    'GPT2_TF_KERNEL_ARCH': 'x86-64-v3',  # our int8 kernel, built for AVX2 and FMA
+    'XLA_FLAGS': '--xla_cpu_max_isa=AVX2',  # the XLA decode loop's code
+    'ONEDNN_MAX_CPU_ISA': 'AVX2',  # oneDNN: CTranslate2's GEMMs, PyTorch's and TensorFlow's oneDNN ops
+    'ATEN_CPU_CAPABILITY': 'avx2',  # PyTorch's own kernels
+    'MKL_ENABLE_INSTRUCTIONS': 'AVX2',  # MKL, where PyTorch calls it
+    'CT2_FORCE_CPU_ISA': 'AVX2',  # CTranslate2's own kernels
+}
+AVX2_DEFAULTS = {'tf1': {'TF_ENABLE_ONEDNN_OPTS': '0'}}  # TensorFlow's own default there (gpt2_tf turns it on)
 NAMES = {'ours-float32': 'gpt2_tf float32', 'ours-int8': 'gpt2_tf int8', 'tf1': 'TF1 original',
          'hf': 'HF PyTorch', 'ct2-float32': 'CT2 float32', 'ct2-int8': 'CT2 int8'}
 
@@ -215,8 +228,9 @@ def run_worker(args, name: str) -> dict:
     """Runs one engine (or 'bounds') in a fresh process; its result, or {} when it failed (said on stderr)."""
     command = [sys.executable, __file__, '--worker', name, '--rows', ','.join(args.rows), '--reps', str(args.reps)]
     start = time.perf_counter()
-    out = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent,
-                         env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
+    isa = {**AVX2, **AVX2_DEFAULTS.get(name, {})} if args.isa == 'avx2' else {}
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), **isa)
+    out = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith('{')]
     if out.returncode or not lines:
         print(f'{name}: failed ({out.returncode}): {out.stderr.strip().splitlines()[-1:]}', flush=True)
@@ -246,6 +260,8 @@ def main():
     parser.add_argument('--reps', type=int, default=1, help='timed calls per row and round, after a first')
     parser.add_argument('--engines', default=','.join(ENGINES))
     parser.add_argument('--rows', default=','.join(ROWS))
+    parser.add_argument('--isa', choices=('native', 'avx2'), default='native',
+                        help="avx2: every engine's AVX2 code, as on a CPU without AVX-512")
     parser.add_argument('--worker', help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.engines, args.rows = args.engines.split(','), args.rows.split(',')
@@ -255,7 +271,7 @@ def main():
         return
     from bench_generate import cpu
 
-    print(f'CPU: {cpu()}; load average at the start {os.getloadavg()[0]:.1f} (a shared machine: every engine '
+    print(f'CPU: {cpu()}; code paths: {args.isa}; load average at the start {os.getloadavg()[0]:.1f} (a shared machine: every engine '
           f'runs in turn, {args.rounds} rounds)', flush=True)
     times = {e: {} for e in args.engines}
     measured = {}

@@ -7,8 +7,13 @@ Importing TensorFlow and initialising its devices prints 6-8 lines from C++
 before any Python setting can stop them; TF_CPP_MIN_LOG_LEVEL silences only
 the later ones. So the import and device initialisation run with descriptor 2
 pointed at a temporary file. The captured text is shown when the import fails,
-and always with verbose=True. oneDNN stays on: turning it off to hide its
-notice would change numerics and speed.
+and always with verbose=True.
+
+TensorFlow's oneDNN ops are turned on (prefer_onednn) wherever TensorFlow loads
+through this module, unless TF_ENABLE_ONEDNN_OPTS is set: TensorFlow turns them
+on by itself only on CPUs with AVX-512 VNNI, bfloat16 or AMX, and with AVX2
+code alone they took a forward pass to 0.68-0.71x and an Adam step to 0.62x of
+the time without (BENCHMARKS.md, AVX2 code paths).
 
 The command line calls tensorflow() before it loads a model. A program that
 imports gpt2_tf gets the same quiet import through library(), which
@@ -125,19 +130,22 @@ def _start(load) -> None:
     _captured = read()
 
 
+def prefer_onednn(on: bool = True) -> None:
+    """TensorFlow's oneDNN ops on (or off) for the import to come, unless TF_ENABLE_ONEDNN_OPTS is set."""
+    os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1' if on else '0')
+
+
 def tensorflow(*, verbose: bool = False, onednn: bool = True):
     """The tensorflow module, imported and its devices initialised without printing anything.
 
-    onednn=False turns TensorFlow's oneDNN ops off unless TF_ENABLE_ONEDNN_OPTS is set (they are on by
-    default only on CPUs with AVX-512 VNNI, bfloat16 or AMX), where that is measured to pay: see
-    gpt2_tf.cli.common.open_model.
+    onednn says whether TensorFlow's oneDNN ops are on, unless TF_ENABLE_ONEDNN_OPTS is set (see
+    prefer_onednn); off where that is measured to pay: see gpt2_tf.cli.common.open_model.
     """
     _uninstall()
     if 'tensorflow' in sys.modules:
         return sys.modules['tensorflow']
     use_xla_cache()
-    if not onednn:
-        os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+    prefer_onednn(onednn)
     # The C++ log lines after start-up too (oneDNN's fallback notices come as errors); --verbose shows them.
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '0' if verbose else '3')
     _start(lambda: importlib.import_module('tensorflow'))
@@ -174,6 +182,7 @@ class _QuietImport(importlib.abc.MetaPathFinder):
         if name != 'tensorflow':
             return None
         _uninstall()
+        prefer_onednn()
         if 'TF_CPP_MIN_LOG_LEVEL' in os.environ:  # the program chose what TensorFlow prints
             return None
         spec = importlib.util.find_spec(name)

@@ -126,3 +126,26 @@ def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatc
     assert kernels._load(xla=True) == reason
     assert kernels._load(xla=True) == reason and len(calls) == 1  # read from the record, g++ not run again
     assert kernels._load(xla=False) == reason and len(calls) == 2  # the build without XLA is still tried
+
+
+def _has_avx2() -> bool:
+    try:
+        return ' avx2' in next(line for line in open('/proc/cpuinfo') if line.startswith('flags'))
+    except (OSError, StopIteration):
+        return False
+
+
+@pytest.mark.skipif(not _has_avx2(), reason='the AVX2 path needs an x86 CPU with AVX2')
+def test_the_avx2_path_passes_the_same_products_on_any_x86_cpu(tmp_path):
+    # Built with -march=x86-64-v3 (AVX2 and FMA, no AVX-512), whatever this CPU has, the kernel's AVX2 tiles
+    # give the products above; on an AVX-512 machine the native build holds zmm instructions, this one none.
+    env = dict(os.environ, **{kernels.ARCH_ENV: 'x86-64-v3', kernels.CACHE_ENV: str(tmp_path)})
+    selected = 'product_equals and kernel and not XLA and not TensorFlow'
+    out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', selected],
+                         env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert 'skipped' not in out.stdout and ' passed' in out.stdout, out.stdout[-1000:]
+    built = list(tmp_path.glob('matmul-*.so'))
+    assert built, 'no library was built'
+    code = subprocess.run(['objdump', '-d', str(built[0])], capture_output=True, text=True, check=True).stdout
+    assert 'ymm' in code and 'zmm' not in code

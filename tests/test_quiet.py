@@ -62,3 +62,24 @@ def test_encode_loads_no_tensorflow(tmp_path):
                            text=True, env=env(), timeout=120)
     imported = {line.rsplit('|', 1)[-1].strip() for line in timed.stderr.splitlines() if '|' in line}
     assert 'gpt2_tf.cli' in imported and 'tensorflow' not in imported
+
+
+ONEDNN = ('import os, sys; {imports}; from tensorflow.python.util import _pywrap_util_port as port; '
+          'print(os.environ.get("TF_ENABLE_ONEDNN_OPTS"), port.IsMklEnabled())')
+
+
+def onednn(imports: str, **extra) -> str:
+    values = {k: v for k, v in env(**extra).items() if k != 'TF_ENABLE_ONEDNN_OPTS' or 'TF_ENABLE_ONEDNN_OPTS' in extra}
+    done = subprocess.run([sys.executable, '-c', ONEDNN.format(imports=imports)], capture_output=True, text=True,
+                          env=values, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_tensorflow_loaded_through_gpt2_tf_has_onednn_on_on_every_cpu():
+    # TensorFlow itself leaves oneDNN off on AVX2-only CPUs, where it made forward passes and training faster.
+    assert onednn('import gpt2_tf; import tensorflow') == '1 True'
+    assert onednn('import gpt2_tf; import tensorflow', TF_CPP_MIN_LOG_LEVEL='2') == '1 True'  # not quiet, still on
+    assert onednn('from gpt2_tf import quiet; quiet.tensorflow()') == '1 True'  # the command line's import
+    assert onednn('from gpt2_tf import quiet; quiet.tensorflow(onednn=False)') == '0 False'
+    assert onednn('import gpt2_tf; import tensorflow', TF_ENABLE_ONEDNN_OPTS='0') == '0 False'  # the user's choice

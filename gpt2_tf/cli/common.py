@@ -60,8 +60,8 @@ def start_tensorflow(args, folder: ModelFolder = None, *, onednn: bool = True) -
 def open_model(args, folder: ModelFolder, *, device: str = None, decodes: bool = False):
     """TensorFlow and the model, once every argument has been checked: --device and --dtype from args.
 
-    decodes: the command only samples (generate, sample). With --dtype int8 it then runs without
-    TensorFlow's oneDNN ops (on by default where the CPU has AVX-512 VNNI, bfloat16 or AMX): the products are the int8 kernel's
+    TensorFlow's oneDNN ops are on (gpt2_tf.quiet.prefer_onednn), but decodes: the command only samples
+    (generate, sample). With --dtype int8 it then runs without them: the products are the int8 kernel's
     either way, and oneDNN's allocator keeps each freed float32 read for reuse (a 1558M-shaped generate
     peaked at 2.90 GiB with it, 2.45 without). Measured (bench_int8 --sections onednn): greedy at batch 1
     0.91x the time, at batch 8 1.11x. Scoring and serving keep them: their int8 forward pass took

@@ -8,7 +8,9 @@ The kernel (matmul.cc) reads the int8 weights themselves and widens them
 next to the multiply, so a product streams a quarter of float32's bytes. It is
 built with the machine's g++ and TensorFlow's own compile flags into a cache
 folder ($GPT2_TF_KERNEL_CACHE, default ~/.cache/gpt2_tf/kernels), keyed by the
-source, the TensorFlow version and the CPU, so it works from a plain checkout.
+source, the TensorFlow version, the CPU and the target ($GPT2_TF_KERNEL_ARCH, g++'s
+-march: native by default; x86-64-v3 builds the AVX2 path on an AVX-512 machine), so
+it works from a plain checkout.
 Built with TensorFlow's XLA headers where they compile, the op also runs inside
 XLA-compiled functions, as a custom call (xla_available()); otherwise the library
 holds the op alone (a failed XLA build is not tried again for the same key).
@@ -35,6 +37,7 @@ import tensorflow as tf
 SOURCE = pathlib.Path(__file__).with_name('matmul.cc')
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
+ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
 _local = threading.local()  # .off: inside tensorflow_ops() on this thread
 
 
@@ -50,8 +53,13 @@ def _cpu_key() -> str:
     return flags
 
 
+def arch() -> str:
+    return os.environ.get(ARCH_ENV) or 'native'
+
+
 def _library_path(xla: bool) -> pathlib.Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + tf.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + tf.__version__.encode() + _cpu_key().encode() +
+                         arch().encode()).hexdigest()[:16]
     return cache_folder() / f'matmul-{key}{"-xla" if xla else ""}.so'
 
 
@@ -70,7 +78,7 @@ def _compile(target: pathlib.Path, xla: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(suffix='.so', dir=target.parent)
     os.close(handle)
-    command = ['g++', '-shared', '-fPIC', '-O3', '-march=native', '-w', *_flags(xla), '-o', partial]
+    command = ['g++', '-shared', '-fPIC', '-O3', f'-march={arch()}', '-w', *_flags(xla), '-o', partial]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=900)
         os.replace(partial, target)
