@@ -100,9 +100,9 @@ inline float Sum(Vec v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
-constexpr int kVectors = 2;  // 4 rows x 2 vectors: 8 of the 16 registers
-constexpr int kMaxRows = 4;
-constexpr int kHalfRows = kMaxRows;  // no half-width tiles
+constexpr int kVectors = 4;  // up to 2 rows x 4 vectors: 8 of the 16 registers, 4 sums in flight at 1 row
+constexpr int kMaxRows = 2;
+constexpr int kHalfRows = 4;  // from 3 rows on, tiles of up to 4 rows x 2 vectors (8 registers)
 constexpr int kRowChannels = 2;  // [N, K] layout, from 2 rows on: 2 channels x up to 4 rows (8 registers)
 #else
 constexpr int kLanes = 1;
@@ -219,26 +219,43 @@ void Columns(const Problem& p, int64_t b) {
 }
 
 // y[m0:m0+R, n0:n0+U] for w [N, K]: U output channels as dot products along their contiguous rows of w.
+// With few outputs a tile, each output keeps S partial sums along k (4 at one row and one channel), so that
+// S multiply-adds are in flight rather than one waiting on the last: one sum made the logits at batch 1 bound
+// by the multiply-add's latency.
 template <int R, int U>
 void RowTile(const Problem& p, int64_t m0, int64_t n0) {
-  Vec acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = Zero();
+  constexpr int S = R * U >= 4 ? 1 : 4 / (R * U);
+  Vec acc[S][R][U];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[s][r][u] = Zero();
   const int8_t* w = p.w + n0 * p.K;
   const float* x = p.x + m0 * p.K;
   int64_t k = 0;
-  for (; k + kLanes <= p.K; k += kLanes) {
-    Vec wide[U];
+  for (; k + S * kLanes <= p.K; k += S * kLanes) {
     for (int u = 0; u < U; ++u) Prefetch(w + u * p.K + k + kAhead);
-    for (int u = 0; u < U; ++u) wide[u] = Widen(w + u * p.K + k);
-    for (int r = 0; r < R; ++r) {
-      const Vec xk = Load(x + r * p.K + k);
-      for (int u = 0; u < U; ++u) acc[r][u] = Fma(xk, wide[u], acc[r][u]);
+    for (int s = 0; s < S; ++s) {
+      const int64_t ks = k + s * kLanes;
+      Vec wide[U];
+      for (int u = 0; u < U; ++u) wide[u] = Widen(w + u * p.K + ks);
+      for (int r = 0; r < R; ++r) {
+        const Vec xk = Load(x + r * p.K + ks);
+        for (int u = 0; u < U; ++u) acc[s][r][u] = Fma(xk, wide[u], acc[s][r][u]);
+      }
     }
   }
+  for (; k + kLanes <= p.K; k += kLanes) {  // what is left of k, a vector at a time, into the first sums
+    for (int u = 0; u < U; ++u) {
+      const Vec wide = Widen(w + u * p.K + k);
+      for (int r = 0; r < R; ++r) acc[0][r][u] = Fma(Load(x + r * p.K + k), wide, acc[0][r][u]);
+    }
+  }
+  for (int s = 1; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[0][r][u] = acc[0][r][u] + acc[s][r][u];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) {
-      float sum = Sum(acc[r][u]);
+      float sum = Sum(acc[0][r][u]);
       for (int64_t t = k; t < p.K; ++t) sum += x[r * p.K + t] * static_cast<float>(w[u * p.K + t]);
       p.y[(m0 + r) * p.N + n0 + u] = sum * p.scale[n0 + u];
     }
