@@ -47,7 +47,6 @@ AVX2 = {  # each engine's switch to its AVX2 code, as on a CPU without AVX-512
     'MKL_ENABLE_INSTRUCTIONS': 'AVX2',  # MKL, where PyTorch calls it
     'CT2_FORCE_CPU_ISA': 'AVX2',  # CTranslate2's own kernels
 }
-AVX2_DEFAULTS = {'tf1': {'TF_ENABLE_ONEDNN_OPTS': '0'}}  # TensorFlow's own default there (gpt2_tf turns it on)
 NAMES = {'ours-float32': 'gpt2_tf float32', 'ours-int8': 'gpt2_tf int8', 'tf1': 'TF1 original',
          'hf': 'HF PyTorch', 'ct2-float32': 'CT2 float32', 'ct2-int8': 'CT2 int8'}
 
@@ -228,7 +227,9 @@ def run_worker(args, name: str) -> dict:
     """Runs one engine (or 'bounds') in a fresh process; its result, or {} when it failed (said on stderr)."""
     command = [sys.executable, __file__, '--worker', name, '--rows', ','.join(args.rows), '--reps', str(args.reps)]
     start = time.perf_counter()
-    isa = {**AVX2, **AVX2_DEFAULTS.get(name, {})} if args.isa == 'avx2' else {}
+    isa = dict(AVX2) if args.isa == 'avx2' else {}
+    if isa and name == 'tf1':
+        isa['TF_ENABLE_ONEDNN_OPTS'] = '0'  # TensorFlow's own default on such CPUs (gpt2_tf turns it on)
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), **isa)
     out = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith('{')]

@@ -128,14 +128,7 @@ def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatc
     assert kernels._load(xla=False) == reason and len(calls) == 2  # the build without XLA is still tried
 
 
-def _has_avx2() -> bool:
-    try:
-        return ' avx2' in next(line for line in open('/proc/cpuinfo') if line.startswith('flags'))
-    except (OSError, StopIteration):
-        return False
-
-
-@pytest.mark.skipif(not _has_avx2(), reason='the AVX2 path needs an x86 CPU with AVX2')
+@pytest.mark.skipif('avx2' not in kernels._cpu_key().split(), reason='the AVX2 path needs an x86 CPU with AVX2')
 def test_the_avx2_path_passes_the_same_products_on_any_x86_cpu(tmp_path):
     # Built with -march=x86-64-v3 (AVX2 and FMA, no AVX-512), whatever this CPU has, the kernel's AVX2 tiles
     # give the products above; on an AVX-512 machine the native build holds zmm instructions, this one none.
