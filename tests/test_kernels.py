@@ -142,3 +142,13 @@ def test_the_avx2_path_passes_the_same_products_on_any_x86_cpu(tmp_path):
     assert built, 'no library was built'
     code = subprocess.run(['objdump', '-d', str(built[0])], capture_output=True, text=True, check=True).stdout
     assert 'ymm' in code and 'zmm' not in code
+
+
+def test_a_kernel_target_g_plus_plus_does_not_know_is_refused_in_one_line(tmp_path):
+    script = ('from gpt2_tf import kernels\ntry:\n    kernels.available()\nexcept ValueError as e:\n    print(e)')
+    env = dict(os.environ, **{kernels.ARCH_ENV: 'bogus', kernels.CACHE_ENV: str(tmp_path)})
+    out = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line, = out.stdout.strip().splitlines()
+    assert line.startswith('GPT2_TF_KERNEL_ARCH=bogus: the int8 kernel could not be built (g++ failed: ')
+    assert "bad value" in line and 'bogus' in line.split('(', 1)[1]  # g++'s own error line, not its list of values

@@ -9,8 +9,9 @@ next to the multiply, so a product streams a quarter of float32's bytes. It is
 built with the machine's g++ and TensorFlow's own compile flags into a cache
 folder ($GPT2_TF_KERNEL_CACHE, default ~/.cache/gpt2_tf/kernels), keyed by the
 source, the TensorFlow version, the CPU and the target ($GPT2_TF_KERNEL_ARCH, g++'s
--march: native by default; x86-64-v3 builds the AVX2 path on an AVX-512 machine), so
-it works from a plain checkout.
+-march: native by default; x86-64-v3 builds the AVX2 path on an AVX-512 machine; a
+target set there that does not build is refused, not skipped), so it works from a
+plain checkout.
 Built with TensorFlow's XLA headers where they compile, the op also runs inside
 XLA-compiled functions, as a custom call (xla_available()); otherwise the library
 holds the op alone (a failed XLA build is not tried again for the same key).
@@ -100,7 +101,8 @@ def _load(xla: bool):
     except FileNotFoundError:
         return 'no g++ on this machine'
     except subprocess.CalledProcessError as e:
-        reason = 'g++ failed: ' + (e.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]
+        lines = e.stderr.decode(errors='replace').strip().splitlines() or ['?']
+        reason = 'g++ failed: ' + next((line for line in lines if 'error' in line), lines[-1])
         if xla:
             failed.write_text(reason)
         return reason
@@ -118,7 +120,13 @@ def _library() -> tuple:
     library = _load(xla=True)
     if not isinstance(library, str):
         return library, True
-    return _load(xla=False), False
+    library = _load(xla=False)
+    if isinstance(library, str) and os.environ.get(ARCH_ENV):  # a build asked for by name is not silently skipped
+        from ..validate import GPT2Error
+
+        raise GPT2Error(f'{ARCH_ENV}={arch()}: the int8 kernel could not be built ({library}); give g++ a valid '
+                        f'-march value (native, x86-64-v3, ...) or unset it')
+    return library, False
 
 
 def available() -> bool:
