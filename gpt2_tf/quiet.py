@@ -12,7 +12,7 @@ and always with verbose=True.
 TensorFlow's oneDNN ops are turned on (prefer_onednn) wherever TensorFlow loads
 through this module, unless TF_ENABLE_ONEDNN_OPTS is set: TensorFlow turns them
 on by itself only on CPUs with AVX-512 VNNI, bfloat16 or AMX, and with AVX2
-code alone they took a forward pass to 0.68-0.71x and an Adam step to 0.62x of
+code alone they took a forward pass to 0.61-0.71x and an Adam step to 0.62x of
 the time without (BENCHMARKS.md, AVX2 code paths).
 
 The command line calls tensorflow() before it loads a model. A program that
