@@ -9,7 +9,8 @@ PACKAGE = pathlib.Path(__file__).parent.parent / 'gpt2_tf'
 # Bottom to top. A module may import modules of lower layers only (lazy imports inside functions too).
 # A subpackage is one entry, its modules named 'package.module'; inside it the same rule holds.
 LAYERS = [
-    {'validate', 'assets', 'quiet', 'kernels', 'filters', 'thresholds'},
+    {'validate'},
+    {'assets', 'quiet', 'kernels', 'filters', 'thresholds'},
     {'hparams', 'precision', 'encoder', 'noise', 'train_config', 'penalties'},
     {'model', 'corpus', 'litert_run', 'distribute'},
     {'runtime', 'tf1_reference', 'compiled', 'dataset'},
