@@ -38,12 +38,15 @@ def write_random_checkpoint(model_dir: str | os.PathLike, hparams: HParams, *, s
         variables = v1.global_variables()
         saver = v1.train.Saver(var_list=variables, save_relative_paths=True)
         with v1.Session(graph=graph) as session:
+            values = {}
             for variable in variables:
                 shape = variable.shape.as_list()
                 value = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
                 if variable.op.name.endswith('/g'):
                     value += 1
-                variable.load(value, session)
+                values[variable.initializer.inputs[1]] = value
+            # One run for every variable: each run of a large graph costs a fraction of a second by itself.
+            session.run([variable.initializer for variable in variables], feed_dict=values)
             prefix = saver.save(session, os.path.join(model_dir, 'model.ckpt'), write_meta_graph=meta_graph)
     hparams.to_json(os.path.join(model_dir, 'hparams.json'))
     return prefix
