@@ -193,9 +193,9 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
             except _Retry as e:
                 if attempt == retries:
                     resume = f'run again to resume from {part}' if os.path.exists(part) else 'run again later'
-                    raise DownloadError(f'{e}; gave up after {retries + 1} attempts ({resume})') from None
+                    raise DownloadError(f'{e}; gave up after {retries + 1} attempt{"s" if retries else ""} ({resume})') from None
                 if attempt == 0:  # one notice per file, however many retries follow
-                    progress.write(f'download_model.py: {e}; retrying up to {retries} times', file=sys.stderr)
+                    progress.write(f'download_model.py: {e}; retrying up to {retries} time{"s" if retries > 1 else ""}', file=sys.stderr)
                 time.sleep(backoff * 2 ** attempt)
                 continue
             except OSError as e:
@@ -274,6 +274,12 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
     return final
 
 
+def _retries(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f'{text!r} is not a whole number of 0 or more')
+    return int(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog='download_model.py', description='Download a published GPT-2 model, as the original script does.')
@@ -284,6 +290,9 @@ def main(argv=None) -> int:
     parser.add_argument('--base-url', default=None,
                         help=f'a mirror to download from (default: ${BASE_URL_ENV}, else {BASE_URL})')
     parser.add_argument('--no-verify', action='store_true', help='skip the check that the checkpoint loads')
+    parser.add_argument('--retries', type=_retries, default=5,
+                        help='retries per file after a server error or a dropped connection, waiting 1, 2, 4, ... '
+                             'seconds between them (default: 5)')
     parser.add_argument('--quiet', action='store_true', help='no progress bars')
     parser.add_argument('--verbose', action='store_true', help="show TensorFlow's start-up messages")
     args = parser.parse_args(argv)
@@ -292,7 +301,7 @@ def main(argv=None) -> int:
         return 0
     try:
         folder = download_model(args.model, args.models_dir, base_url=args.base_url, verify=not args.no_verify,
-                                quiet=args.quiet, verbose=args.verbose)
+                                quiet=args.quiet, verbose=args.verbose, retries=args.retries)
     except DownloadError as e:
         print(f'download_model.py: error: {e}', file=sys.stderr)
         return 1

@@ -365,18 +365,35 @@ def test_command_line(server, tmp_path):
 def test_command_line_failures_write_at_most_three_lines(server, tmp_path):
     server.errors['hparams.json'] = [500] * 10
     env = dict(os.environ, GPT2_TF_BASE_URL=server.url)
-    done = subprocess.run([sys.executable, str(ROOT / 'download_model.py'), '124M', '--models-dir', str(tmp_path)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    done = subprocess.run([sys.executable, str(ROOT / 'download_model.py'), '124M', '--models-dir', str(tmp_path),
+                           '--retries', '2'], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert done.returncode == 1
     lines = done.stderr.splitlines()
     assert 1 <= len(lines) <= 3, lines
-    assert 'retrying' in lines[0] and 'gave up after 6 attempts' in lines[-1]
+    assert 'retrying up to 2 times' in lines[0] and 'gave up after 3 attempts' in lines[-1]
     server.errors.clear()
     server.files['hparams.json'] = b'{"n_vocab": 512, "n_ctx": 32, "n_embd": 64, "n_head": 4, "n_layer": 2}'
     done = subprocess.run([sys.executable, str(ROOT / 'download_model.py'), '124M', '--models-dir', str(tmp_path)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
     assert 'does not load' in done.stderr
+
+
+def test_the_default_is_five_retries_waiting_1_2_4_8_16_seconds(server, tmp_path, monkeypatch):
+    waits = []
+    monkeypatch.setattr(download.time, 'sleep', waits.append)
+    server.errors['hparams.json'] = [500] * 10
+    with pytest.raises(DownloadError, match='gave up after 6 attempts'):
+        download_model('124M', str(tmp_path), base_url=server.url, quiet=True)
+    assert waits == [1, 2, 4, 8, 16]
+
+
+def test_a_retry_count_that_is_not_a_whole_number_is_refused(capsys):
+    with pytest.raises(SystemExit) as done:
+        download.main(['124M', '--retries', '-1'])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "download_model.py: error: argument --retries: '-1' is not a whole number of 0 or more")
 
 
 def test_known_hashes_match_the_bundled_files():
