@@ -1,6 +1,6 @@
 """int8 weights against float32: load time, greedy decoding, bytes read per token, and a 1558M-shaped peak RSS.
 
-    python bench/bench_int8.py [--reps 3] [--sections load,greedy,rss,onednn,perplexity] [--minutes 4]
+    python bench/bench_int8.py [--reps 3] [--sections load,greedy,rss,onednn,rows,perplexity] [--minutes 4]
 
 load: load_model(dir) and load_model(dir, dtype='int8') of the 124M-shaped random
 checkpoint (bench/.cache/), alternating. greedy: sample_sequence with its defaults
@@ -11,7 +11,10 @@ reaches in the same run. rss: a 1558M-shaped checkpoint written tensor by tensor
 (bench/.cache/1558M-random, 6.2 GB), then `gpt2-tf generate --dtype int8` on it in
 a fresh process, its peak RSS from /usr/bin/time. onednn: int8 greedy in a plain
 tf.function and forward passes, with TensorFlow's oneDNN ops on and off, in fresh
-processes (what the command line's choice per command rests on). perplexity: a small model (2 blocks
+processes (what the command line's choice per command rests on). rows: three of
+a block's int8 products by the kernel's tiles, by TensorFlow's float32 product over the
+dequantized matrix and by the default (kernels.MANY_ROWS), at 16 to 1024 rows; then the
+float32 and int8 forward passes at B1 T1024 and B8 T128. perplexity: a small model (2 blocks
 of 128, GPT-2's vocabulary, random start) fine-tuned for --minutes with finetune on
 Python's own standard library sources (sorted files; every tenth held out, half of
 those for the validation loss, half for scoring), then the held-out perplexity
@@ -95,6 +98,33 @@ def greedy(folder, reps):
             ratio = f'{seconds[dtype] / seconds["float32"]:.2f}' if dtype == 'int8' else ''
             print(f'{"batch " + str(batch):<16}{dtype:<9}{seconds[dtype] * 1e3:>8.0f}{per_token * 1e3:>10.1f}'
                   f'{read / 1e6:>10.0f}{bound * 1e3:>16.1f}{per_token / bound:>9.2f}{ratio:>10}', flush=True)
+
+
+def rows(folder, reps):
+    """The kernel's tiles against TensorFlow's float32 product over the dequantized matrix, by rows."""
+    from gpt2_tf import kernels, precision
+
+    model = gpt2_tf.load_model(folder, dtype='int8')
+    variables = model.variables_by_name()
+    blocks = [(variables[f'model/h0/{m}/w'][0], variables[f'model/h0/{m}/w' + precision.SCALE])
+              for m in ('attn/c_attn', 'mlp/c_fc', 'mlp/c_proj')]
+
+    def products(kernel):
+        return tf.function(lambda xs: tf.add_n([tf.reduce_sum(kernels.int8_matmul(
+            x, w, s, panel=precision.panel(w.shape[-1]), kernel=kernel)) for x, (w, s) in zip(xs, blocks)]))
+
+    paths = {'tiles': products(True), 'tensorflow': products(False), 'default': products(None)}
+    print(f'int8 c_attn + c_fc + mlp c_proj (124M), ms; the default switches at {kernels.MANY_ROWS} rows')
+    for m in (16, 32, 64, 128, 256, 1024):
+        xs = [tf.random.normal([m, w.shape[0]]) for w, _ in blocks]
+        seconds = alternating({name: lambda f=f: f(xs).numpy() for name, f in paths.items()}, max(reps, 5))
+        print(f'{m:>5} rows: ' + ', '.join(f'{name} {t * 1e3:.2f}' for name, t in seconds.items()), flush=True)
+    models = {'float32': gpt2_tf.load_model(folder), 'int8': model}
+    for batch, length in ((1, 1024), (8, 128)):
+        tokens = np.random.default_rng(0).integers(0, 50257, (batch, length))
+        seconds = alternating({d: lambda m=m: m(tokens)['logits'].numpy() for d, m in models.items()}, reps)
+        print(f'forward B{batch} T{length}: float32 {seconds["float32"] * 1e3:.0f} ms, int8 '
+              f'{seconds["int8"] * 1e3:.0f} ms ({seconds["int8"] / seconds["float32"]:.2f}x)', flush=True)
 
 
 def write_big_checkpoint(folder: pathlib.Path, hparams: HParams):
@@ -227,7 +257,8 @@ def main():
         if section == 'perplexity':
             perplexity(folder, args.reps, args.minutes)
         else:
-            {'load': load, 'greedy': greedy, 'rss': rss, 'onednn': onednn, 'onednn_child': onednn_child}[section](folder, args.reps)
+            {'load': load, 'greedy': greedy, 'rss': rss, 'onednn': onednn, 'onednn_child': onednn_child,
+             'rows': rows}[section](folder, args.reps)
 
 
 if __name__ == '__main__':

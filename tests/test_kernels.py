@@ -87,6 +87,40 @@ def test_kernel_and_fallback_agree_in_a_compiled_function():
                                rtol=0, atol=2e-6 * np.abs(x @ (w * scale)).max())
 
 
+@pytest.mark.parametrize('traced', ['eager', 'rows unknown when traced'])
+def test_block_matrices_take_tensorflow_s_product_from_many_rows_on_and_wte_the_kernel(traced, monkeypatch):
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    from gpt2_tf import precision
+
+    taken = tf.Variable(0)  # counts the products TensorFlow's ops made, when they run (not when traced)
+    plain = kernels._dequantized_product
+
+    def counted(*args):
+        with tf.control_dependencies([taken.assign_add(1)]):
+            return tf.identity(plain(*args))
+
+    monkeypatch.setattr(kernels, '_dequantized_product', counted)
+
+    def run(x, w, scale, **options):
+        if traced == 'eager':
+            return kernels.int8_matmul(tf.constant(x), w, scale, **options).numpy()
+        fn = tf.function(lambda x: kernels.int8_matmul(x, w, scale, **options),
+                         input_signature=[tf.TensorSpec([None, x.shape[1]], tf.float32)])
+        return fn(tf.constant(x)).numpy()
+
+    for rows in (1, kernels.MANY_ROWS - 1, kernels.MANY_ROWS, 3 * kernels.MANY_ROWS):
+        x, w, scale, reference = case(rows, 96, 256, False, seed=rows)
+        taken.assign(0)
+        y = run(x, tf.constant(precision.pack(w)), tf.constant(scale), panel=precision.panel(256))
+        assert taken.numpy() == (rows >= kernels.MANY_ROWS), rows
+        np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
+        x, w, scale, reference = case(rows, 96, 300, True, seed=rows)  # wte's layout: the kernel at every size
+        y = run(x, tf.constant(w), tf.constant(scale), transpose_w=True)
+        assert taken.numpy() == (rows >= kernels.MANY_ROWS), rows
+        np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
+
+
 def test_off_switch_uses_the_fallback():
     script = ('import os; os.environ["GPT2_TF_KERNELS"] = "off"; from gpt2_tf import kernels; '
               'print(kernels.available(), kernels.unavailable_reason())')

@@ -40,6 +40,11 @@ CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
 _local = threading.local()  # .off: inside tensorflow_ops() on this thread
+# From this many rows on, a block matrix ([K, N] in panels) is multiplied by TensorFlow's float32 product over
+# its dequantized copy (at most 41 MB, for 1558M's c_fc), which beat the kernel's tiles there: 7.9 against
+# 15.1 ms for 64 rows of three 124M block products, 71 against 80 for 1024 (bench/bench_products.py --rows).
+# wte's product keeps the kernel at every size: its float32 copy would be 154-322 MB.
+MANY_ROWS = 64
 
 
 def cache_folder() -> pathlib.Path:
@@ -165,14 +170,27 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
 
     panel: 0 for w's plain layout; else w [K, N] holds its values as [N / panel, K, panel] (see
     gpt2_tf.precision.pack), so that a block of output channels is one contiguous stream.
-    kernel: None uses the C++ kernel when it is available, True requires it, False uses TensorFlow ops.
+    kernel: None uses the C++ kernel when it is available (a block matrix times MANY_ROWS rows or more takes
+    TensorFlow's float32 product over its dequantized copy), True requires it, False uses TensorFlow ops.
     """
     use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
-    if use:
-        library = _library()[0]
-        if isinstance(library, str):
-            raise RuntimeError(f'the int8 kernel is not available: {library}')
-        return library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel)
+    if not use:
+        return _dequantized_product(x, w, scale, transpose_w, panel)
+    library = _library()[0]
+    if isinstance(library, str):
+        raise RuntimeError(f'the int8 kernel is not available: {library}')
+    tiles = lambda: library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel)  # noqa: E731
+    if kernel or transpose_w:
+        return tiles()
+    rows = x.shape[0]
+    if rows is not None:  # known when traced, as in the decode loop
+        return _dequantized_product(x, w, scale, transpose_w, panel) if rows >= MANY_ROWS else tiles()
+    return tf.cond(tf.shape(x)[0] >= MANY_ROWS, lambda: _dequantized_product(x, w, scale, transpose_w, panel),
+                   tiles)
+
+
+def _dequantized_product(x, w, scale, transpose_w: bool, panel: int):
+    """The same product in TensorFlow ops: w cast to float32 and scaled, then a float32 matmul."""
     wide = tf.cast(unpack(w, panel) if panel else w, tf.float32)
     wide = wide * (scale[:, None] if transpose_w else scale)
     return tf.matmul(x, wide, transpose_b=transpose_w)
