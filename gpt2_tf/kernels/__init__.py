@@ -41,8 +41,9 @@ SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
 _local = threading.local()  # .off: inside tensorflow_ops() on this thread
 # From this many rows on, a block matrix ([K, N] in panels) is multiplied by TensorFlow's float32 product over
-# its dequantized copy (at most 41 MB, for 1558M's c_fc), which beat the kernel's tiles there: 7.9 against
-# 15.1 ms for 64 rows of three 124M block products, 71 against 80 for 1024 (bench/bench_products.py --rows).
+# its dequantized copy (at most 41 MB, for 1558M's c_fc), which beat the kernel's Eigen GEMM there: 8.7
+# against 19.5 ms for 64 rows of three 124M block products, 79 against 93 for 1024 (Zen 4;
+# bench/bench_int8.py --sections rows).
 # wte's product keeps the kernel at every size: its float32 copy would be 154-322 MB.
 MANY_ROWS = 64
 
