@@ -193,9 +193,11 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
             except _Retry as e:
                 if attempt == retries:
                     resume = f'run again to resume from {part}' if os.path.exists(part) else 'run again later'
-                    raise DownloadError(f'{e}; gave up after {retries + 1} attempt{"s" if retries else ""} ({resume})') from None
+                    attempts = f'{retries + 1} attempt{"s" if retries else ""}'
+                    raise DownloadError(f'{e}; gave up after {attempts} ({resume})') from None
                 if attempt == 0:  # one notice per file, however many retries follow
-                    progress.write(f'download_model.py: {e}; retrying up to {retries} time{"s" if retries > 1 else ""}', file=sys.stderr)
+                    times = f'{retries} time{"s" if retries > 1 else ""}'
+                    progress.write(f'download_model.py: {e}; retrying up to {times}', file=sys.stderr)
                 time.sleep(backoff * 2 ** attempt)
                 continue
             except OSError as e:
