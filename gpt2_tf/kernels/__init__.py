@@ -175,8 +175,9 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     TensorFlow's float32 product over its dequantized copy), True requires it, False uses TensorFlow ops.
     """
     use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
+    dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel)  # noqa: E731
     if not use:
-        return _dequantized_product(x, w, scale, transpose_w, panel)
+        return dequantized()
     library = _library()[0]
     if isinstance(library, str):
         raise RuntimeError(f'the int8 kernel is not available: {library}')
@@ -184,10 +185,9 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     if kernel or transpose_w:
         return tiles()
     rows = x.shape[0]
-    if rows is not None:  # known when traced, as in the decode loop
-        return _dequantized_product(x, w, scale, transpose_w, panel) if rows >= MANY_ROWS else tiles()
-    return tf.cond(tf.shape(x)[0] >= MANY_ROWS, lambda: _dequantized_product(x, w, scale, transpose_w, panel),
-                   tiles)
+    if rows is not None:  # known when traced: one branch, not a tf.cond holding both
+        return dequantized() if rows >= MANY_ROWS else tiles()
+    return tf.cond(tf.shape(x)[0] >= MANY_ROWS, dequantized, tiles)
 
 
 def _dequantized_product(x, w, scale, transpose_w: bool, panel: int):
