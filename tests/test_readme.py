@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / 'README.md'
 SETUP = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install -e (\S+) && ")
 PIP = re.compile(r"^\.venv/bin/pip install -e '\.\[(\w+)\]'(\s+#.*)?$")
-SUITE = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -n 2"
+SUITE = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -n 2 --dist loadfile"
 SERVER_PORT = 8000  # the README's
 
 
