@@ -51,9 +51,13 @@ def cpu() -> str:
         text = pathlib.Path('/proc/cpuinfo').read_text()
     except OSError:
         return 'unknown CPU'
-    model = next((line.split(':', 1)[1].strip() for line in text.splitlines() if line.startswith('model name')), '?')
-    flags = set(next((line.split(':', 1)[1].split() for line in text.splitlines() if line.startswith('flags')), []))
-    return f'{model}, {os.cpu_count()} CPUs, flags: {" ".join(f for f in FLAGS if f in flags) or "none of " + str(FLAGS)}'
+    def field(name):  # the first CPU's value
+        return next((line.split(':', 1)[1].strip() for line in text.splitlines()
+                     if line.split(':', 1)[0].strip() == name), '?')
+    flags = set(field('flags').split())
+    # A virtual machine's model name may be only the vendor's ('AMD EPYC'): family and model tell the generation.
+    return (f'{field("model name")} (family {field("cpu family")} model {field("model")}), {os.cpu_count()} CPUs, '
+            f'flags: {" ".join(f for f in FLAGS if f in flags) or "none of " + str(FLAGS)}')
 
 
 def timed(fn, reps):

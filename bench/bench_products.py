@@ -1,6 +1,7 @@
-"""The decode step's weight products alone, inside an XLA loop: float32 (XLA's dots) and int8 (the kernel).
+"""The decode step's weight products alone, inside an XLA loop: float32 (XLA's dots), float32 as a decode step
+takes them (precision.decoding: the kernel over 2-16 rows on CPUs without AVX-512) and int8 (the kernel).
 
-    python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,int8] [--reps 5]
+    python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,float32-decoding,int8] [--reps 5]
 
 For each dtype and number of rows (the batch of a decode step), 20 steps of a compiled
 while loop, each doing what a step of the 124M-shaped model does with its weights: the
@@ -11,6 +12,7 @@ process (bench_int8's measure).
 """
 
 import argparse
+import contextlib
 import os
 import pathlib
 import statistics
@@ -57,7 +59,7 @@ def products(model):
     return {'blocks': (block_products, weights), 'logits': (logits, int(np.prod(wte.shape)) * wte.dtype.size)}
 
 
-def timed_loop(fn, rows: int, reps: int) -> float:
+def timed_loop(fn, rows: int, reps: int, decoding: bool) -> float:
     x, wide = tf.random.normal([rows, 768]), tf.random.normal([rows, 3072])
 
     @tf.function(jit_compile=True)
@@ -65,7 +67,8 @@ def timed_loop(fn, rows: int, reps: int) -> float:
         body = lambda i, a: (i + 1, a * 1e-9 + fn(x + a, wide + a))  # noqa: E731  (each step depends on the last)
         return tf.while_loop(lambda i, a: i < STEPS, body, (0, 0.0))[1]
 
-    run()
+    with precision.decoding() if decoding else contextlib.nullcontext():
+        run()  # traced here
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -77,18 +80,19 @@ def timed_loop(fn, rows: int, reps: int) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rows', default='1,8,16')
-    parser.add_argument('--dtypes', default='float32,int8')
+    parser.add_argument('--dtypes', default='float32,float32-decoding,int8')
     parser.add_argument('--reps', type=int, default=5)
     args = parser.parse_args()
     print(f'CPU: {cpu()}')
     print(f'read bandwidth (reduce_sum over 512 MB): {read_bandwidth() / 1e9:.1f} GB/s')
-    for dtype in args.dtypes.split(','):
+    for case in args.dtypes.split(','):
+        dtype = case.split('-')[0]
         model = gpt2_tf.load_model(checkpoint(), dtype=dtype)
         for name, (fn, nbytes) in products(model).items():
             for rows in map(int, args.rows.split(',')):
-                seconds = timed_loop(fn, rows, args.reps)
+                seconds = timed_loop(fn, rows, args.reps, decoding=case.endswith('-decoding'))
                 flops = 2 * rows * nbytes / (1 if dtype == 'int8' else 4)
-                print(f'{dtype:<8} {name:<7} {rows:>3} rows: {seconds * 1e3:7.2f} ms a step, '
+                print(f'{case:<16} {name:<7} {rows:>3} rows: {seconds * 1e3:7.2f} ms a step, '
                       f'{nbytes / seconds / 1e9:5.1f} GB/s of weights, {flops / seconds / 1e9:6.1f} GFLOP/s',
                       flush=True)
 

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from .model import shape_list
 from .runtime import Model
-from .precision import activations, f32
+from .precision import activations, decoding, f32
 
 
 def empty_cache(model: Model, batch, size: int) -> list:
@@ -76,5 +76,6 @@ def decode(model: Model, X, *, pads, caches, index):
     queries = row_slots(index, batch, n)
     mask = cache_mask(pads, queries, size)
     h = model.embed(X, positions(pads, queries))
-    h, caches = model.blocks(h, [Cache(cache, queries, mask) for cache in caches])
-    return model.logits(h[:, -1:])[:, 0], caches  # only the last token's logits are needed
+    with decoding():  # a step's few rows may take the float32 kernel (gpt2_tf.precision.decoding)
+        h, caches = model.blocks(h, [Cache(cache, queries, mask) for cache in caches])
+        return model.logits(h[:, -1:])[:, 0], caches  # only the last token's logits are needed

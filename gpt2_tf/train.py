@@ -64,11 +64,12 @@ class Trainer:
     (tf.recompute_grad around each half block, from outside the model; LoRA's
     backward then skips the frozen products whose outputs only the next half reads). Only the
     trained variables are watched: no gradient of a frozen weight is formed.
+    A step's products are TensorFlow's ops (kernels.tensorflow_ops: the C++
+    kernels for int8 weights and few float32 rows have no gradient).
     only_train_transformer_layers=True trains the h* blocks only.
     lora_rank=R > 0 trains LoRA adapters of rank R on the lora_targets
     products (gpt2_tf.lora) and nothing else: the base weights stay frozen,
-    in their dtype (int8 ones are multiplied through TensorFlow's ops, which
-    have gradients for the activations: kernels.tensorflow_ops); the run folder holds the adapter in PEFT's format, made
+    in their dtype; the run folder holds the adapter in PEFT's format, made
     for base_model (its adapter_config.json's base_model_name_or_path).
     """
 
@@ -198,9 +199,8 @@ class Trainer:
             raise GPT2Error(f'batch of {tokens.shape[0]} rows does not split into accumulate_gradients='
                             f'{self.accumulate} equal micro-batches' + (f' on each of {replicas} replicas'
                                                                         if replicas > 1 else ''))
-        # int8 products trace as TensorFlow's ops, which have the activations' gradient (the kernel has none)
-        int8 = kernels.tensorflow_ops() if self.model.dtype == 'int8' else contextlib.nullcontext()
-        with self.model.on_device(), lora.training(self.adapters), int8:
+        # products trace as TensorFlow's ops, which have the activations' gradient (the kernels have none)
+        with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops():
             loss = float(self._step(tf.constant(tokens, tf.int32)))
         self.steps += 1
         if self.adapters:

@@ -1,5 +1,6 @@
-"""The int8 product: the C++ kernel (as a TensorFlow op, and as XLA's custom call inside an XLA-compiled
-function) and the TensorFlow fallback, against a float64 numpy product."""
+"""The int8 product and the few-row float32 product: the C++ kernel (as a TensorFlow op, and as XLA's custom
+call inside an XLA-compiled function) and the TensorFlow fallback, against a float64 numpy product; where the
+float32 kernel is taken."""
 
 import os
 import subprocess
@@ -38,18 +39,22 @@ def test_the_kernel_builds_here():
 WHERE = ['kernel', 'kernel under XLA', 'TensorFlow ops']
 
 
-def product(x, w, scale, where, **options):
-    """int8_matmul as `where` says -> numpy; under XLA, the compiled HLO is checked to call the kernel."""
+def run(fn, x, where, call):
+    """fn(x) eagerly, or XLA-compiled where `where` says so, whose HLO is checked to call `call` -> numpy."""
     if where != 'TensorFlow ops' and not (kernels.xla_available() if 'XLA' in where else kernels.available()):
         pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
-    kernel = where != 'TensorFlow ops'
     if 'XLA' not in where:
-        return kernels.int8_matmul(tf.constant(x), tf.constant(w), tf.constant(scale), kernel=kernel,
-                                   **options).numpy()
-    run = tf.function(lambda x: kernels.int8_matmul(x, tf.constant(w), tf.constant(scale), kernel=True, **options),
-                      jit_compile=True)
-    assert 'gpt2_tf_int8_matmul' in run.experimental_get_compiler_ir(tf.constant(x))(stage='hlo')
-    return run(tf.constant(x)).numpy()
+        return fn(tf.constant(x)).numpy()
+    compiled = tf.function(fn, jit_compile=True)
+    assert call in compiled.experimental_get_compiler_ir(tf.constant(x))(stage='hlo')
+    return compiled(tf.constant(x)).numpy()
+
+
+def product(x, w, scale, where, **options):
+    """int8_matmul as `where` says -> numpy."""
+    kernel = where != 'TensorFlow ops'
+    return run(lambda x: kernels.int8_matmul(x, tf.constant(w), tf.constant(scale), kernel=kernel, **options), x,
+               where, 'gpt2_tf_int8_matmul')
 
 
 @pytest.mark.parametrize('where', WHERE)
@@ -76,6 +81,77 @@ def test_packed_product_equals_the_float64_product(m, k, n, width, where):
     x, w, scale, reference = case(m, k, n, False, seed=2)
     y = product(x, panels(w, width), scale, where, panel=width)
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # as above
+
+
+FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, False), (8, 3072, 768, False),
+                (16, 768, 2304, False), (5, 33, 300, False),  # k in 2 groups and 1 row; a narrower last segment
+                (7, 40, 2100, False),  # 256-wide segments, the last one 52: 1 tile, 2 single vectors, 4 channels
+                (9, 17, 13, False), (70, 64, 200, False),  # fewer channels than a tile; Eigen's GEMM
+                (8, 768, 5000, True), (3, 33, 17, True), (70, 40, 300, True)]  # wte's layout
+
+
+@pytest.mark.parametrize('where', WHERE[:2])
+@pytest.mark.parametrize('m, k, n, transpose', FLOAT_SHAPES)
+def test_float_product_equals_the_float64_product(m, k, n, transpose, where):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k) if transpose else (k, n)).astype(np.float32)
+    reference = x.astype(np.float64) @ (w.T if transpose else w).astype(np.float64)
+    y = run(lambda x: kernels.float_matmul(x, tf.constant(w), transpose_w=transpose), x, where, 'gpt2_tf_float_matmul')
+    assert y.shape == reference.shape
+    assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # float32 sums, as above
+
+
+def traced_ops(fn, rows, k) -> set:
+    """The op types of fn traced for x [rows, k] (rows None: unknown when traced)."""
+    return {op.type for op in tf.function(fn).get_concrete_function(tf.TensorSpec([rows, k])).graph.get_operations()}
+
+
+@pytest.mark.parametrize('cpu', ['avx2 fma', 'avx2 fma avx512f'])
+def test_float32_products_of_few_rows_take_the_kernel_while_decoding_on_cpus_without_avx512(cpu, monkeypatch):
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    from gpt2_tf import precision
+
+    monkeypatch.setattr(kernels, '_cpu_key', lambda: 'flags : ' + cpu)
+    monkeypatch.delenv('TF_XLA_FLAGS', raising=False)
+    w = tf.constant(np.random.default_rng(0).standard_normal((96, 200)).astype(np.float32))
+
+    def step(x):
+        with precision.decoding():
+            return precision.product(x, w)
+    here = 'avx512f' not in cpu
+    logits = lambda x: precision.product(x, tf.transpose(w), transpose_b=True)  # noqa: E731  wte's layout
+    for rows in (1, 2, 8, 9, 16, 17):
+        assert ('Gpt2FloatMatMul' in traced_ops(step, rows, 96)) == (here and 2 <= rows <= 16), rows
+        assert 'Gpt2FloatMatMul' not in traced_ops(lambda x: precision.product(x, w), rows, 96)  # not decoding
+        with precision.decoding():
+            assert ('Gpt2FloatMatMul' in traced_ops(logits, rows, 96)) == (here and 2 <= rows <= 8), rows
+    assert ('If' in traced_ops(step, None, 96) or 'StatelessIf' in traced_ops(step, None, 96)) == here
+    with kernels.tensorflow_ops():
+        assert 'Gpt2FloatMatMul' not in traced_ops(step, 8, 96)
+    monkeypatch.setenv('TF_XLA_FLAGS', '--tf_xla_persistent_cache_directory=/nonexistent')
+    assert 'Gpt2FloatMatMul' not in traced_ops(step, 8, 96)
+
+
+def test_an_open_batch_takes_the_kernel_in_xla_for_few_rows_only(monkeypatch):
+    if not kernels.xla_available():
+        pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
+    from gpt2_tf import precision
+
+    monkeypatch.setattr(kernels, '_cpu_key', lambda: 'flags : avx2 fma')
+    monkeypatch.delenv('TF_XLA_FLAGS', raising=False)
+    w = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+
+    def step(x):
+        with precision.decoding():
+            return precision.product(x, tf.constant(w))
+    compiled = tf.function(step, jit_compile=True, input_signature=[tf.TensorSpec([None, 64])])
+    for rows in (1, 2, 16, 17):
+        x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
+        hlo = compiled.experimental_get_compiler_ir(tf.constant(x))(stage='optimized_hlo')
+        assert ('gpt2_tf_float_matmul' in hlo) == (rows in (2, 16)), rows  # the cond folded to the branch taken
+        np.testing.assert_allclose(compiled(tf.constant(x)).numpy(), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_and_fallback_agree_in_a_compiled_function():

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gpt2_tf
-from gpt2_tf import compiled, noise, sample, thresholds
+from gpt2_tf import compiled, kernels, noise, sample, thresholds
 from gpt2_tf.compiled import bucket
 from gpt2_tf.sample import MODES, Decoder, sample_chunks, sample_sequence, top_k_logits, top_p_logits
 
@@ -48,6 +48,24 @@ def test_greedy_equals_original_graph(models, name, mode):
     prompt, new = GREEDY[name]
     out = sample_sequence(models[name], new, context=ref['tokens'][:, :prompt], top_k=1, mode=mode)
     assert out.dtype == np.int32
+    np.testing.assert_array_equal(out, ref['greedy'])
+
+
+@pytest.mark.parametrize('name', GREEDY)
+def test_greedy_through_the_float32_kernel_equals_original_graph(models, name, monkeypatch):
+    # As on a CPU without AVX-512, where a decode step's products over 2-16 rows take the float32 kernel: the
+    # 3-row batch, decoded in the XLA loop (the default), traced afresh.
+    if not kernels.xla_available():
+        pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
+    monkeypatch.setattr(kernels, '_cpu_key', lambda: 'flags : avx2 fma')
+    monkeypatch.setattr(compiled, '_functions', {})
+    monkeypatch.delenv('TF_XLA_FLAGS', raising=False)
+    calls, real = [], kernels.float_matmul
+    monkeypatch.setattr(kernels, 'float_matmul', lambda *args, **options: calls.append(1) or real(*args, **options))
+    ref = np.load(FIXTURES / name / 'reference.npz')
+    prompt, new = GREEDY[name]
+    out = sample_sequence(models[name], new, context=ref['tokens'][:, :prompt], top_k=1)
+    assert calls, 'the kernel was not traced into the decode step'
     np.testing.assert_array_equal(out, ref['greedy'])
 
 

@@ -3,6 +3,7 @@
     y = int8_matmul(x, w, scale)                    # x [M, K] float32, w int8 [K, N], scale [N] -> [M, N]
     y = int8_matmul(x, w, scale, transpose_w=True)  # w int8 [N, K] (wte), scale [N] -> [M, N]
     y = int8_matmul(x, w, scale, panel=128)         # w [K, N] stored as panels [N / 128, K, 128]
+    y = float_matmul(x, w)                          # x [M, K] float32, w float32 [K, N] (or [N, K]) -> [M, N]
 
 The kernel (matmul.cc) reads the int8 weights themselves and widens them
 next to the multiply, so a product streams a quarter of float32's bytes. It is
@@ -18,6 +19,11 @@ holds the op alone (a failed XLA build is not tried again for the same key).
 Where no compiler is there, or GPT2_TF_KERNELS=off, the same product runs as
 TensorFlow ops: the weights unpacked from their panels, cast to float32, scaled,
 and multiplied. Both sum in float32; they agree to float32 rounding (the tests compare them).
+
+The same library multiplies float32 weights in their plain layout over few rows
+(float_matmul): on CPUs without AVX-512, XLA's float32 dots over 2-16 rows (a
+decode step at batch 2-16) run far below the machine's bounds, and the kernel's
+row segments take less time (float_kernel_here says where it is the default).
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ _local = threading.local()  # .off: inside tensorflow_ops() on this thread
 # bench/bench_int8.py --sections rows).
 # wte's product keeps the kernel at every size: its float32 copy would be 154-322 MB.
 MANY_ROWS = 64
+# Rows of x for which a float32 product goes to the kernel by default on CPUs without AVX-512, by layout
+# (transpose_w: wte's [N, K]). On a Zen 3 (AVX2), inside an XLA loop, against XLA's dots: the 48 block
+# products took 0.97 / 0.65 / 0.65 / 0.80x the time at 2 / 4 / 8 / 16 rows, the tied logits 0.64 / 0.71 /
+# 1.01 / 1.36x (bench/bench_products.py); at one row XLA's matrix-vector product streams the weights at the
+# machine's bandwidth, and the kernel took 1.3-1.6x its time.
+FEW_ROWS = {False: range(2, 17), True: range(2, 9)}
 
 
 def cache_folder() -> pathlib.Path:
@@ -158,6 +170,21 @@ def tensorflow_ops():
         yield
     finally:
         _local.off = before
+
+
+def float_kernel_here() -> bool:
+    """Whether float32 products over FEW_ROWS rows go to the kernel while decoding: on a CPU without AVX-512 (with
+    it, XLA's own dots were the faster), outside tensorflow_ops(), where the kernel is built."""
+    return 'avx512f' not in _cpu_key().split() and not getattr(_local, 'off', False) and available()
+
+
+def float_matmul(x, w, *, transpose_w: bool = False):
+    """x float32 [M, K] times float32 w [K, N] (or [N, K] with transpose_w, wte's layout) -> [M, N], by the
+    kernel (no gradient: training traces inside tensorflow_ops())."""
+    library = _library()[0]
+    if isinstance(library, str):
+        raise RuntimeError(f'the kernel is not available: {library}')
+    return library.gpt2_float_mat_mul(x, w, transpose_w=transpose_w)
 
 
 def unpack(w, panel: int):

@@ -1,4 +1,5 @@
 // Gpt2Int8MatMul: float32 x times int8 weights with one float32 scale per output channel, -> float32.
+// Gpt2FloatMatMul: float32 x times float32 weights in the plain layout, for few rows of x (a decode step).
 //
 //   transpose_w = false: w holds [K, N] (a conv1d's [nx, nf]) in panels of `panel` columns, laid out
 //     [N / panel, K, panel] (panel = N: the plain row-major [K, N]), scale [N]:
@@ -17,6 +18,11 @@
 // Built with GPT2_TF_XLA, the op also compiles under XLA (tf.function(jit_compile=True)): it becomes a custom
 // call into the same code, with the shapes fixed at compile time, on a thread pool of this library's own
 // (XLA passes a custom call none). The decoding loops then run int8 models under XLA too.
+//
+// Float32 weights keep their plain [K, N] layout (training, saving and export read it), so a tile walking down
+// a block of columns would jump N floats at every k. Their few-row product instead takes a segment of columns
+// a unit of work and reads kGroup whole row segments of w at a time (contiguous runs of 0.5-1 KB), with the
+// segment's outputs in L1 between groups; [N, K] weights (wte) take the same row tiles as int8's.
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
 
@@ -27,6 +33,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -48,6 +55,17 @@
 
 using namespace tensorflow;
 
+// y [M, N] from x [M, K] and w [K, N] (or [N, K] with transpose_w), for both ops.
+Status ProductShape(shape_inference::InferenceContext* c) {
+  bool transpose_w;
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_w", &transpose_w));
+  shape_inference::ShapeHandle x, w;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &w));
+  c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(w, transpose_w ? 0 : 1)));
+  return OkStatus();
+}
+
 REGISTER_OP("Gpt2Int8MatMul")
     .Input("x: float")
     .Input("w: int8")
@@ -55,15 +73,15 @@ REGISTER_OP("Gpt2Int8MatMul")
     .Output("y: float")
     .Attr("transpose_w: bool = false")
     .Attr("panel: int = 0")  // 0: the plain [K, N] layout (panel = N)
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
-      bool transpose_w;
-      TF_RETURN_IF_ERROR(c->GetAttr("transpose_w", &transpose_w));
-      shape_inference::ShapeHandle x, w;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &w));
-      c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(w, transpose_w ? 0 : 1)));
-      return OkStatus();
-    });
+    .SetShapeFn(ProductShape);
+
+REGISTER_OP("Gpt2FloatMatMul")
+    .Input("x: float")
+    .Input("w: float")
+    .Output("y: float")
+    .Attr("transpose_w: bool = false")
+    .Attr("panel: int = 0")  // always 0: float32 weights keep the plain layout
+    .SetShapeFn(ProductShape);
 
 namespace {
 
@@ -79,6 +97,7 @@ inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec Widen(const float* p) { return Load(p); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 constexpr int kVectors = 4;  // a tile: up to 6 rows x 4 vectors of output channels, 24 of the 32 registers
 constexpr int kMaxRows = 6;
@@ -95,6 +114,7 @@ inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec Widen(const float* p) { return Load(p); }
 inline float Sum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -113,6 +133,7 @@ inline Vec Load(const float* p) { return *p; }
 inline Vec Broadcast(float v) { return v; }
 inline Vec Fma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline void Store(float* p, Vec v) { *p = v; }
+inline Vec Widen(const float* p) { return *p; }
 inline float Sum(Vec v) { return v; }
 constexpr int kVectors = 8;
 constexpr int kMaxRows = 4;
@@ -124,29 +145,40 @@ constexpr int kRowChannels = 1;
 // several interleaved ones badly: the loops ask for the bytes kAhead ahead themselves (2.5x on wte's rows).
 constexpr int64_t kAhead = 256;    // bytes, along a row of wte
 constexpr int64_t kRowsAhead = 8;  // rows of a panel
-inline void Prefetch(const int8_t* p) {
+inline void Prefetch(const void* p) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 #endif
 }
 
 constexpr int kBlock = kLanes * kVectors;    // output channels per tile, and per unit of work
 
+// W: int8_t (scale holds N scales) or float (scale is null).
+template <typename W>
 struct Problem {
   const float* x;
-  const int8_t* w;
+  const W* w;
   const float* scale;
   float* y;
   int64_t M, K, N, panel;
 };
 
+template <typename W>
+inline Vec Scaled(const Problem<W>& p, int64_t n, Vec v) {
+  return p.scale ? v * Load(p.scale + n) : v;
+}
+template <typename W>
+inline float ScaleOf(const Problem<W>& p, int64_t n) {
+  return p.scale ? p.scale[n] : 1.0f;
+}
+
 // y[m0:m0+R, n0:n0+V*kLanes] for the panel layout: V vectors of channels, whole of K, inside one panel.
-template <int R, int V>
-void Tile(const Problem& p, int64_t m0, int64_t n0) {
+template <int R, int V, typename W>
+void Tile(const Problem<W>& p, int64_t m0, int64_t n0) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = Zero();
-  const int8_t* w = p.w + (n0 / p.panel) * p.K * p.panel + n0 % p.panel;
+  const W* w = p.w + (n0 / p.panel) * p.K * p.panel + n0 % p.panel;
   const float* x = p.x + m0 * p.K;
   for (int64_t k = 0; k < p.K; ++k, w += p.panel) {
     Prefetch(w + kRowsAhead * p.panel);  // the line this tile reads kRowsAhead rows on
@@ -160,30 +192,32 @@ void Tile(const Problem& p, int64_t m0, int64_t n0) {
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
       const int64_t n = n0 + v * kLanes;
-      Store(p.y + (m0 + r) * p.N + n, acc[r][v] * Load(p.scale + n));
+      Store(p.y + (m0 + r) * p.N + n, Scaled(p, n, acc[r][v]));
     }
 }
 
 // Channels [n0, n1) one at a time, in plain C++: the tail of the plain layout.
-void Narrow(const Problem& p, int64_t n0, int64_t n1) {
+template <typename W>
+void Narrow(const Problem<W>& p, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* w = p.w + (n / p.panel) * p.K * p.panel + n % p.panel;
+      const W* w = p.w + (n / p.panel) * p.K * p.panel + n % p.panel;
       float sum = 0.0f;
       for (int64_t k = 0; k < p.K; ++k) sum += p.x[m * p.K + k] * static_cast<float>(w[k * p.panel]);
-      p.y[m * p.N + n] = sum * p.scale[n];
+      p.y[m * p.N + n] = sum * ScaleOf(p, n);
     }
 }
 
 // A tile function as a type, so that one row loop serves both layouts' tiles.
 template <int R, int V>
 struct PanelTile {
-  static void Run(const Problem& p, int64_t m0, int64_t n0) { Tile<R, V>(p, m0, n0); }
+  template <typename W>
+  static void Run(const Problem<W>& p, int64_t m0, int64_t n0) { Tile<R, V>(p, m0, n0); }
 };
 
 // The last rows - m0 < kMaxRows rows as one tile of that many rows.
-template <template <int, int> class T, int R, int C>
-void LastRows(const Problem& p, int64_t m0, int64_t n0, int64_t rows) {
+template <template <int, int> class T, int R, int C, typename W>
+void LastRows(const Problem<W>& p, int64_t m0, int64_t n0, int64_t rows) {
   if (rows == R) {
     T<R, C>::Run(p, m0, n0);
   } else if constexpr (R > 1) {
@@ -192,15 +226,16 @@ void LastRows(const Problem& p, int64_t m0, int64_t n0, int64_t rows) {
 }
 
 // Every row of x for the C-wide channel group at n0, Rows rows a tile.
-template <template <int, int> class T, int C, int Rows = kMaxRows>
-void AllRows(const Problem& p, int64_t n0) {
+template <template <int, int> class T, int C, int Rows = kMaxRows, typename W>
+void AllRows(const Problem<W>& p, int64_t n0) {
   int64_t m = 0;
   for (; m + Rows <= p.M; m += Rows) T<Rows, C>::Run(p, m, n0);
   if (m < p.M) LastRows<T, Rows - 1, C>(p, m, n0, p.M - m);
 }
 
 // Output channels [b * kBlock, (b + 1) * kBlock) for every row of x.
-void Columns(const Problem& p, int64_t b) {
+template <typename W>
+void Columns(const Problem<W>& p, int64_t b) {
   const int64_t n0 = b * kBlock, n1 = std::min(p.N, n0 + kBlock);
   if (n1 - n0 == kBlock && (n0 % p.panel) + kBlock <= p.panel) {
     if constexpr (kHalfRows > kMaxRows) {
@@ -222,14 +257,14 @@ void Columns(const Problem& p, int64_t b) {
 // With few outputs a tile, each output keeps S partial sums along k (4 at one row and one channel), so that
 // S multiply-adds are in flight rather than one waiting on the last: one sum made the logits at batch 1 bound
 // by the multiply-add's latency.
-template <int R, int U>
-void RowTile(const Problem& p, int64_t m0, int64_t n0) {
+template <int R, int U, typename W>
+void RowTile(const Problem<W>& p, int64_t m0, int64_t n0) {
   constexpr int S = R * U >= 4 ? 1 : 4 / (R * U);
   Vec acc[S][R][U];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < U; ++u) acc[s][r][u] = Zero();
-  const int8_t* w = p.w + n0 * p.K;
+  const W* w = p.w + n0 * p.K;
   const float* x = p.x + m0 * p.K;
   int64_t k = 0;
   for (; k + S * kLanes <= p.K; k += S * kLanes) {
@@ -257,20 +292,22 @@ void RowTile(const Problem& p, int64_t m0, int64_t n0) {
     for (int u = 0; u < U; ++u) {
       float sum = Sum(acc[0][r][u]);
       for (int64_t t = k; t < p.K; ++t) sum += x[r * p.K + t] * static_cast<float>(w[u * p.K + t]);
-      p.y[(m0 + r) * p.N + n0 + u] = sum * p.scale[n0 + u];
+      p.y[(m0 + r) * p.N + n0 + u] = sum * ScaleOf(p, n0 + u);
     }
 }
 
 template <int R, int U>
 struct RowsTile {
-  static void Run(const Problem& p, int64_t m0, int64_t n0) { RowTile<R, U>(p, m0, n0); }
+  template <typename W>
+  static void Run(const Problem<W>& p, int64_t m0, int64_t n0) { RowTile<R, U>(p, m0, n0); }
 };
 
 // Output channels [b * kRowChannels, ...) of the [N, K] layout, for every row of x. One row of x takes one
 // channel at a time (one stream of weights, see Prefetch); more rows take kRowChannels at once, so that each
 // vector of x loaded serves that many channels (one at a time, 16 rows of 768 took 4.3x the time of 8: x's
 // rows came from L2 once they outgrew L1).
-void Channels(const Problem& p, int64_t b) {
+template <typename W>
+void Channels(const Problem<W>& p, int64_t b) {
   const int64_t n0 = b * kRowChannels, n1 = std::min(p.N, n0 + kRowChannels);
   if (n1 - n0 == kRowChannels && p.M > 1) {
     AllRows<RowsTile, kRowChannels>(p, n0);
@@ -288,7 +325,7 @@ constexpr int64_t kChunk = 2048;  // a multiple of the panel width
 
 // wide = w * scale for output channels [n0, n0 + c): [K, c] from w [K, N] in any panel layout, or [c, K]
 // from w [N, K]; units are rows of wide.
-void Widened(const Problem& p, bool transpose_w, int64_t n0, int64_t c, float* wide, int64_t r0, int64_t r1) {
+void Widened(const Problem<int8_t>& p, bool transpose_w, int64_t n0, int64_t c, float* wide, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     if (transpose_w) {
       const int8_t* row = p.w + (n0 + r) * p.K;
@@ -311,7 +348,7 @@ struct Threads {
 };
 
 // wide holds K * min(N, kChunk) floats.
-void Gemm(const Problem& p, bool transpose_w, float* wide, const Threads& threads) {
+void Gemm(const Problem<int8_t>& p, bool transpose_w, float* wide, const Threads& threads) {
   typename TTypes<float>::ConstMatrix x(p.x, p.M, p.K);
   typename TTypes<float>::Matrix y(p.y, p.M, p.N);
   for (int64_t n0 = 0; n0 < p.N; n0 += kChunk) {
@@ -332,21 +369,100 @@ void Gemm(const Problem& p, bool transpose_w, float* wide, const Threads& thread
 }
 
 // Floats of temporary the product needs (Gemm's), 0 for the tiles.
-int64_t Temporary(const Problem& p) { return p.M >= kGemmRows ? p.K * std::min(p.N, kChunk) : 0; }
+template <typename W>
+int64_t Temporary(const Problem<W>& p) {
+  return std::is_same<W, int8_t>::value && p.M >= kGemmRows ? p.K * std::min(p.N, kChunk) : 0;
+}
+
+// Float32 weights are multiplied as they are: Eigen's threaded GEMM straight over w.
+void Gemm(const Problem<float>& p, bool transpose_w, float* /*wide*/, const Threads& threads) {
+  typename TTypes<float>::ConstMatrix x(p.x, p.M, p.K);
+  typename TTypes<float>::Matrix y(p.y, p.M, p.N);
+  typename TTypes<float>::ConstMatrix w(p.w, transpose_w ? p.N : p.K, transpose_w ? p.K : p.N);
+  const Eigen::array<Eigen::IndexPair<int>, 1> dims = {Eigen::IndexPair<int>(1, transpose_w ? 1 : 0)};
+  y.device(threads.device) = x.contract(w, dims);
+}
+
+// Float32 weights in the plain [K, N] layout, few rows of x: a unit of work is a segment of output channels,
+// kSegment wide (half that below 2048 channels, so that 768 makes six units for the threads). Its sums stay
+// in y (in L1) while kGroup rows of w at a time are read, each row's segment one contiguous run.
+constexpr int64_t kGroup = 16;
+constexpr int64_t kSegment = 256;
+constexpr int kSegmentRows = 2;     // a register tile: 2 rows of x times 4 vectors (8 sums; 1.3x the time of
+constexpr int kSegmentVectors = 4;  // 4 rows x 2 vectors at 8 rows on a Zen 3)
+
+constexpr int64_t SegmentWidth(int64_t N) { return N >= 2048 ? kSegment : kSegment / 2; }
+
+// y[m0:m0+R, n:n+V*kLanes] += x[m0:m0+R, k0:k1] w[k0:k1, n:...] (y is overwritten when k0 is 0).
+template <int R, int V>
+void SegmentTile(const Problem<float>& p, int64_t m0, int64_t n, int64_t k0, int64_t k1) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = k0 ? Load(p.y + (m0 + r) * p.N + n + v * kLanes) : Zero();
+  const float* w = p.w + k0 * p.N + n;
+  for (int64_t k = k0; k < k1; ++k, w += p.N) {
+    Vec row[V];
+    for (int v = 0; v < V; ++v) row[v] = Load(w + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xk = Broadcast(p.x[(m0 + r) * p.K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = Fma(xk, row[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) Store(p.y + (m0 + r) * p.N + n + v * kLanes, acc[r][v]);
+}
+
+// R rows of x over channels [n0, n1) for rows k0..k1 of w: whole tiles, single vectors, then one channel at a time.
+template <int R>
+void SegmentRows(const Problem<float>& p, int64_t m0, int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
+  int64_t n = n0;
+  for (; n + kSegmentVectors * kLanes <= n1; n += kSegmentVectors * kLanes) {
+    SegmentTile<R, kSegmentVectors>(p, m0, n, k0, k1);
+  }
+  for (; n + kLanes <= n1; n += kLanes) SegmentTile<R, 1>(p, m0, n, k0, k1);
+  for (; n < n1; ++n)
+    for (int r = 0; r < R; ++r) {
+      float* y = p.y + (m0 + r) * p.N + n;
+      float sum = k0 ? *y : 0.0f;
+      for (int64_t k = k0; k < k1; ++k) sum += p.x[(m0 + r) * p.K + k] * p.w[k * p.N + n];
+      *y = sum;
+    }
+}
+
+void Segment(const Problem<float>& p, int64_t b) {
+  const int64_t width = SegmentWidth(p.N);
+  const int64_t n0 = b * width, n1 = std::min(p.N, n0 + width);
+  for (int64_t k0 = 0; k0 < p.K; k0 += kGroup) {
+    const int64_t k1 = std::min(p.K, k0 + kGroup);
+    int64_t m = 0;
+    for (; m + kSegmentRows <= p.M; m += kSegmentRows) SegmentRows<kSegmentRows>(p, m, n0, n1, k0, k1);
+    for (; m < p.M; ++m) SegmentRows<1>(p, m, n0, n1, k0, k1);
+  }
+}
 
 // The whole product, by tiles (blocks of output channels split over the threads) or, from kGemmRows rows, by
-// Gemm into the temporary `wide`.
-void Multiply(const Problem& p, bool transpose_w, float* wide, const Threads& threads) {
+// Gemm (int8: into the temporary `wide`).
+template <typename W>
+void Multiply(const Problem<W>& p, bool transpose_w, float* wide, const Threads& threads) {
   if (p.M == 0 || p.N == 0) return;
   if (p.M >= kGemmRows) {
     Gemm(p, transpose_w, wide, threads);
     return;
   }
-  const int64_t width = transpose_w ? kRowChannels : kBlock;
+  constexpr bool kFloat = std::is_same<W, float>::value;
+  const int64_t width = transpose_w ? kRowChannels : kFloat ? SegmentWidth(p.N) : kBlock;
   const int64_t units = (p.N + width - 1) / width;
-  const int64_t cost = 2 * p.K * width * p.M + p.K * width;  // multiply-adds per unit, plus widening its weights
+  const int64_t cost = 2 * p.K * width * p.M + p.K * width;  // multiply-adds per unit, plus reading its weights
   threads.For(units, cost, [&p, transpose_w](int64_t start, int64_t limit) {
-    for (int64_t b = start; b < limit; ++b) transpose_w ? Channels(p, b) : Columns(p, b);
+    for (int64_t b = start; b < limit; ++b) {
+      if (transpose_w) {
+        Channels(p, b);
+      } else if constexpr (kFloat) {
+        Segment(p, b);
+      } else {
+        Columns(p, b);
+      }
+    }
   });
 }
 
@@ -365,14 +481,15 @@ struct Sizes {
   int64_t M, K, N, panel;  // panel: N for the plain layout
 };
 
-// x [M, K], w and scale checked against each other and the attributes, for both kernels.
-Status Checked(const TensorShape& x, const TensorShape& w, const TensorShape& scale, const Attrs& attrs,
+// x [M, K], w and scale (null for float32 weights) checked against each other and the attributes, for every
+// kernel.
+Status Checked(const TensorShape& x, const TensorShape& w, const TensorShape* scale, const Attrs& attrs,
                Sizes* sizes) {
-  if (x.dims() != 2 || w.dims() != 2 || scale.dims() != 1) {
+  if (x.dims() != 2 || w.dims() != 2 || (scale && scale->dims() != 1)) {
     return errors::InvalidArgument("x and w must be matrices and scale a vector");
   }
   const int64_t K = x.dim_size(1), N = attrs.transpose_w ? w.dim_size(0) : w.dim_size(1);
-  if ((attrs.transpose_w ? w.dim_size(1) : w.dim_size(0)) != K || scale.dim_size(0) != N) {
+  if ((attrs.transpose_w ? w.dim_size(1) : w.dim_size(0)) != K || (scale && scale->dim_size(0) != N)) {
     return errors::InvalidArgument("x [M, K], w and scale do not agree");
   }
   if (attrs.transpose_w && attrs.panel != 0) return errors::InvalidArgument("a transposed w has no panels");
@@ -382,20 +499,25 @@ Status Checked(const TensorShape& x, const TensorShape& w, const TensorShape& sc
   return OkStatus();
 }
 
-class Int8MatMulOp : public OpKernel {
+// int8 weights come with their scales (a third input), float32 ones alone.
+template <typename W>
+constexpr bool kScaled = std::is_same<W, int8_t>::value;
+
+template <typename W>
+class MatMulOp : public OpKernel {
  public:
-  explicit Int8MatMulOp(OpKernelConstruction* context) : OpKernel(context), attrs_(context) {}
+  explicit MatMulOp(OpKernelConstruction* context) : OpKernel(context), attrs_(context) {}
 
   void Compute(OpKernelContext* context) override {
     const Tensor& x = context->input(0);
     const Tensor& w = context->input(1);
-    const Tensor& scale = context->input(2);
+    const Tensor* scale = kScaled<W> ? &context->input(2) : nullptr;
     Sizes n;
-    OP_REQUIRES_OK(context, Checked(x.shape(), w.shape(), scale.shape(), attrs_, &n));
+    OP_REQUIRES_OK(context, Checked(x.shape(), w.shape(), scale ? &scale->shape() : nullptr, attrs_, &n));
     Tensor* y = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({n.M, n.N}), &y));
-    const Problem p{x.flat<float>().data(), w.flat<int8_t>().data(), scale.flat<float>().data(),
-                    y->flat<float>().data(), n.M, n.K, n.N, n.panel};
+    const Problem<W> p{x.flat<float>().data(), w.flat<W>().data(), scale ? scale->flat<float>().data() : nullptr,
+                       y->flat<float>().data(), n.M, n.K, n.N, n.panel};
     Tensor temporary;
     if (Temporary(p)) OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({Temporary(p)}), &temporary));
     auto* workers = context->device()->tensorflow_cpu_worker_threads();
@@ -429,34 +551,48 @@ const Threads& PoolThreads() {
   return threads;
 }
 
-// The custom call (XLA's API_VERSION_STATUS_RETURNING_UNIFIED): in = {x, w, scale}, out = y; the shapes come
-// in `config` as "M K N panel transpose_w", written by Int8MatMulXla below, which has checked them.
-void Int8MatMulCall(void* out, const void** in, const char* config, size_t size, void* /*status*/) {
+// The custom calls (XLA's API_VERSION_STATUS_RETURNING_UNIFIED): in = {x, w, scale} (int8) or {x, w} (float32),
+// out = y; the shapes come in `config` as "M K N panel transpose_w", written by MatMulXla below, which has
+// checked them.
+template <typename W>
+void MatMulCall(void* out, const void** in, const char* config, size_t size, void* /*status*/) {
   long long M, K, N, panel;
   int transpose_w;
   if (std::sscanf(std::string(config, size).c_str(), "%lld %lld %lld %lld %d", &M, &K, &N, &panel,
                   &transpose_w) != 5) {
     return;
   }
-  const Problem p{static_cast<const float*>(in[0]), static_cast<const int8_t*>(in[1]),
-                  static_cast<const float*>(in[2]), static_cast<float*>(out), M, K, N, panel};
+  const Problem<W> p{static_cast<const float*>(in[0]), static_cast<const W*>(in[1]),
+                     kScaled<W> ? static_cast<const float*>(in[2]) : nullptr, static_cast<float*>(out), M, K, N,
+                     panel};
   std::vector<float> wide(Temporary(p));
   Multiply(p, transpose_w, wide.data(), PoolThreads());
 }
 
+void Int8MatMulCall(void* out, const void** in, const char* config, size_t size, void* status) {
+  MatMulCall<int8_t>(out, in, config, size, status);
+}
+void FloatMatMulCall(void* out, const void** in, const char* config, size_t size, void* status) {
+  MatMulCall<float>(out, in, config, size, status);
+}
+
 // The op under XLA, once the shapes are known: the custom call above.
-class Int8MatMulXla : public XlaOpKernel {
+template <typename W>
+class MatMulXla : public XlaOpKernel {
  public:
-  explicit Int8MatMulXla(OpKernelConstruction* context) : XlaOpKernel(context), attrs_(context) {}
+  explicit MatMulXla(OpKernelConstruction* context) : XlaOpKernel(context), attrs_(context) {}
 
   void Compile(XlaOpKernelContext* context) override {
     Sizes n;
-    OP_REQUIRES_OK(context, Checked(context->InputShape(0), context->InputShape(1), context->InputShape(2), attrs_,
-                                    &n));
+    const TensorShape scale = kScaled<W> ? context->InputShape(2) : TensorShape();
+    OP_REQUIRES_OK(context, Checked(context->InputShape(0), context->InputShape(1), kScaled<W> ? &scale : nullptr,
+                                    attrs_, &n));
     const std::string config = std::to_string(n.M) + " " + std::to_string(n.K) + " " + std::to_string(n.N) + " " +
                                std::to_string(n.panel) + " " + (attrs_.transpose_w ? "1" : "0");
-    context->SetOutput(0, xla::CustomCall(context->builder(), "gpt2_tf_int8_matmul",
-                                          {context->Input(0), context->Input(1), context->Input(2)},
+    std::vector<xla::XlaOp> operands = {context->Input(0), context->Input(1)};
+    if (kScaled<W>) operands.push_back(context->Input(2));
+    context->SetOutput(0, xla::CustomCall(context->builder(), kScaled<W> ? "gpt2_tf_int8_matmul" : "gpt2_tf_float_matmul",
+                                          operands,
                                           xla::ShapeUtil::MakeShape(xla::F32, {n.M, n.N}), config,
                                           /*has_side_effect=*/false, /*output_operand_aliasing=*/{},
                                           /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
@@ -471,11 +607,14 @@ class Int8MatMulXla : public XlaOpKernel {
 
 }  // namespace
 
-REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU), Int8MatMulOp);
+REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU), MatMulOp<int8_t>);
+REGISTER_KERNEL_BUILDER(Name("Gpt2FloatMatMul").Device(DEVICE_CPU), MatMulOp<float>);
 
 #ifdef GPT2_TF_XLA
 XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM("gpt2_tf_int8_matmul", Int8MatMulCall);
-// The kernel of XLA's CPU compilation device, registered directly: REGISTER_XLA_OP's registry is read once
+XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM("gpt2_tf_float_matmul", FloatMatMulCall);
+// The kernels of XLA's CPU compilation device, registered directly: REGISTER_XLA_OP's registry is read once
 // per process, at its first XLA compile, and this library may load after that.
-REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU_XLA_JIT), Int8MatMulXla);
+REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU_XLA_JIT), MatMulXla<int8_t>);
+REGISTER_KERNEL_BUILDER(Name("Gpt2FloatMatMul").Device(DEVICE_CPU_XLA_JIT), MatMulXla<float>);
 #endif
