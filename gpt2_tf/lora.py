@@ -95,8 +95,8 @@ class Adapter(tf.Module):
             x = tf.where(keep, x / (1 - self.dropout), tf.zeros_like(x))
         return tf.matmul(tf.matmul(x, self.A), self.B) * self.scale
 
-    def delta(self):  # -> A·B·scale [nx, nf]: what merging adds to the product's w
-        return tf.matmul(self.A, self.B) * self.scale
+    def delta(self) -> np.ndarray:  # -> A·B·scale [nx, nf]: what merging adds to the product's w
+        return delta(self.A.numpy(), self.B.numpy(), self.scale)
 
 
 def attach(model, *, rank: int, alpha: Optional[float] = None, targets='c_attn', dropout: float = 0.0,
@@ -140,9 +140,16 @@ def detach(model) -> None:
     _retrace(model)
 
 
+def delta(a: np.ndarray, b: np.ndarray, scale) -> np.ndarray:
+    """A [nx, r] · B [r, nf] · scale in float32: the one formula of every merge (attached adapters saved, an
+    adapter folded in at load), so that they give the same bits; int8's per-column scales would turn an ulp
+    between two formulas (a fused multiply-add or not) into a different rounding of the whole column."""
+    return (np.asarray(a, np.float32) @ np.asarray(b, np.float32)) * np.float32(scale)
+
+
 def deltas(adapters: dict) -> dict:
     """{'h.N.attn.c_attn': A·B·scale [nx, nf]} of attached adapters."""
-    return {name: a.delta().numpy() for name, a in adapters.items()}
+    return {name: a.delta() for name, a in adapters.items()}
 
 
 def _fold(model, deltas_: dict) -> None:
@@ -291,8 +298,7 @@ class Deltas(collections.abc.Mapping):
         self.pairs, self.scale = pairs, scale  # {checkpoint name: (A [nx, r], B [r, nf])}
 
     def __getitem__(self, name):
-        a, b = self.pairs[name]
-        return ((a @ b) * self.scale)[None]
+        return delta(*self.pairs[name], self.scale)[None]
 
     def __iter__(self):
         return iter(self.pairs)
@@ -315,7 +321,7 @@ def apply(model, folder) -> dict:
     load_model(base, adapter=folder) does it as it reads the weights, so that int8 quantizes merged ones."""
     config, pairs, _ = read(folder, model)
     scale = np.float32(scale_of(config))
-    _fold(model, {name: (a @ b) * scale for name, (a, b) in pairs.items()})
+    _fold(model, {name: delta(a, b, scale) for name, (a, b) in pairs.items()})
     return config
 
 

@@ -79,8 +79,7 @@ REGISTER_OP("Gpt2FloatMatMul")
     .Input("x: float")
     .Input("w: float")
     .Output("y: float")
-    .Attr("transpose_w: bool = false")
-    .Attr("panel: int = 0")  // always 0: float32 weights keep the plain layout
+    .Attr("transpose_w: bool = false")  // float32 weights keep the plain layout: no panels
     .SetShapeFn(ProductShape);
 
 namespace {
@@ -473,7 +472,7 @@ struct Attrs {
 
   explicit Attrs(OpKernelConstruction* context) {
     OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w));
-    OP_REQUIRES_OK(context, context->GetAttr("panel", &panel));
+    if (context->HasAttr("panel")) OP_REQUIRES_OK(context, context->GetAttr("panel", &panel));
   }
 };
 
