@@ -339,7 +339,7 @@ def stored_weights(model: Model) -> dict:
         if name not in own:
             weights[name] = tf.cast(variable.read_value(), tf.float32)  # a float32 read aliases the variable
             if name in adapted:
-                weights[name] = weights[name] + adapted[name].delta()[None]  # [1, nx, nf], float32
+                weights[name] = weights[name] + adapted[name].delta()[None]  # [1, nx, nf]
     return weights
 
 

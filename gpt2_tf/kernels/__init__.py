@@ -64,6 +64,7 @@ def cache_folder() -> pathlib.Path:
     return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / '.cache' / 'gpt2_tf' / 'kernels')
 
 
+@functools.lru_cache(maxsize=1)  # read once: float_kernel_here asks for every product traced
 def _cpu_key() -> str:
     try:
         flags = next(line for line in open('/proc/cpuinfo') if line.startswith('flags'))
