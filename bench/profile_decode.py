@@ -6,7 +6,8 @@ Runs greedy sampling on the 124M-shaped random checkpoint (16-token prompts, --n
 two calls after a first, then profiles one more. XLA on CPU records each thunk it runs (a fusion,
 a dot, a custom call such as the float32 or int8 kernel) on the thread that ran it; this prints
 the thunks' total time grouped by kind (the name before its first '.'), and the profiled call's
-span against the time some thunk was running (the rest is gaps: waits, the loop's own work).
+span against the time some thunk was running (the rest is gaps: waits, the loop's own work). A
+while loop's thunk, which holds its body's, is left out.
 A custom call's time includes its helper threads' work, which the profiler does not see.
 """
 
@@ -29,21 +30,21 @@ import gpt2_tf  # noqa: E402
 from gpt2_tf.sample import sample_sequence  # noqa: E402
 from bench_generate import checkpoint, cpu  # noqa: E402
 
-SKIPPED = ('ThunkExecutor', 'end:')  # the executor's own spans (they contain the thunks) and end markers
+CONTAINERS = ('while',)  # thunks that hold others (a loop's body): left out, their body's thunks count
 
 
 def thunk_events(folder: str):
-    """(kind, start ps, end ps) of every thunk the profile in folder recorded on XLA's threads."""
+    """(kind, start ps, end ps) of every thunk the profile in folder recorded, on whichever thread ran it (XLA
+    runs some on the calling thread). A thunk is what XLA also marks with an 'end: <name>' event."""
     path = next(pathlib.Path(folder).rglob('*.xplane.pb'))
     space = xplane_pb2.XSpace.FromString(path.read_bytes())
     for plane in space.planes:
         names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        thunks = {name[len('end: '):] for name in names.values() if name.startswith('end: ')}
         for line in plane.lines:
-            if line.name == 'python' or line.name.startswith('tf_Compute'):
-                continue  # TensorFlow's side: the call itself, not XLA's thunks
             for event in line.events:
                 name = names.get(event.metadata_id, '?')
-                if not name.startswith(SKIPPED):
+                if name in thunks and not name.startswith(CONTAINERS):
                     start = line.timestamp_ns * 1000 + event.offset_ps
                     yield name.split('.')[0], start, start + event.duration_ps
 
