@@ -83,10 +83,13 @@ def test_packed_product_equals_the_float64_product(m, k, n, width, where):
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # as above
 
 
-FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, False), (8, 3072, 768, False),
-                (16, 768, 2304, False), (5, 33, 300, False),  # k in 2 groups and 1 row; a narrower last segment
+FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, False),  # below 12 rows: groups
+                (5, 33, 300, False),  # k in 2 groups and 1 row; a narrower last segment
                 (7, 40, 2100, False),  # 256-wide segments, the last one 52: 1 tile, 2 single vectors, 4 channels
-                (9, 17, 13, False), (70, 64, 200, False),  # fewer channels than a tile; Eigen's GEMM
+                (8, 3072, 768, False),  # k in 192 groups
+                (12, 3072, 768, False), (16, 768, 2304, False),  # panels: k in 24 and 6 chunks; rows 6 + 6, 6 + 6 + 4
+                (13, 33, 300, False),  # the last segment 44: 2 panels, then a vector and 4 channels; rows 6 + 6 + 1
+                (9, 17, 13, False), (70, 64, 200, False),  # fewer channels than a panel; Eigen's GEMM
                 (8, 768, 5000, True), (3, 33, 17, True), (70, 40, 300, True)]  # wte's layout
 
 

@@ -56,7 +56,8 @@ MANY_ROWS = 64
 # (transpose_w: wte's [N, K]). On a Zen 3 (AVX2), inside an XLA loop, against XLA's dots: the 48 block
 # products took 0.97 / 0.65 / 0.65 / 0.80x the time at 2 / 4 / 8 / 16 rows, the tied logits 0.64 / 0.71 /
 # 1.01 / 1.36x (bench/bench_products.py); at one row XLA's matrix-vector product streams the weights at the
-# machine's bandwidth, and the kernel took 1.3-1.6x its time.
+# machine's bandwidth, and the kernel took 1.3-1.6x its time. (From 12 rows the kernel now multiplies packed
+# panels, 0.72-0.92x the time of its earlier tiles: BENCHMARKS.md, A third run on the Zen 3.)
 FEW_ROWS = {False: range(2, 17), True: range(2, 9)}
 
 
