@@ -220,13 +220,13 @@ struct PanelTile {
   static void Run(const Problem<W>& p, int64_t m0, int64_t n0) { Tile<R, V>(p, m0, n0); }
 };
 
-// The last rows - m0 < kMaxRows rows as one tile of that many rows.
-template <template <int, int> class T, int R, int C, typename W>
-void LastRows(const Problem<W>& p, int64_t m0, int64_t n0, int64_t rows) {
+// The last rows of x - fewer than a whole tile's, known at run time - as one tile T<rows, C>::Run(args...).
+template <template <int, int> class T, int R, int C, typename... Args>
+void LastRows(int64_t rows, const Args&... args) {
   if (rows == R) {
-    T<R, C>::Run(p, m0, n0);
+    T<R, C>::Run(args...);
   } else if constexpr (R > 1) {
-    LastRows<T, R - 1, C>(p, m0, n0, rows);
+    LastRows<T, R - 1, C>(rows, args...);
   }
 }
 
@@ -235,7 +235,7 @@ template <template <int, int> class T, int C, int Rows = kMaxRows, typename W>
 void AllRows(const Problem<W>& p, int64_t n0) {
   int64_t m = 0;
   for (; m + Rows <= p.M; m += Rows) T<Rows, C>::Run(p, m, n0);
-  if (m < p.M) LastRows<T, Rows - 1, C>(p, m, n0, p.M - m);
+  if (m < p.M) LastRows<T, Rows - 1, C>(p.M - m, p, m, n0);
 }
 
 // Output channels [b * kBlock, (b + 1) * kBlock) for every row of x.
@@ -448,34 +448,26 @@ void SegmentRows(const Problem<float>& p, int64_t m0, int64_t n0, int64_t n1, in
     }
 }
 
-// y[0:R, 0:kPanel] (+)= x[0:R, 0:kc] panel[0:kc][0:kPanel]; x's rows ldx apart, y's ldy; add: y holds sums so far.
-template <int R>
-void ChunkTile(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, bool add) {
-  Vec acc[R][kPanelVectors];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = add ? Load(y + r * ldy + v * kLanes) : Zero();
-  for (int64_t k = 0; k < kc; ++k, panel += kPanel) {
-    Vec w[kPanelVectors];
-    for (int v = 0; v < kPanelVectors; ++v) w[v] = Load(panel + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec xk = Broadcast(x[r * ldx + k]);
-      for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = Fma(xk, w[v], acc[r][v]);
+// y[0:R, 0:V*kLanes] (+)= x[0:R, 0:kc] panel[0:kc][0:V*kLanes]; x's rows ldx apart, y's ldy; add: y holds the
+// sums so far.
+template <int R, int V>
+struct ChunkTile {
+  static void Run(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, bool add) {
+    Vec acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = add ? Load(y + r * ldy + v * kLanes) : Zero();
+    for (int64_t k = 0; k < kc; ++k, panel += V * kLanes) {
+      Vec w[V];
+      for (int v = 0; v < V; ++v) w[v] = Load(panel + v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const Vec xk = Broadcast(x[r * ldx + k]);
+        for (int v = 0; v < V; ++v) acc[r][v] = Fma(xk, w[v], acc[r][v]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVectors; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
-}
-
-// ChunkTile for the last rows - fewer than kPanelRows - as one tile of that many rows.
-template <int R>
-void ChunkRows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
-               bool add) {
-  if (rows == R) {
-    ChunkTile<R>(x, ldx, panel, kc, y, ldy, add);
-  } else if constexpr (R > 1) {
-    ChunkRows<R - 1>(rows, x, ldx, panel, kc, y, ldy, add);
-  }
-}
+};
 
 // Channels [n0, n1) from kPackedRows rows of x on: panels of chunks, then the channels past the last panel.
 void PackedSegment(const Problem<float>& p, int64_t n0, int64_t n1) {
@@ -493,8 +485,9 @@ void PackedSegment(const Problem<float>& p, int64_t n0, int64_t n1) {
     }
     for (int64_t t = 0; t < panels; ++t)
       for (int64_t m = 0; m < p.M; m += kPanelRows)
-        ChunkRows<kPanelRows>(std::min<int64_t>(kPanelRows, p.M - m), p.x + m * p.K + k0, p.K,
-                              &buffer[t * kc * kPanel], kc, p.y + m * p.N + n0 + t * kPanel, p.N, k0 > 0);
+        LastRows<ChunkTile, kPanelRows, kPanelVectors>(std::min<int64_t>(kPanelRows, p.M - m), p.x + m * p.K + k0,
+                                                       p.K, &buffer[t * kc * kPanel], kc,
+                                                       p.y + m * p.N + n0 + t * kPanel, p.N, k0 > 0);
     for (int64_t m = 0; m < p.M; ++m) SegmentRows<1>(p, m, tail, n1, k0, k0 + kc);
   }
 }
