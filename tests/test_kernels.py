@@ -230,11 +230,11 @@ def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatc
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     calls = []
 
-    def failing(command, **options):
-        calls.append(command)
-        raise subprocess.CalledProcessError(1, command, stderr=b'fatal error: some_header.h: No such file')
+    def failing(commands):
+        calls.append(commands)
+        raise subprocess.CalledProcessError(1, commands[0], stderr=b'fatal error: some_header.h: No such file')
 
-    monkeypatch.setattr(kernels.subprocess, 'run', failing)
+    monkeypatch.setattr(kernels, '_run_all', failing)
     reason = 'g++ failed: fatal error: some_header.h: No such file'
     assert kernels._load(xla=True) == reason
     assert kernels._load(xla=True) == reason and len(calls) == 1  # read from the record, g++ not run again

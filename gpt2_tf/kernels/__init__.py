@@ -29,6 +29,7 @@ row segments take less time (float_kernel_here says where it is the default).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -41,7 +42,10 @@ from typing import Optional
 
 import tensorflow as tf
 
-SOURCE = pathlib.Path(__file__).with_name('matmul.cc')
+# The library's sources: matmul.cc (the op and its products: all a build without XLA compiles), then
+# matmul_xla.cc (the op's XLA kernel); both include HEADER.
+SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ('matmul.cc', 'matmul_xla.cc'))
+HEADER = pathlib.Path(__file__).with_name('matmul.h')
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
@@ -79,33 +83,56 @@ def arch() -> str:
 
 
 def _library_path(xla: bool) -> pathlib.Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + tf.__version__.encode() + _cpu_key().encode() +
-                         arch().encode()).hexdigest()[:16]
-    return cache_folder() / f'matmul-{key}{"-xla" if xla else ""}.so'
+    digest = hashlib.sha256(b''.join(f.read_bytes() for f in (*SOURCES, HEADER)) + tf.__version__.encode() +
+                            _cpu_key().encode() + arch().encode())
+    return cache_folder() / f'matmul-{digest.hexdigest()[:16]}{"-xla" if xla else ""}.so'
 
 
-def _flags(xla: bool) -> list:
-    """g++'s flags: TensorFlow's own; with xla, also the headers and library that XLA's custom calls need."""
+def _flags(xla: bool) -> tuple:
+    """(g++'s compile flags, its sources, its link flags): TensorFlow's own; with xla, also the headers, the
+    source and the library that XLA's custom calls need."""
     flags, links = tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
     if not xla:
-        return [*flags, str(SOURCE), *links]
+        return flags, SOURCES[:1], links
     include = pathlib.Path(tf.sysconfig.get_include()) / 'external'
     extra = [f'-I{include / "highwayhash"}', f'-I{include / "farmhash_archive" / "src"}', '-DGPT2_TF_XLA']
-    return [*flags, *extra, str(SOURCE), *links, '-l:libtensorflow_cc.so.2']
+    return [*flags, *extra], SOURCES, [*links, '-l:libtensorflow_cc.so.2']
+
+
+def _run_all(commands: list) -> None:
+    """Runs the commands at once and waits for them all; the first that fails raises CalledProcessError."""
+    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for command in commands]
+    try:
+        errors = [process.communicate(timeout=900)[1] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for command, process, error in zip(commands, processes, errors):
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, command, stderr=error)
 
 
 def _compile(target: pathlib.Path, xla: bool) -> None:
-    """Builds the kernel into target, through a temporary file renamed into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(suffix='.so', dir=target.parent)
-    os.close(handle)
-    command = ['g++', '-shared', '-fPIC', '-O3', f'-march={arch()}', '-w', *_flags(xla), '-o', partial]
-    try:
-        subprocess.run(command, check=True, capture_output=True, timeout=900)
+    """Builds the kernel into target: each source into an object, all at once (the XLA source's headers alone
+    take most of the time), then linked into a temporary file renamed into place."""
+    flags, sources, links = _flags(xla)
+    common = ['-fPIC', '-O3', f'-march={arch()}', '-w']
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = [str(pathlib.Path(work) / (source.stem + '.o')) for source in sources]
+        _run_all([['g++', '-c', *common, *flags, str(source), '-o', o] for source, o in zip(sources, objects)])
+        partial = str(pathlib.Path(work) / target.name)
+        _run_all([['g++', '-shared', *common, *objects, *links, '-o', partial]])
         os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+
+
+@contextlib.contextmanager
+def _one_builder(target: pathlib.Path):
+    """Holds the build's lock file: processes that start together (the test workers, a command line's children)
+    build the library once, the others waiting for it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix('.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _load(xla: bool):
@@ -113,10 +140,12 @@ def _load(xla: bool):
     target = _library_path(xla)
     failed = target.with_suffix('.failed')  # a build that failed once is not tried again for this key
     try:
-        if failed.exists():
-            return failed.read_text()
         if not target.exists():
-            _compile(target, xla)
+            with _one_builder(target):
+                if failed.exists():
+                    return failed.read_text()
+                if not target.exists():
+                    _compile(target, xla)
         return tf.load_op_library(str(target))
     except FileNotFoundError:
         return 'no g++ on this machine'

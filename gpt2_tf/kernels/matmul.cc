@@ -15,9 +15,9 @@
 // channels are split over TensorFlow's intra-op threads; all rows of x are done per block, so each weight
 // byte comes from memory once.
 //
-// Built with GPT2_TF_XLA, the op also compiles under XLA (tf.function(jit_compile=True)): it becomes a custom
-// call into the same code, with the shapes fixed at compile time, on a thread pool of this library's own
-// (XLA passes a custom call none). The decoding loops then run int8 models under XLA too.
+// Built with GPT2_TF_XLA and linked with matmul_xla.cc, the op also compiles under XLA (tf.function(jit_compile=
+// True)): it becomes a custom call into the same code, with the shapes fixed at compile time, on a thread pool
+// of this library's own (XLA passes a custom call none). The decoding loops then run int8 models under XLA too.
 //
 // Float32 weights keep their plain [K, N] layout (training, saving and export read it), so a tile walking down
 // a block of columns would jump N floats at every k. Their few-row product instead takes a segment of columns
@@ -46,14 +46,14 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 
+#include "matmul.h"
+
 #ifdef GPT2_TF_XLA
-#include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
-#include "xla/hlo/builder/xla_builder.h"
 #include "xla/service/custom_call_target_registry.h"
-#include "xla/shape_util.h"
 #endif
 
 using namespace tensorflow;
+using namespace gpt2_tf;
 
 // y [M, N] from x [M, K] and w [K, N] (or [N, K] with transpose_w), for both ops.
 Status ProductShape(shape_inference::InferenceContext* c) {
@@ -533,43 +533,6 @@ void Multiply(const Problem<W>& p, bool transpose_w, float* wide, const Threads&
   });
 }
 
-// The op's attributes, as both of its kernels read them.
-struct Attrs {
-  bool transpose_w = false;
-  int64_t panel = 0;  // 0: the plain layout
-
-  explicit Attrs(OpKernelConstruction* context) {
-    OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w));
-    if (context->HasAttr("panel")) OP_REQUIRES_OK(context, context->GetAttr("panel", &panel));
-  }
-};
-
-struct Sizes {
-  int64_t M, K, N, panel;  // panel: N for the plain layout
-};
-
-// x [M, K], w and scale (null for float32 weights) checked against each other and the attributes, for every
-// kernel.
-Status Checked(const TensorShape& x, const TensorShape& w, const TensorShape* scale, const Attrs& attrs,
-               Sizes* sizes) {
-  if (x.dims() != 2 || w.dims() != 2 || (scale && scale->dims() != 1)) {
-    return errors::InvalidArgument("x and w must be matrices and scale a vector");
-  }
-  const int64_t K = x.dim_size(1), N = attrs.transpose_w ? w.dim_size(0) : w.dim_size(1);
-  if ((attrs.transpose_w ? w.dim_size(1) : w.dim_size(0)) != K || (scale && scale->dim_size(0) != N)) {
-    return errors::InvalidArgument("x [M, K], w and scale do not agree");
-  }
-  if (attrs.transpose_w && attrs.panel != 0) return errors::InvalidArgument("a transposed w has no panels");
-  const int64_t panel = attrs.panel > 0 ? attrs.panel : std::max<int64_t>(N, 1);
-  if (N % panel != 0) return errors::InvalidArgument("panel must divide the output channels");
-  *sizes = Sizes{x.dim_size(0), K, N, panel};
-  return OkStatus();
-}
-
-// int8 weights come with their scales (a third input), float32 ones alone.
-template <typename W>
-constexpr bool kScaled = std::is_same<W, int8_t>::value;
-
 template <typename W>
 class MatMulOp : public OpKernel {
  public:
@@ -619,8 +582,8 @@ const Threads& PoolThreads() {
 }
 
 // The custom calls (XLA's API_VERSION_STATUS_RETURNING_UNIFIED): in = {x, w, scale} (int8) or {x, w} (float32),
-// out = y; the shapes come in `config` as "M K N panel transpose_w", written by MatMulXla below, which has
-// checked them.
+// out = y; the shapes come in `config` as "M K N panel transpose_w", written by MatMulXla (matmul_xla.cc),
+// which has checked them.
 template <typename W>
 void MatMulCall(void* out, const void** in, const char* config, size_t size, void* /*status*/) {
   long long M, K, N, panel;
@@ -643,45 +606,34 @@ void FloatMatMulCall(void* out, const void** in, const char* config, size_t size
   MatMulCall<float>(out, in, config, size, status);
 }
 
-// The op under XLA, once the shapes are known: the custom call above.
-template <typename W>
-class MatMulXla : public XlaOpKernel {
- public:
-  explicit MatMulXla(OpKernelConstruction* context) : XlaOpKernel(context), attrs_(context) {}
-
-  void Compile(XlaOpKernelContext* context) override {
-    Sizes n;
-    const TensorShape scale = kScaled<W> ? context->InputShape(2) : TensorShape();
-    OP_REQUIRES_OK(context, Checked(context->InputShape(0), context->InputShape(1), kScaled<W> ? &scale : nullptr,
-                                    attrs_, &n));
-    const std::string config = std::to_string(n.M) + " " + std::to_string(n.K) + " " + std::to_string(n.N) + " " +
-                               std::to_string(n.panel) + " " + (attrs_.transpose_w ? "1" : "0");
-    std::vector<xla::XlaOp> operands = {context->Input(0), context->Input(1)};
-    if (kScaled<W>) operands.push_back(context->Input(2));
-    context->SetOutput(0, xla::CustomCall(context->builder(), kScaled<W> ? "gpt2_tf_int8_matmul" : "gpt2_tf_float_matmul",
-                                          operands,
-                                          xla::ShapeUtil::MakeShape(xla::F32, {n.M, n.N}), config,
-                                          /*has_side_effect=*/false, /*output_operand_aliasing=*/{},
-                                          /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
-                                          xla::CustomCallApiVersion::API_VERSION_STATUS_RETURNING_UNIFIED));
-  }
-
- private:
-  const Attrs attrs_;
-};
-
 #endif  // GPT2_TF_XLA
 
 }  // namespace
+
+namespace gpt2_tf {
+
+Status Checked(const TensorShape& x, const TensorShape& w, const TensorShape* scale, const Attrs& attrs,
+               Sizes* sizes) {
+  if (x.dims() != 2 || w.dims() != 2 || (scale && scale->dims() != 1)) {
+    return errors::InvalidArgument("x and w must be matrices and scale a vector");
+  }
+  const int64_t K = x.dim_size(1), N = attrs.transpose_w ? w.dim_size(0) : w.dim_size(1);
+  if ((attrs.transpose_w ? w.dim_size(1) : w.dim_size(0)) != K || (scale && scale->dim_size(0) != N)) {
+    return errors::InvalidArgument("x [M, K], w and scale do not agree");
+  }
+  if (attrs.transpose_w && attrs.panel != 0) return errors::InvalidArgument("a transposed w has no panels");
+  const int64_t panel = attrs.panel > 0 ? attrs.panel : std::max<int64_t>(N, 1);
+  if (N % panel != 0) return errors::InvalidArgument("panel must divide the output channels");
+  *sizes = Sizes{x.dim_size(0), K, N, panel};
+  return OkStatus();
+}
+
+}  // namespace gpt2_tf
 
 REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU), MatMulOp<int8_t>);
 REGISTER_KERNEL_BUILDER(Name("Gpt2FloatMatMul").Device(DEVICE_CPU), MatMulOp<float>);
 
 #ifdef GPT2_TF_XLA
-XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM("gpt2_tf_int8_matmul", Int8MatMulCall);
-XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM("gpt2_tf_float_matmul", FloatMatMulCall);
-// The kernels of XLA's CPU compilation device, registered directly: REGISTER_XLA_OP's registry is read once
-// per process, at its first XLA compile, and this library may load after that.
-REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU_XLA_JIT), MatMulXla<int8_t>);
-REGISTER_KERNEL_BUILDER(Name("Gpt2FloatMatMul").Device(DEVICE_CPU_XLA_JIT), MatMulXla<float>);
+XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM(kCallTarget<int8_t>, Int8MatMulCall);
+XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM(kCallTarget<float>, FloatMatMulCall);
 #endif

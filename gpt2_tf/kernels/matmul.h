@@ -1,0 +1,46 @@
+// What the library's two translation units share: the ops' attributes and their shape check, read by the op's
+// kernels in matmul.cc and by its XLA kernel in matmul_xla.cc, and the names of the custom calls between them.
+// matmul_xla.cc alone includes XLA's op-kernel header, which takes most of a build's time to parse: apart, the
+// two compile at once.
+
+#ifndef GPT2_TF_KERNELS_MATMUL_H_
+#define GPT2_TF_KERNELS_MATMUL_H_
+
+#include <cstdint>
+#include <type_traits>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace gpt2_tf {
+
+// The op's attributes, as each of its kernels reads them.
+struct Attrs {
+  bool transpose_w = false;
+  int64_t panel = 0;  // 0: the plain layout
+
+  explicit Attrs(tensorflow::OpKernelConstruction* context) {
+    OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w));
+    if (context->HasAttr("panel")) OP_REQUIRES_OK(context, context->GetAttr("panel", &panel));
+  }
+};
+
+struct Sizes {
+  int64_t M, K, N, panel;  // panel: N for the plain layout
+};
+
+// x [M, K], w and scale (null for float32 weights) checked against each other and the attributes -> sizes.
+tensorflow::Status Checked(const tensorflow::TensorShape& x, const tensorflow::TensorShape& w,
+                           const tensorflow::TensorShape* scale, const Attrs& attrs, Sizes* sizes);
+
+// int8 weights come with their scales (a third input), float32 ones alone.
+template <typename W>
+constexpr bool kScaled = std::is_same<W, int8_t>::value;
+
+// The custom call XLA's kernel for weights W emits, and the library registers (matmul.cc).
+template <typename W>
+constexpr const char* kCallTarget = kScaled<W> ? "gpt2_tf_int8_matmul" : "gpt2_tf_float_matmul";
+
+}  // namespace gpt2_tf
+
+#endif  // GPT2_TF_KERNELS_MATMUL_H_
