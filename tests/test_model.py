@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import gpt2_tf
 from gpt2_tf import HParams, Model
+from gpt2_tf import model as model_graph
 from gpt2_tf.tf1_reference import Reference
 
 from conftest import FIXTURES, FLOAT32, assert_close
@@ -90,6 +91,65 @@ def test_past_chained_over_three_calls(random_checkpoint, hparams):
     # Chained presents equal one call over the whole sequence.
     assert_close(ours_past, graph(tokens)['present'], 'whole-sequence present', rel=FLOAT32)
     assert_close(ours['logits'], graph(tokens)['logits'][:, 5:], 'whole-sequence logits', rel=FLOAT32)
+
+
+# --- long sequences: the causal attention in parts --------------------------------------------
+
+def attention64(q, k, v):
+    """The original attention, in float64: scores over sqrt(f), the -1e10 mask, softmax, the values."""
+    q, k, v = (tf.cast(t, tf.float64) for t in (q, k, v))
+    nd, ns = q.shape[2], k.shape[2]
+    w = tf.matmul(q, k, transpose_b=True) / np.sqrt(q.shape[-1])
+    seen = tf.constant(np.arange(nd)[:, None] >= np.arange(ns)[None] - ns + nd, tf.float64)
+    return tf.matmul(tf.nn.softmax(w * seen - 1e10 * (1 - seen)), v)
+
+
+@pytest.mark.parametrize('traced', [False, True], ids=['eager', 'traced-unknown-length'])
+@pytest.mark.parametrize('sequence', [model_graph.PARTS_FROM - 1, model_graph.PARTS_FROM, 700, 1024])
+def test_causal_attention_in_parts_equals_the_original_and_so_do_its_gradients(sequence, traced, monkeypatch):
+    rng = np.random.default_rng(sequence)
+    q, k, v = (rng.standard_normal((2, 3, sequence, 16)).astype(np.float32) * 2 for _ in range(3))
+    grad_out = rng.standard_normal((2, 3, sequence, 16)).astype(np.float32)
+    sizes = []  # the query rows of each multihead_attn call
+    original = model_graph.multihead_attn
+    monkeypatch.setattr(model_graph, 'multihead_attn', lambda q, *rest: sizes.append(q.shape[2]) or original(q, *rest))
+
+    def attend(q, k, v):
+        mask = model_graph.attention_mask(sequence, sequence, dtype=tf.float32)
+        return model_graph.causal_attn(q, k, v, tf.reshape(mask, [1, 1, sequence, sequence]))
+
+    def with_gradients(attend, q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attend(q, k, v)
+        return out, tape.gradient(out, [q, k, v], output_gradients=tf.cast(grad_out, out.dtype))
+
+    ours = with_gradients(attend, *map(tf.constant, (q, k, v)))
+    if traced:  # the length unknown when traced: tf.cond picks parts or the whole at run time
+        spec = tf.TensorSpec([None, 3, None, 16], tf.float32)
+        ours = tf.function(lambda *t: with_gradients(attend, *t), input_signature=[spec] * 3)(q, k, v)
+    theirs = with_gradients(attention64, *(tf.constant(t.astype(np.float64)) for t in (q, k, v)))
+    assert_close(ours[0], theirs[0], 'attention', rel=FLOAT32)
+    for name, a, b in zip('qkv', ours[1], theirs[1]):
+        assert_close(a, b, f'gradient of {name}', rel=FLOAT32)
+    if not traced:  # in parts from PARTS_FROM on, each part a PARTS-th of the queries (rounded up)
+        size = -(-sequence // model_graph.PARTS)
+        expected = [min(size, sequence - i * size) for i in range(model_graph.PARTS)]
+        assert sizes == (expected if sequence >= model_graph.PARTS_FROM else [sequence])
+
+
+LONG = HParams(n_vocab=50, n_ctx=1024, n_embd=24, n_head=3, n_layer=2)
+
+
+def test_a_long_sequence_matches_tf1(random_checkpoint):
+    folder = random_checkpoint(LONG, scale=0.3)
+    model = gpt2_tf.load_model(folder)
+    graph = Reference(LONG, str(folder / 'model.ckpt'))
+    tokens = np.random.default_rng(4).integers(0, LONG.n_vocab, size=(2, LONG.n_ctx), dtype=np.int32)
+    for t in (LONG.n_ctx, 700):
+        ours, theirs = model(tokens[:, :t]), graph(tokens[:, :t])
+        assert_close(ours['logits'], theirs['logits'], f'logits T={t}', rel=FLOAT32)
+        assert_close(ours['present'], theirs['present'], f'present T={t}', rel=FLOAT32)
 
 
 # --- the module itself ------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""The causal attention of a sequence without a past, whole (the original's) against in parts (model.causal_attn).
+
+    python bench/bench_attention.py [--sections core,forward,train] [--reps 5]
+
+core: the attention alone, 12 layers of 12 heads of 64 features, in a tf.function whose lengths are unknown
+when traced (as the model's are), forward and forward + backward, at several batches and lengths.
+forward: the 124M-shaped model's forward pass, one model tracing the whole attention and one the parts,
+alternating in one process. train: a Trainer step (LoRA rank 8 on c_attn, and full Adam; recompute, batch 1,
+T = 1024), the same way. Medians in ms (s for train), and the parts' time over the whole's.
+"""
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import gpt2_tf  # noqa: E402
+from gpt2_tf import model as graph  # noqa: E402
+from gpt2_tf.train import Trainer  # noqa: E402
+from bench_generate import checkpoint, cpu  # noqa: E402
+
+WHOLE = 10 ** 9  # a PARTS_FROM no sequence reaches: the whole attention
+
+
+def median_time(fn, reps: int) -> float:
+    fn()  # traced, or warmed
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def alternating(cases: dict, reps: int) -> dict:
+    """{name: median seconds} of the no-argument functions, called in turn, each warmed first."""
+    for fn in cases.values():
+        fn()
+    times = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def models(make) -> dict:
+    """{'whole': make(), 'parts': make()}, each built and traced under its PARTS_FROM."""
+    built = {}
+    for name, start in (('whole', WHOLE), ('parts', graph.PARTS_FROM)):
+        before, graph.PARTS_FROM = graph.PARTS_FROM, start
+        try:
+            built[name] = make()
+        finally:
+            graph.PARTS_FROM = before
+    return built
+
+
+def core(reps: int) -> None:
+    spec = [tf.TensorSpec([None, 12, None, 64], tf.float32)] * 3
+
+    def attention(q, k, v):
+        sequence = tf.shape(q)[2]
+        mask = tf.reshape(graph.attention_mask(sequence, sequence, dtype=q.dtype), [1, 1, sequence, sequence])
+        return tf.add_n([graph.causal_attn(q + i, k, v, mask) for i in range(12)])  # 12 layers, none shared
+
+    def with_gradients(q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attention(q, k, v)
+        return tape.gradient(out, [q, k, v])
+
+    rng = np.random.default_rng(0)
+    for batch, sequence in [(1, 1024), (1, 512), (2, 512), (1, 256), (8, 128)]:
+        qkv = [tf.constant(rng.standard_normal((batch, 12, sequence, 64)), tf.float32) for _ in range(3)]
+        # PARTS_FROM is read when traced: a function of its own for each, traced by its first call in models()
+        def traced():
+            pair = tf.function(attention, input_signature=spec), tf.function(with_gradients, input_signature=spec)
+            for f in pair:
+                f(*qkv)
+            return pair
+
+        functions = models(traced)
+        row = {name: [median_time(lambda f=f: tf.nest.map_structure(np.asarray, f(*qkv)), reps) for f in pair]
+               for name, pair in functions.items()}
+        (wf, wb), (pf, pb) = row['whole'], row['parts']
+        print(f'core B{batch} T{sequence}: forward {wf * 1e3:.0f} -> {pf * 1e3:.0f} ms ({pf / wf:.2f}x), '
+              f'with backward {wb * 1e3:.0f} -> {pb * 1e3:.0f} ms ({pb / wb:.2f}x)', flush=True)
+
+
+def forward(reps: int) -> None:
+    shapes = [(1, 1024), (1, 512), (2, 512), (8, 128)]
+    rng = np.random.default_rng(0)
+
+    def make():
+        model = gpt2_tf.load_model(checkpoint())
+        for shape in shapes:
+            model(np.zeros(shape, np.int32))  # traced here, under this PARTS_FROM
+        return model
+
+    built = models(make)
+    for shape in shapes:
+        tokens = rng.integers(0, 50257, shape).astype(np.int32)
+        t = alternating({name: lambda m=m: m(tokens)['logits'].numpy() for name, m in built.items()}, reps)
+        print(f'forward B{shape[0]} T{shape[1]}: {t["whole"] * 1e3:.0f} -> {t["parts"] * 1e3:.0f} ms '
+              f'({t["parts"] / t["whole"]:.2f}x)', flush=True)
+
+
+def train(reps: int) -> None:
+    tokens = np.random.default_rng(0).integers(0, 50257, (1, 1024)).astype(np.int32)
+    for case, options in (('LoRA rank 8 on c_attn', dict(lora_rank=8, lora_targets='c_attn')), ('Adam', {})):
+        def make():
+            trainer = Trainer(gpt2_tf.load_model(checkpoint()), 1e-4, 'adam', 1, True, **options)
+            trainer.step(tokens)  # traced here
+            return trainer
+
+        t = alternating({name: lambda tr=tr: tr.step(tokens) for name, tr in models(make).items()}, reps)
+        print(f'train {case}, T 1024, recompute: {t["whole"]:.2f} -> {t["parts"]:.2f} s a step '
+              f'({t["parts"] / t["whole"]:.2f}x)', flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--sections', default='core,forward,train')
+    parser.add_argument('--reps', type=int, default=5)
+    args = parser.parse_args()
+    print(f'CPU: {cpu()}')
+    sections = {'core': core, 'forward': forward, 'train': train}
+    for name in args.sections.split(','):
+        sections[name](args.reps)
+
+
+if __name__ == '__main__':
+    main()
