@@ -1,4 +1,4 @@
-"""The causal attention of a sequence without a past, whole (the original's) against in parts (model.causal_attn).
+"""The causal attention of a sequence without a past, whole (the original's) against in parts (gpt2_tf.causal).
 
     python bench/bench_attention.py [--sections core,forward,train] [--reps 5]
 
@@ -12,9 +12,7 @@ T = 1024), the same way. Medians in ms (s for train), and the parts' time over t
 import argparse
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -23,45 +21,23 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import gpt2_tf  # noqa: E402
-from gpt2_tf import model as graph  # noqa: E402
+from gpt2_tf import causal, model as graph  # noqa: E402
 from gpt2_tf.train import Trainer  # noqa: E402
 from bench_generate import checkpoint, cpu  # noqa: E402
+from bench_int8 import alternating  # noqa: E402
 
 WHOLE = 10 ** 9  # a PARTS_FROM no sequence reaches: the whole attention
-
-
-def median_time(fn, reps: int) -> float:
-    fn()  # traced, or warmed
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def alternating(cases: dict, reps: int) -> dict:
-    """{name: median seconds} of the no-argument functions, called in turn, each warmed first."""
-    for fn in cases.values():
-        fn()
-    times = {name: [] for name in cases}
-    for _ in range(reps):
-        for name, fn in cases.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def models(make) -> dict:
     """{'whole': make(), 'parts': make()}, each built and traced under its PARTS_FROM."""
     built = {}
-    for name, start in (('whole', WHOLE), ('parts', graph.PARTS_FROM)):
-        before, graph.PARTS_FROM = graph.PARTS_FROM, start
+    for name, start in (('whole', WHOLE), ('parts', causal.PARTS_FROM)):
+        before, causal.PARTS_FROM = causal.PARTS_FROM, start
         try:
             built[name] = make()
         finally:
-            graph.PARTS_FROM = before
+            causal.PARTS_FROM = before
     return built
 
 
@@ -71,7 +47,8 @@ def core(reps: int) -> None:
     def attention(q, k, v):
         sequence = tf.shape(q)[2]
         mask = tf.reshape(graph.attention_mask(sequence, sequence, dtype=q.dtype), [1, 1, sequence, sequence])
-        return tf.add_n([graph.causal_attn(q + i, k, v, mask) for i in range(12)])  # 12 layers, none shared
+        return tf.add_n([causal.causal_attn(q + i, k, v, mask, weights=graph.attention_weights,
+                                             mask=graph.attention_mask) for i in range(12)])  # 12 layers, none shared
 
     def with_gradients(q, k, v):
         with tf.GradientTape() as tape:
@@ -90,9 +67,8 @@ def core(reps: int) -> None:
             return pair
 
         functions = models(traced)
-        row = {name: [median_time(lambda f=f: tf.nest.map_structure(np.asarray, f(*qkv)), reps) for f in pair]
-               for name, pair in functions.items()}
-        (wf, wb), (pf, pb) = row['whole'], row['parts']
+        (wf, pf), (wb, pb) = (alternating({name: lambda f=pair[i]: tf.nest.map_structure(np.asarray, f(*qkv))
+                                           for name, pair in functions.items()}, reps).values() for i in (0, 1))
         print(f'core B{batch} T{sequence}: forward {wf * 1e3:.0f} -> {pf * 1e3:.0f} ms ({pf / wf:.2f}x), '
               f'with backward {wb * 1e3:.0f} -> {pb * 1e3:.0f} ms ({pb / wb:.2f}x)', flush=True)
 

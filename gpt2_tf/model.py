@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import tensorflow as tf
 
+from .causal import causal_attn
 from .hparams import HParams
 from .precision import f32, gather, matrix, product, weight
 
@@ -104,40 +105,6 @@ def attention_weights(q, k, b):
     return softmax(mask_attn_weights(w, b))
 
 
-def multihead_attn(q, k, v, b):
-    """The original's: q [batch, heads, dst, f], k, v [batch, heads, src, f], mask b -> [batch, heads, dst, f]"""
-    return tf.matmul(attention_weights(q, k, b), v)
-
-
-PARTS = 8  # a long sequence's causal attention goes in this many parts of its queries...
-PARTS_FROM = 512  # ...from this many positions on (BENCHMARKS.md, Causal attention in parts)
-
-
-def causal_attn(q, k, v, b):
-    """multihead_attn where src = dst (no past: b is the plain causal mask). From PARTS_FROM positions on, in
-    PARTS parts of the queries, each meeting the keys up to its own last position. The keys a part skips are
-    those the mask gives the weight exp(-1e10 - max) = 0 exactly, so only the order of float32 sums changes;
-    the attention's work falls by about 40% at 1024 positions, forward and backward."""
-    sequence = shape_list(q)[2]
-
-    def parts():
-        size = (sequence + PARTS - 1) // PARTS
-        ends = [tf.minimum(sequence, (i + 1) * size) for i in range(PARTS)]
-        sizes = tf.stack([ends[0]] + [ends[i] - ends[i - 1] for i in range(1, PARTS)])
-        qs, ks, vs = (tf.split(t, sizes, axis=2, num=PARTS) for t in (q, k, v))
-        out = []
-        for i, end in enumerate(ends):  # keys and values as concats of whole parts: cheap to differentiate
-            ki, vi = (tf.concat(t[:i + 1], axis=2) for t in (ks, vs))
-            nd = shape_list(qs[i])[2]
-            out.append(multihead_attn(qs[i], ki, vi, tf.reshape(attention_mask(nd, end, dtype=q.dtype),
-                                                                 [1, 1, nd, end])))
-        return tf.concat(out, axis=2)
-
-    if isinstance(sequence, int):
-        return parts() if sequence >= PARTS_FROM else multihead_attn(q, k, v, b)
-    return tf.cond(sequence >= PARTS_FROM, parts, lambda: multihead_attn(q, k, v, b))
-
-
 class Past(NamedTuple):
     """The original's key/value source: the past's keys and values, then this call's, under the causal mask."""
     past: Optional[tf.Tensor] = None  # [batch, 2, heads, past_sequence, f], or no past
@@ -170,15 +137,12 @@ class Attn(tf.Module):
     def __call__(self, x, *, kv, record=None):  # x [batch, dst, nx] -> a [batch, dst, n_state], present
         q, k, v = map(self.split_heads, tf.split(self.c_attn(x), 3, axis=2))
         k, v, b, present = kv(k, v)
-        if record is not None:  # the weights themselves, for the explorer
-            w = attention_weights(q, k, b)
-            record(attn_weights=w)
-            a = tf.matmul(w, v)
-        elif isinstance(kv, Past) and kv.past is None:
-            a = causal_attn(q, k, v, b)
-        else:
-            a = multihead_attn(q, k, v, b)
-        return self.c_proj(self.merge_heads(a)), present
+        if record is None and isinstance(kv, Past) and kv.past is None:  # a whole sequence: in parts when long
+            a = causal_attn(q, k, v, b, weights=attention_weights, mask=attention_mask)
+            return self.c_proj(self.merge_heads(a)), present
+        w = attention_weights(q, k, b)
+        if record is not None: record(attn_weights=w)  # noqa: E701
+        return self.c_proj(self.merge_heads(tf.matmul(w, v))), present
 
 
 class MLP(tf.Module):

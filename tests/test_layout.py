@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / 'gpt2_tf'
 LAYERS = [
     {'validate'},
     {'assets', 'quiet', 'kernels', 'filters', 'thresholds'},
-    {'hparams', 'precision', 'encoder', 'noise', 'train_config', 'penalties'},
+    {'hparams', 'precision', 'causal', 'encoder', 'noise', 'train_config', 'penalties'},
     {'model', 'corpus', 'litert_run', 'distribute'},
     {'runtime', 'tf1_reference', 'compiled', 'dataset'},
     {'decoding', 'checkpoint', 'scoring', 'lora'},
@@ -114,9 +114,10 @@ def test_no_submodule_shadows_an_exported_name():
 
 
 def test_model_py_reads_beside_the_original():
-    # openai/gpt-2 src/model.py at revision 9b63575 has 174 lines; ours adds docstrings, shape comments, and
-    # the block's two residual halves as methods (training's recompute wraps each).
-    assert len((PACKAGE / 'model.py').read_text().splitlines()) <= 240
+    # openai/gpt-2 src/model.py at revision 9b63575 has 174 lines; ours adds docstrings, shape comments, the
+    # block's two residual halves as methods (training's recompute wraps each), and the hand-off of a whole
+    # sequence's attention to gpt2_tf.causal.
+    assert len((PACKAGE / 'model.py').read_text().splitlines()) <= 245
 
 
 def test_no_function_over_80_lines():

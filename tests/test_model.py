@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import gpt2_tf
 from gpt2_tf import HParams, Model
+from gpt2_tf import causal
 from gpt2_tf import model as model_graph
 from gpt2_tf.tf1_reference import Reference
 
@@ -105,18 +106,20 @@ def attention64(q, k, v):
 
 
 @pytest.mark.parametrize('traced', [False, True], ids=['eager', 'traced-unknown-length'])
-@pytest.mark.parametrize('sequence', [model_graph.PARTS_FROM - 1, model_graph.PARTS_FROM, 700, 1024])
-def test_causal_attention_in_parts_equals_the_original_and_so_do_its_gradients(sequence, traced, monkeypatch):
+@pytest.mark.parametrize('sequence', [causal.PARTS_FROM - 1, causal.PARTS_FROM, 700, 1024])
+def test_causal_attention_in_parts_equals_the_original_and_so_do_its_gradients(sequence, traced):
     rng = np.random.default_rng(sequence)
     q, k, v = (rng.standard_normal((2, 3, sequence, 16)).astype(np.float32) * 2 for _ in range(3))
     grad_out = rng.standard_normal((2, 3, sequence, 16)).astype(np.float32)
-    sizes = []  # the query rows of each multihead_attn call
-    original = model_graph.multihead_attn
-    monkeypatch.setattr(model_graph, 'multihead_attn', lambda q, *rest: sizes.append(q.shape[2]) or original(q, *rest))
+    rows = []  # the query rows of each call of the attention weights
+
+    def weights(q, *rest):
+        rows.append(q.shape[2])
+        return model_graph.attention_weights(q, *rest)
 
     def attend(q, k, v):
-        mask = model_graph.attention_mask(sequence, sequence, dtype=tf.float32)
-        return model_graph.causal_attn(q, k, v, tf.reshape(mask, [1, 1, sequence, sequence]))
+        mask = tf.reshape(model_graph.attention_mask(sequence, sequence, dtype=tf.float32), [1, 1, sequence, sequence])
+        return causal.causal_attn(q, k, v, mask, weights=weights, mask=model_graph.attention_mask)
 
     def with_gradients(attend, q, k, v):
         with tf.GradientTape() as tape:
@@ -133,9 +136,9 @@ def test_causal_attention_in_parts_equals_the_original_and_so_do_its_gradients(s
     for name, a, b in zip('qkv', ours[1], theirs[1]):
         assert_close(a, b, f'gradient of {name}', rel=FLOAT32)
     if not traced:  # in parts from PARTS_FROM on, each part a PARTS-th of the queries (rounded up)
-        size = -(-sequence // model_graph.PARTS)
-        expected = [min(size, sequence - i * size) for i in range(model_graph.PARTS)]
-        assert sizes == (expected if sequence >= model_graph.PARTS_FROM else [sequence])
+        size = -(-sequence // causal.PARTS)
+        expected = [min(size, sequence - i * size) for i in range(causal.PARTS)]
+        assert rows == (expected if sequence >= causal.PARTS_FROM else [sequence])
 
 
 LONG = HParams(n_vocab=50, n_ctx=1024, n_embd=24, n_head=3, n_layer=2)

@@ -68,7 +68,7 @@ def test_steps_equal_the_original_training_graph(optimizer, accumulate, recomput
 
 @pytest.mark.parametrize('recompute', [False, True], ids=['plain', 'recompute'])
 def test_steps_on_a_long_sequence_equal_the_original_training_graph(random_checkpoint, recompute):
-    # 1024 positions: the attention goes in parts (model.causal_attn), forward and backward.
+    # 1024 positions: the attention goes in parts (gpt2_tf.causal), forward and backward.
     hparams = HParams(n_vocab=50, n_ctx=1024, n_embd=24, n_head=3, n_layer=2)
     folder = random_checkpoint(hparams, scale=0.3)
     trainer = Trainer(gpt2_tf.load_model(folder), 1e-3, 'adam', 1, recompute)
