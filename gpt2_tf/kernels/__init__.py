@@ -29,7 +29,6 @@ row segments take less time (float_kernel_here says where it is the default).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import os
@@ -128,7 +127,10 @@ def _compile(target: pathlib.Path, xla: bool) -> None:
 @contextlib.contextmanager
 def _one_builder(target: pathlib.Path):
     """Holds the build's lock file: processes that start together (the test workers, a command line's children)
-    build the library once, the others waiting for it."""
+    build the library once, the others waiting for it. (fcntl is POSIX's: imported here, where the build is on
+    Linux, so that the package still imports elsewhere.)"""
+    import fcntl
+
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix('.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
