@@ -143,16 +143,16 @@ def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = Fals
     inputs, float32 accumulation and result; int8 w is multiplied as it is, with its scales [N]."""
     if w.dtype == tf.int8:
         return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b, panel=0 if transpose_b else panel(w.shape[-1]))
-    if w.dtype == tf.float32 and getattr(_building, 'decoding', False) and kernels.float_kernel_here() \
-            and not quiet.xla_cache_on():
-        return _few_rows_product(x, w, transpose_b)
+    few = kernels.few_rows(transpose_b) if w.dtype == tf.float32 and getattr(_building, 'decoding', False) else None
+    if few and not quiet.xla_cache_on():
+        return _few_rows_product(x, w, transpose_b, few)
     return f32(tf.matmul(tf.cast(x, w.dtype), w, transpose_b=transpose_b))
 
 
 @contextlib.contextmanager
 def decoding():
-    """Within it, on this thread, float32 products over kernels.FEW_ROWS rows (a decode step at batch 2-16) take
-    the kernel where it beats XLA's and TensorFlow's own (kernels.float_kernel_here), except where XLA's
+    """Within it, on this thread, float32 products over a few rows (a decode step at batch 2-16) take the kernel
+    where it beats XLA's and TensorFlow's own (kernels.few_rows: by CPU and layout), except where XLA's
     persistent cache is on (XLA code that calls the kernel crashes when read back from it; see compiled).
     Decoding's graphs trace inside it; forward passes, scoring and training keep TensorFlow's products."""
     before, _building.decoding = getattr(_building, 'decoding', False), True
@@ -162,12 +162,11 @@ def decoding():
         _building.decoding = before
 
 
-def _few_rows_product(x, w, transpose_b: bool):
-    """float32 x [M, K] times w: the kernel for FEW_ROWS rows, else TensorFlow's product; where M is unknown
+def _few_rows_product(x, w, transpose_b: bool, few: range):
+    """float32 x [M, K] times w: the kernel for the few rows, else TensorFlow's product; where M is unknown
     when traced (an open batch), a tf.cond that XLA, knowing M when it compiles, reduces to one branch."""
     kernel = lambda: kernels.float_matmul(x, w, transpose_w=transpose_b)  # noqa: E731
     plain = lambda: tf.matmul(x, w, transpose_b=transpose_b)  # noqa: E731
-    few = kernels.FEW_ROWS[transpose_b]
     if x.shape[0] is not None:
         return kernel() if x.shape[0] in few else plain()
     rows = tf.shape(x)[0]

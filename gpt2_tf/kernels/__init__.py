@@ -21,9 +21,10 @@ TensorFlow ops: the weights unpacked from their panels, cast to float32, scaled,
 and multiplied. Both sum in float32; they agree to float32 rounding (the tests compare them).
 
 The same library multiplies float32 weights in their plain layout over few rows
-(float_matmul): on CPUs without AVX-512, XLA's float32 dots over 2-16 rows (a
-decode step at batch 2-16) run far below the machine's bounds, and the kernel's
-row segments take less time (float_kernel_here says where it is the default).
+(float_matmul): XLA's float32 dots over 2-16 rows (a decode step at batch 2-16)
+run far below the machine's bounds, and the kernel's row segments take less time:
+the block products and the tied logits on CPUs without AVX-512, the tied logits
+at 2-8 rows with it (few_rows says where it is the default).
 """
 
 from __future__ import annotations
@@ -55,20 +56,23 @@ _local = threading.local()  # .off: inside tensorflow_ops() on this thread
 # bench/bench_int8.py --sections rows).
 # wte's product keeps the kernel at every size: its float32 copy would be 154-322 MB.
 MANY_ROWS = 64
-# Rows of x for which a float32 product goes to the kernel by default on CPUs without AVX-512, by layout
-# (transpose_w: wte's [N, K]). On a Zen 3 (AVX2), inside an XLA loop, against XLA's dots: the 48 block
-# products took 0.97 / 0.65 / 0.65 / 0.80x the time at 2 / 4 / 8 / 16 rows, the tied logits 0.64 / 0.71 /
-# 1.01 / 1.36x (bench/bench_products.py); at one row XLA's matrix-vector product streams the weights at the
-# machine's bandwidth, and the kernel took 1.3-1.6x its time. (From 12 rows the kernel now multiplies packed
-# panels, 0.72-0.92x the time of its earlier tiles: BENCHMARKS.md, A third run on the Zen 3.)
-FEW_ROWS = {False: range(2, 17), True: range(2, 9)}
+# Rows of x for which a float32 product goes to the kernel by default while decoding, by CPU ('avx512': with
+# AVX-512, 'avx2': without) and layout (transpose_w: wte's [N, K]); inside an XLA loop, against XLA's dots
+# (bench/bench_products.py). On a Zen 3 (AVX2): the 48 block products took 0.97 / 0.65 / 0.65 / 0.80x the time
+# at 2 / 4 / 8 / 16 rows, the tied logits 0.64 / 0.71 / 1.01 / 1.36x; at one row XLA's matrix-vector product
+# streams the weights at the machine's bandwidth, and the kernel took 1.3-1.6x its time. (From 12 rows the
+# kernel now multiplies packed panels, 0.72-0.92x the time of its earlier tiles: BENCHMARKS.md, A third run on
+# the Zen 3.) On a Zen 4 (AVX-512): the block products 0.73-1.14x at 2-8 rows, level; the tied logits
+# 0.58-0.62x at 2 rows, 0.65-0.79x at 4, 0.72-0.84x at 8, 0.98-1.10x at 12-16; one row 1.3-1.6x for both.
+FEW_ROWS = {'avx2': {False: range(2, 17), True: range(2, 9)},
+            'avx512': {False: range(0), True: range(2, 9)}}
 
 
 def cache_folder() -> pathlib.Path:
     return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / '.cache' / 'gpt2_tf' / 'kernels')
 
 
-@functools.lru_cache(maxsize=1)  # read once: float_kernel_here asks for every product traced
+@functools.lru_cache(maxsize=1)  # read once: few_rows asks for every product traced
 def _cpu_key() -> str:
     try:
         flags = next(line for line in open('/proc/cpuinfo') if line.startswith('flags'))
@@ -205,10 +209,12 @@ def tensorflow_ops():
         _local.off = before
 
 
-def float_kernel_here() -> bool:
-    """Whether float32 products over FEW_ROWS rows go to the kernel while decoding: on a CPU without AVX-512 (with
-    it, XLA's own dots were the faster), outside tensorflow_ops(), where the kernel is built."""
-    return 'avx512f' not in _cpu_key().split() and not getattr(_local, 'off', False) and available()
+def few_rows(transpose_w: bool) -> range:
+    """The rows of x for which a float32 product goes to the kernel while decoding, on this CPU (FEW_ROWS); none
+    inside tensorflow_ops() or where the kernel is not built."""
+    if getattr(_local, 'off', False) or not available():
+        return range(0)
+    return FEW_ROWS['avx512' if 'avx512f' in _cpu_key().split() else 'avx2'][transpose_w]
 
 
 def float_matmul(x, w, *, transpose_w: bool = False):
