@@ -1,7 +1,7 @@
 """The decode step's weight products alone, inside an XLA loop: float32 (XLA's dots), float32 as a decode step
 takes them (precision.decoding: the kernel over 2-16 rows on CPUs without AVX-512) and int8 (the kernel).
 
-    python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,float32-decoding,int8] [--reps 5]
+    python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,float32-decoding,int8] [--reps 5] [--threads N]
 
 For each dtype and number of rows (the batch of a decode step), 20 steps of a compiled
 while loop, each doing what a step of the 124M-shaped model does with its weights: the
@@ -82,7 +82,10 @@ def main():
     parser.add_argument('--rows', default='1,8,16')
     parser.add_argument('--dtypes', default='float32,float32-decoding,int8')
     parser.add_argument('--reps', type=int, default=5)
+    parser.add_argument('--threads', type=int, default=0, help="TensorFlow's intra-op threads (0: its default)")
     args = parser.parse_args()
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     print(f'CPU: {cpu()}')
     print(f'read bandwidth (reduce_sum over 512 MB): {read_bandwidth() / 1e9:.1f} GB/s')
     for case in args.dtypes.split(','):
