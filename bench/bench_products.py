@@ -1,7 +1,8 @@
 """The decode step's weight products alone, inside an XLA loop: float32 (XLA's dots), float32 as a decode step
-takes them (precision.decoding: the kernel over 2-16 rows on CPUs without AVX-512) and int8 (the kernel).
+takes them (precision.decoding: the kernel where kernels.few_rows says), float32 with the kernel at every row
+from 1 to 16 (float32-kernel) and int8 (the kernel).
 
-    python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,float32-decoding,int8] [--reps 5] [--threads N]
+    python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,float32-decoding,float32-kernel,int8] [--reps 5] [--threads N]
 
 For each dtype and number of rows (the batch of a decode step), 20 steps of a compiled
 while loop, each doing what a step of the 124M-shaped model does with its weights: the
@@ -26,7 +27,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import gpt2_tf  # noqa: E402
-from gpt2_tf import precision  # noqa: E402
+from gpt2_tf import kernels, precision  # noqa: E402
 from bench_generate import checkpoint, cpu  # noqa: E402
 from bench_int8 import read_bandwidth  # noqa: E402
 
@@ -77,6 +78,17 @@ def timed_loop(fn, rows: int, reps: int, decoding: bool) -> float:
     return statistics.median(times) / STEPS
 
 
+@contextlib.contextmanager
+def forced_kernel():
+    """Within it, decoding takes the float32 kernel at 1-16 rows of x, for both layouts, on any CPU."""
+    before = kernels.FEW_ROWS
+    kernels.FEW_ROWS = {cpu: {layout: range(1, 17) for layout in rows} for cpu, rows in before.items()}
+    try:
+        yield
+    finally:
+        kernels.FEW_ROWS = before
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rows', default='1,8,16')
@@ -93,7 +105,8 @@ def main():
         model = gpt2_tf.load_model(checkpoint(), dtype=dtype)
         for name, (fn, nbytes) in products(model).items():
             for rows in map(int, args.rows.split(',')):
-                seconds = timed_loop(fn, rows, args.reps, decoding=case.endswith('-decoding'))
+                with forced_kernel() if case.endswith('-kernel') else contextlib.nullcontext():
+                    seconds = timed_loop(fn, rows, args.reps, decoding=case != dtype)
                 flops = 2 * rows * nbytes / (1 if dtype == 'int8' else 4)
                 print(f'{case:<16} {name:<7} {rows:>3} rows: {seconds * 1e3:7.2f} ms a step, '
                       f'{nbytes / seconds / 1e9:5.1f} GB/s of weights, {flops / seconds / 1e9:6.1f} GFLOP/s',
