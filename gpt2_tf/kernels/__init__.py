@@ -22,9 +22,9 @@ and multiplied. Both sum in float32; they agree to float32 rounding (the tests c
 
 The same library multiplies float32 weights in their plain layout over few rows
 (float_matmul): XLA's float32 dots over 2-16 rows (a decode step at batch 2-16)
-run far below the machine's bounds, and the kernel's row segments take less time:
-the block products and the tied logits on CPUs without AVX-512, the tied logits
-at 2-8 rows with it (few_rows says where it is the default).
+run far below the machine's bounds, and the kernel's products take less time:
+the block products at 2-16 rows on CPUs without AVX-512 and at 2-11 with it, the
+tied logits at 2-8 rows on both (few_rows says where it is the default).
 """
 
 from __future__ import annotations
@@ -58,14 +58,16 @@ _local = threading.local()  # .off: inside tensorflow_ops() on this thread
 MANY_ROWS = 64
 # Rows of x for which a float32 product goes to the kernel by default while decoding, by CPU ('avx512': with
 # AVX-512, 'avx2': without) and layout (transpose_w: wte's [N, K]); inside an XLA loop, against XLA's dots
-# (bench/bench_products.py). On a Zen 3 (AVX2): the 48 block products took 0.97 / 0.65 / 0.65 / 0.80x the time
-# at 2 / 4 / 8 / 16 rows, the tied logits 0.64 / 0.71 / 1.01 / 1.36x; at one row XLA's matrix-vector product
-# streams the weights at the machine's bandwidth, and the kernel took 1.3-1.6x its time. (From 12 rows the
-# kernel now multiplies packed panels, 0.72-0.92x the time of its earlier tiles: BENCHMARKS.md, A third run on
-# the Zen 3.) On a Zen 4 (AVX-512): the block products 0.73-1.14x at 2-8 rows, level; the tied logits
-# 0.58-0.62x at 2 rows, 0.65-0.79x at 4, 0.72-0.84x at 8, 0.98-1.10x at 12-16; one row 1.3-1.6x for both.
+# (bench/bench_products.py). On a Zen 3 (AVX2), with the row groups the bands replaced: the 48 block products
+# took 0.97 / 0.65 / 0.65 / 0.80x the time at 2 / 4 / 8 / 16 rows, the tied logits 0.64 / 0.71 / 1.01 / 1.36x;
+# the bands took 0.66-0.68x the groups' time at 2-8 rows in AVX2's code on a Zen 4, and 0.60-0.91x XLA's at
+# 2-8 rows, 0.91-0.98x at 10. On a Zen 4 (AVX-512): the bands 0.60-0.80x at 2-8 rows, 0.79-0.92x at 10-11 (the
+# panels, from 12 rows, level with XLA's dots, which keep those), the tied logits 0.58-0.62x at 2 rows,
+# 0.65-0.79x at 4, 0.72-0.84x at 8, 0.98-1.10x at 12-16. At one row XLA's matrix-vector product streams the
+# weights at the machine's bandwidth: the bands were level with it with AVX-512 and level to 1.3x its time with
+# AVX2's code, the logits' tiles 1.3-1.5x.
 FEW_ROWS = {'avx2': {False: range(2, 17), True: range(2, 9)},
-            'avx512': {False: range(0), True: range(2, 9)}}
+            'avx512': {False: range(2, 12), True: range(2, 9)}}
 
 
 def cache_folder() -> pathlib.Path:

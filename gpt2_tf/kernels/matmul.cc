@@ -20,9 +20,10 @@
 // of this library's own (XLA passes a custom call none). The decoding loops then run int8 models under XLA too.
 //
 // Float32 weights keep their plain [K, N] layout (training, saving and export read it), so a tile walking down
-// a block of columns would jump N floats at every k. Their few-row product instead takes a segment of columns
-// a unit of work and reads whole row segments of w (contiguous runs of 0.5-1 KB): from 12 rows of x on, into
-// panels that stay in the caches; [N, K] weights (wte) take the same row tiles as int8's.
+// a block of columns would jump N floats at every k. Their few-row product instead reads whole rows of w: below
+// 12 rows of x, each thread a band of w's rows, one contiguous stream; from 12 rows on, a segment of columns a
+// unit of work, its rows' runs copied into panels that stay in the caches. [N, K] weights (wte) take the same
+// row tiles as int8's.
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
 
@@ -350,6 +351,7 @@ void Widened(const Problem<int8_t>& p, bool transpose_w, int64_t n0, int64_t c, 
 struct Threads {
   const Eigen::ThreadPoolDevice& device;
   std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)> For;
+  int64_t count;  // how many
 };
 
 // wide holds K * min(N, kChunk) floats.
@@ -388,21 +390,17 @@ void Gemm(const Problem<float>& p, bool transpose_w, float* /*wide*/, const Thre
   y.device(threads.device) = x.contract(w, dims);
 }
 
-// Float32 weights in the plain [K, N] layout, few rows of x: a unit of work is a segment of output channels,
-// kSegment wide (half that below 2048 channels, so that 768 makes six units for the threads).
-// - Below kPackedRows rows of x, the segment's sums stay in y (in L1) while kGroup rows of w at a time are
-//   read, each row's segment one contiguous run, by tiles of kSegmentRows rows of x.
-// - From kPackedRows rows on, the segment is taken kChunkRows rows of w at a time. The chunk is first copied
-//   into this thread's buffer as panels [panel][k][kPanel], read in the same runs, each asking for the run
-//   kChunkRows rows on into L2. Then every row of x meets each panel from L1, kPanelRows rows at a time, their
-//   sums in registers over the whole chunk. Against the groups, in an XLA loop on a Zen 3
-//   (bench/bench_products.py, alternating): 0.82-0.92x the time of the 48 block products at 12 rows and
-//   0.72-0.83x at 16, but 0.88-1.29x at 8 and 0.94-1.08x at 2 and 4, where the groups stay.
-// Either way each sum runs over k in order, one multiply-add at a time, through y between groups or chunks.
+// Float32 weights in the plain [K, N] layout, kPackedRows rows of x or more (a decode step at batch 12-16): a
+// unit of work is a segment of output channels, kSegment wide (half that below 2048 channels, so that 768 makes
+// six units for the threads), taken kChunkRows rows of w at a time. The chunk is first copied into this thread's
+// buffer as panels [panel][k][kPanel], read in runs of the segment's width, each asking for the run kChunkRows
+// rows on into L2. Then every row of x meets each panel from L1, kPanelRows rows at a time, their sums in
+// registers over the whole chunk, through y from chunk to chunk: each sum runs over k in order. In an XLA loop
+// on a Zen 3 (bench/bench_products.py, alternating), 0.82-0.92x the time of the 48 block products at 12 rows
+// and 0.72-0.83x at 16 against the row groups that preceded the bands below; on a Zen 4 the bands took 1.1-1.5x
+// the panels' time from 12 rows on.
 constexpr int64_t kSegment = 256;
-constexpr int64_t kGroup = 16;
-constexpr int kSegmentRows = 2;     // a register tile of the groups: 2 rows of x times 4 vectors (8 sums)
-constexpr int kSegmentVectors = 4;
+constexpr int kSegmentVectors = 4;  // the tail past the last panel: 4 vectors a tile
 constexpr int64_t kPackedRows = 12;
 constexpr int64_t kChunkRows = 128;  // rows of w a chunk: at most 128 KB of panels, in L2
 constexpr int kPanelVectors = 2;
@@ -494,17 +492,90 @@ void PackedSegment(const Problem<float>& p, int64_t n0, int64_t n1) {
 
 void Segment(const Problem<float>& p, int64_t b) {
   const int64_t width = SegmentWidth(p.N);
-  const int64_t n0 = b * width, n1 = std::min(p.N, n0 + width);
-  if (p.M >= kPackedRows) {
-    PackedSegment(p, n0, n1);
-    return;
+  const int64_t n0 = b * width;
+  PackedSegment(p, n0, std::min(p.N, n0 + width));
+}
+
+// Float32 weights [K, N], fewer than kPackedRows rows of x (a decode step at batch 1-11): the product is bound
+// by reading w once, and one sequential stream a thread is what the prefetchers follow best. So w's rows are cut
+// into two bands a thread (one a thread left whole calls waiting on a late thread: batch 4 took 1.4x XLA's
+// time in two of six runs), each read kBandStep rows at a time (four streams, each one contiguous) into its own
+// sums y[M, N] (in L1 and L2); the bands' sums are added in order at the end, each band's over its k in order.
+// Against the row segments they replace (bench/bench_products.py with the kernel forced, alternating processes,
+// on a Zen 4): 0.56-0.82x the time of the 48 block products at 2-8 rows with AVX-512, 0.66-0.68x with AVX2's
+// code, 0.8-1.0x at 10 rows; level with XLA's dot at one row with AVX-512, 1.3x with AVX2's.
+constexpr int64_t kBandStep = 4;
+
+// Rows of x a pass over kBandStep rows of w takes, so that their broadcasts stay in registers (AVX2 has 16).
+// Against all the rows in one pass, the 48 block products at 10 rows took 25 against 27-29 ms a step with
+// AVX-512 (0.85-0.91x XLA's dots) and 24-26 against 32-33 with AVX2's code (0.91-0.98x), on the Zen 4.
+constexpr int kBandTile = kLanes >= 16 ? 8 : 4;
+
+// y[r0:r0+R, :] += x[r0:r0+R, k:k+kBandStep] w[k:k+kBandStep, :], channels kLanes at a time (a scalar tail past
+// the last vector); more than kBandTile rows pass over the same rows of w again, from the caches.
+template <int R>
+void BandStep(const Problem<float>& p, int64_t k, int64_t r0, float* y) {
+  if constexpr (R > kBandTile) {
+    BandStep<kBandTile>(p, k, r0, y);
+    BandStep<R - kBandTile>(p, k, r0 + kBandTile, y);
+  } else {
+    const int64_t N = p.N, vectors = N / kLanes * kLanes;
+    const float* w = p.w + k * N;
+    const float* x = p.x + r0 * p.K + k;
+    y += r0 * N;
+    Vec xk[R][kBandStep];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kBandStep; ++j) xk[r][j] = Broadcast(x[r * p.K + j]);
+    for (int64_t n = 0; n < vectors; n += kLanes) {
+      Vec row[kBandStep];
+      for (int j = 0; j < kBandStep; ++j) row[j] = Load(w + j * N + n);
+      for (int r = 0; r < R; ++r) {
+        Vec acc = Load(y + r * N + n);
+        for (int j = 0; j < kBandStep; ++j) acc = Fma(xk[r][j], row[j], acc);
+        Store(y + r * N + n, acc);
+      }
+    }
+    for (int64_t n = vectors; n < N; ++n)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kBandStep; ++j) y[r * N + n] += x[r * p.K + j] * w[j * N + n];
   }
-  for (int64_t k0 = 0; k0 < p.K; k0 += kGroup) {
-    const int64_t k1 = std::min(p.K, k0 + kGroup);
-    int64_t m = 0;
-    for (; m + kSegmentRows <= p.M; m += kSegmentRows) SegmentRows<kSegmentRows>(p, m, n0, n1, k0, k1);
-    for (; m < p.M; ++m) SegmentRows<1>(p, m, n0, n1, k0, k1);
+}
+
+// y[0:R, :] = x[0:R, k0:k1] w[k0:k1, :].
+template <int R>
+void Band(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
+  const int64_t N = p.N;
+  std::fill(y, y + R * N, 0.0f);
+  int64_t k = k0;
+  for (; k + kBandStep <= k1; k += kBandStep) BandStep<R>(p, k, 0, y);
+  for (; k < k1; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t n = 0; n < N; ++n) y[r * N + n] += p.x[r * p.K + k] * p.w[k * N + n];
+}
+
+// Band<R> for R = p.M, from 1 to Max rows.
+template <int Max>
+void BandOf(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
+  if constexpr (Max > 1) {
+    if (p.M < Max) return BandOf<Max - 1>(p, k0, k1, y);
   }
+  Band<Max>(p, k0, k1, y);
+}
+
+void Bands(const Problem<float>& p, const Threads& threads) {
+  const int64_t bands = std::max<int64_t>(1, std::min(2 * threads.count, p.K / kBandStep));
+  const int64_t size = p.M * p.N;
+  std::vector<float> sums((bands - 1) * size);  // the first band's go straight to y
+  threads.For(bands, 2 * p.M * p.N * p.K / bands + p.N * p.K / bands, [&](int64_t start, int64_t limit) {
+    for (int64_t b = start; b < limit; ++b) {
+      const int64_t k0 = (p.K * b / bands) / kBandStep * kBandStep;
+      const int64_t k1 = b + 1 == bands ? p.K : (p.K * (b + 1) / bands) / kBandStep * kBandStep;
+      float* y = b ? sums.data() + (b - 1) * size : p.y;
+      BandOf<kPackedRows - 1>(p, k0, k1, y);
+    }
+  });
+  for (int64_t b = 1; b < bands; ++b)
+    for (int64_t i = 0; i < size; ++i) p.y[i] += sums[(b - 1) * size + i];
 }
 
 // The whole product, by tiles (blocks of output channels split over the threads) or, from kGemmRows rows, by
@@ -517,6 +588,12 @@ void Multiply(const Problem<W>& p, bool transpose_w, float* wide, const Threads&
     return;
   }
   constexpr bool kFloat = std::is_same<W, float>::value;
+  if constexpr (kFloat) {
+    if (!transpose_w && p.M < kPackedRows) {
+      Bands(p, threads);
+      return;
+    }
+  }
   const int64_t width = transpose_w ? kRowChannels : kFloat ? SegmentWidth(p.N) : kBlock;
   const int64_t units = (p.N + width - 1) / width;
   const int64_t cost = 2 * p.K * width * p.M + p.K * width;  // multiply-adds per unit, plus reading its weights
@@ -554,7 +631,8 @@ class MatMulOp : public OpKernel {
     const Threads threads{context->eigen_device<Eigen::ThreadPoolDevice>(),
                           [workers](int64_t units, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
                             Shard(workers->num_threads, workers->workers, units, cost, fn);
-                          }};
+                          },
+                          workers->num_threads};
     Multiply(p, attrs_.transpose_w, Temporary(p) ? temporary.flat<float>().data() : nullptr, threads);
   }
 
@@ -577,7 +655,8 @@ const Threads& PoolThreads() {
                                            const std::function<void(int64_t, int64_t)>& fn) {
                                  device->parallelFor(units, Eigen::TensorOpCost(0, 0, static_cast<double>(cost)),
                                                      [&fn](Eigen::Index a, Eigen::Index b) { fn(a, b); });
-                               }};
+                               },
+                               pool->NumThreads()};
   return threads;
 }
 
