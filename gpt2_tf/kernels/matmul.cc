@@ -503,7 +503,8 @@ void Segment(const Problem<float>& p, int64_t b) {
 // sums y[M, N] (in L1 and L2); the bands' sums are added in order at the end, each band's over its k in order.
 // Against the row segments they replace (bench/bench_products.py with the kernel forced, alternating processes,
 // on a Zen 4): 0.56-0.82x the time of the 48 block products at 2-8 rows with AVX-512, 0.66-0.68x with AVX2's
-// code, 0.8-1.0x at 10 rows; level with XLA's dot at one row with AVX-512, 1.3x with AVX2's.
+// code, 0.8-1.0x at 10 rows; level with XLA's dot at one row with AVX-512, 1.3x with AVX2's (when the products
+// are independent; in a decode step, one after another, ahead of XLA's: kernels.FEW_ROWS).
 constexpr int64_t kBandStep = 4;
 
 // Rows of x a pass over kBandStep rows of w takes, so that their broadcasts stay in registers (AVX2 has 16).
