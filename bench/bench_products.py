@@ -6,8 +6,9 @@ from 1 to 16 (float32-kernel) and int8 (the kernel).
 
 For each dtype and number of rows (the batch of a decode step), 20 steps of a compiled
 while loop, each doing what a step of the 124M-shaped model does with its weights: the
-48 block products (c_attn, attn c_proj, c_fc, mlp c_proj of 12 layers) and, apart, the
-tied logits against wte. Printed per step: ms, the weight bytes over that time (GB/s), and
+48 block products (c_attn, attn c_proj, c_fc, mlp c_proj of 12 layers), independent of each
+other (XLA may overlap them); the same 48 chained as a step takes them, each waiting for the
+last, with its bias (which XLA fuses into its dot); and, apart, the tied logits against wte. Printed per step: ms, the weight bytes over that time (GB/s), and
 the FLOP rate; beside them the bandwidth a plain float32 reduction reaches in the same
 process (bench_int8's measure).
 """
@@ -44,6 +45,7 @@ def products(model):
         return w[0] if w.shape.rank == 3 else w, variables.get(name + precision.SCALE)
 
     blocks = [[weight(f'model/h{i}/{m}/w') for m in MATRICES] for i in range(model.hparams.n_layer)]
+    biases = [[variables[f'model/h{i}/{m}/b'] for m in MATRICES] for i in range(model.hparams.n_layer)]
     wte, wte_scale = weight('model/wte')[0], variables.get('model/wte' + precision.SCALE)
 
     def block_products(x, wide):
@@ -53,11 +55,22 @@ def products(model):
                 out.append(tf.reduce_sum(precision.product(rows, w, scale)))
         return tf.add_n(out)
 
+    def chained(x, _wide):  # each product waits for the last, its bias added, as in a decode step
+        h = x
+        for layer, bias in zip(blocks, biases):
+            (attn, attn_s), (proj, proj_s), (fc, fc_s), (mlp, mlp_s) = layer
+            a = precision.product(h, attn, attn_s) + bias[0]  # [rows, 2304]
+            h = h + precision.product(a[:, :768], proj, proj_s) + bias[1]
+            f = precision.product(h, fc, fc_s) + bias[2]  # [rows, 3072]
+            h = h + precision.product(f, mlp, mlp_s) + bias[3]
+        return tf.reduce_sum(h)
+
     def logits(x, _wide):
         return tf.reduce_sum(precision.product(x, wte, wte_scale, transpose_b=True))
 
     weights = sum(int(np.prod(w.shape)) * w.dtype.size for layer in blocks for w, _ in layer)
-    return {'blocks': (block_products, weights), 'logits': (logits, int(np.prod(wte.shape)) * wte.dtype.size)}
+    return {'blocks': (block_products, weights), 'chained': (chained, weights),
+            'logits': (logits, int(np.prod(wte.shape)) * wte.dtype.size)}
 
 
 def timed_loop(fn, rows: int, reps: int, decoding: bool) -> float:
