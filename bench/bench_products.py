@@ -8,9 +8,9 @@ For each dtype and number of rows (the batch of a decode step), 20 steps of a co
 while loop, each doing what a step of the 124M-shaped model does with its weights: the
 48 block products (c_attn, attn c_proj, c_fc, mlp c_proj of 12 layers), independent of each
 other (XLA may overlap them); the same 48 chained as a step takes them, each waiting for the
-last, with its bias (which XLA fuses into its dot); and, apart, the tied logits against wte. Printed per step: ms, the weight bytes over that time (GB/s), and
-the FLOP rate; beside them the bandwidth a plain float32 reduction reaches in the same
-process (bench_int8's measure).
+last, with its bias (which XLA fuses into its dot); and, apart, the tied logits against wte.
+Printed per step: ms, the weight bytes over that time (GB/s), and the FLOP rate; beside
+them the bandwidth a plain float32 reduction reaches in the same process (bench_int8's measure).
 """
 
 import argparse
