@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -375,12 +376,6 @@ void Gemm(const Problem<int8_t>& p, bool transpose_w, float* wide, const Threads
   }
 }
 
-// Floats of temporary the product needs (Gemm's), 0 for the tiles.
-template <typename W>
-int64_t Temporary(const Problem<W>& p) {
-  return std::is_same<W, int8_t>::value && p.M >= kGemmRows ? p.K * std::min(p.N, kChunk) : 0;
-}
-
 // Float32 weights are multiplied as they are: Eigen's threaded GEMM straight over w.
 void Gemm(const Problem<float>& p, bool transpose_w, float* /*wide*/, const Threads& threads) {
   typename TTypes<float>::ConstMatrix x(p.x, p.M, p.K);
@@ -563,15 +558,19 @@ void BandOf(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
   Band<Max>(p, k0, k1, y);
 }
 
-void Bands(const Problem<float>& p, const Threads& threads) {
-  const int64_t bands = std::max<int64_t>(1, std::min(2 * threads.count, p.K / kBandStep));
+int64_t BandCount(const Problem<float>& p, const Threads& threads) {
+  return std::max<int64_t>(1, std::min(2 * threads.count, p.K / kBandStep));
+}
+
+// sums holds (BandCount - 1) * M * N floats: the first band's go straight to y.
+void Bands(const Problem<float>& p, float* sums, const Threads& threads) {
+  const int64_t bands = BandCount(p, threads);
   const int64_t size = p.M * p.N;
-  std::vector<float> sums((bands - 1) * size);  // the first band's go straight to y
   threads.For(bands, 2 * p.M * p.N * p.K / bands + p.N * p.K / bands, [&](int64_t start, int64_t limit) {
     for (int64_t b = start; b < limit; ++b) {
       const int64_t k0 = (p.K * b / bands) / kBandStep * kBandStep;
       const int64_t k1 = b + 1 == bands ? p.K : (p.K * (b + 1) / bands) / kBandStep * kBandStep;
-      float* y = b ? sums.data() + (b - 1) * size : p.y;
+      float* y = b ? sums + (b - 1) * size : p.y;
       BandOf<kPackedRows - 1>(p, k0, k1, y);
     }
   });
@@ -579,19 +578,30 @@ void Bands(const Problem<float>& p, const Threads& threads) {
     for (int64_t i = 0; i < size; ++i) p.y[i] += sums[(b - 1) * size + i];
 }
 
-// The whole product, by tiles (blocks of output channels split over the threads) or, from kGemmRows rows, by
-// Gemm (int8: into the temporary `wide`).
+// Floats of temporary the product needs: int8's Gemm its widened weights, float32's bands their partial sums;
+// 0 for the tiles.
 template <typename W>
-void Multiply(const Problem<W>& p, bool transpose_w, float* wide, const Threads& threads) {
+int64_t Temporary(const Problem<W>& p, bool transpose_w, const Threads& threads) {
+  if constexpr (std::is_same<W, int8_t>::value) {
+    return p.M >= kGemmRows ? p.K * std::min(p.N, kChunk) : 0;
+  } else {
+    return !transpose_w && p.M < kPackedRows ? (BandCount(p, threads) - 1) * p.M * p.N : 0;
+  }
+}
+
+// The whole product, by tiles (blocks of output channels split over the threads), by bands (float32 [K, N],
+// few rows) or, from kGemmRows rows, by Gemm, each with its Temporary.
+template <typename W>
+void Multiply(const Problem<W>& p, bool transpose_w, float* temporary, const Threads& threads) {
   if (p.M == 0 || p.N == 0) return;
   if (p.M >= kGemmRows) {
-    Gemm(p, transpose_w, wide, threads);
+    Gemm(p, transpose_w, temporary, threads);
     return;
   }
   constexpr bool kFloat = std::is_same<W, float>::value;
   if constexpr (kFloat) {
     if (!transpose_w && p.M < kPackedRows) {
-      Bands(p, threads);
+      Bands(p, temporary, threads);
       return;
     }
   }
@@ -626,15 +636,16 @@ class MatMulOp : public OpKernel {
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({n.M, n.N}), &y));
     const Problem<W> p{x.flat<float>().data(), w.flat<W>().data(), scale ? scale->flat<float>().data() : nullptr,
                        y->flat<float>().data(), n.M, n.K, n.N, n.panel};
-    Tensor temporary;
-    if (Temporary(p)) OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({Temporary(p)}), &temporary));
     auto* workers = context->device()->tensorflow_cpu_worker_threads();
     const Threads threads{context->eigen_device<Eigen::ThreadPoolDevice>(),
                           [workers](int64_t units, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
                             Shard(workers->num_threads, workers->workers, units, cost, fn);
                           },
                           workers->num_threads};
-    Multiply(p, attrs_.transpose_w, Temporary(p) ? temporary.flat<float>().data() : nullptr, threads);
+    const int64_t floats = Temporary(p, attrs_.transpose_w, threads);
+    Tensor temporary;
+    if (floats) OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({floats}), &temporary));
+    Multiply(p, attrs_.transpose_w, floats ? temporary.flat<float>().data() : nullptr, threads);
   }
 
  private:
@@ -675,8 +686,9 @@ void MatMulCall(void* out, const void** in, const char* config, size_t size, voi
   const Problem<W> p{static_cast<const float*>(in[0]), static_cast<const W*>(in[1]),
                      kScaled<W> ? static_cast<const float*>(in[2]) : nullptr, static_cast<float*>(out), M, K, N,
                      panel};
-  std::vector<float> wide(Temporary(p));
-  Multiply(p, transpose_w, wide.data(), PoolThreads());
+  const Threads& threads = PoolThreads();
+  const std::unique_ptr<float[]> temporary(new float[Temporary(p, transpose_w, threads)]);  // left unset
+  Multiply(p, transpose_w, temporary.get(), threads);
 }
 
 void Int8MatMulCall(void* out, const void** in, const char* config, size_t size, void* status) {
