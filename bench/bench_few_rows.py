@@ -57,11 +57,14 @@ def main():
     batches = [int(b) for b in args.batches.split(',')]
     if args.side:
         return worker(args.side, batches, args.reps)
+    sides = args.sides.split(',')
+    if 'xla' not in sides or not set(sides) <= set(SIDES):
+        parser.error(f'--sides {args.sides}: give xla and any of {", ".join(SIDES[:-1])}, comma-separated')
     from bench_generate import cpu
     print(f'CPU: {cpu()}')
     for round_ in range(1, args.rounds + 1):
         ms = {}
-        for side in args.sides.split(','):
+        for side in sides:
             out = subprocess.run([sys.executable, __file__, '--side', side, '--batches', args.batches,
                                   '--reps', str(args.reps)], capture_output=True, text=True, check=True).stdout
             ms[side] = {int(b): float(s) * 1e3 for b, s in (line.split() for line in out.splitlines() if line)}
