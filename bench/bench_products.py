@@ -3,6 +3,7 @@ takes them (precision.decoding: the kernel where kernels.few_rows says), float32
 from 1 to 16 (float32-kernel) and int8 (the kernel).
 
     python bench/bench_products.py [--rows 1,8,16] [--dtypes float32,float32-decoding,float32-kernel,int8] [--reps 5] [--threads N]
+        [--parts blocks,chained,logits] [--fastest]
 
 For each dtype and number of rows (the batch of a decode step), 20 steps of a compiled
 while loop, each doing what a step of the 124M-shaped model does with its weights: the
@@ -10,7 +11,8 @@ while loop, each doing what a step of the 124M-shaped model does with its weight
 other (XLA may overlap them); the same 48 chained as a step takes them, each waiting for the
 last, with its bias (which XLA fuses into its dot); and, apart, the tied logits against wte.
 Printed per step: ms, the weight bytes over that time (GB/s), and the FLOP rate; beside
-them the bandwidth a plain float32 reduction reaches in the same process (bench_int8's measure).
+them the bandwidth a plain float32 reduction reaches in the same process (bench_int8's measure). Each figure
+is the median of --reps loops, or with --fastest their fastest (steadier where other work shares the memory).
 """
 
 import argparse
@@ -73,7 +75,7 @@ def products(model):
             'logits': (logits, int(np.prod(wte.shape)) * wte.dtype.size)}
 
 
-def timed_loop(fn, rows: int, reps: int, decoding: bool) -> float:
+def timed_loop(fn, rows: int, reps: int, decoding: bool, summary=statistics.median) -> float:
     x, wide = tf.random.normal([rows, 768]), tf.random.normal([rows, 3072])
 
     @tf.function(jit_compile=True)
@@ -88,7 +90,7 @@ def timed_loop(fn, rows: int, reps: int, decoding: bool) -> float:
         start = time.perf_counter()
         run().numpy()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / STEPS
+    return summary(times) / STEPS
 
 
 @contextlib.contextmanager
@@ -108,7 +110,12 @@ def main():
     parser.add_argument('--dtypes', default='float32,float32-decoding,int8')
     parser.add_argument('--reps', type=int, default=5)
     parser.add_argument('--threads', type=int, default=0, help="TensorFlow's intra-op threads (0: its default)")
+    parser.add_argument('--parts', default='blocks,chained,logits', help='which of blocks, chained, logits to time')
+    parser.add_argument('--fastest', action='store_true', help='the fastest of --reps loops instead of their median')
     args = parser.parse_args()
+    parts = args.parts.split(',')
+    if not parts or set(parts) - {'blocks', 'chained', 'logits'}:
+        parser.error(f'--parts {args.parts}: name some of blocks, chained, logits')
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     print(f'CPU: {cpu()}')
@@ -117,9 +124,12 @@ def main():
         dtype = case.split('-')[0]
         model = gpt2_tf.load_model(checkpoint(), dtype=dtype)
         for name, (fn, nbytes) in products(model).items():
+            if name not in parts:
+                continue
             for rows in map(int, args.rows.split(',')):
                 with forced_kernel() if case.endswith('-kernel') else contextlib.nullcontext():
-                    seconds = timed_loop(fn, rows, args.reps, decoding=case != dtype)
+                    seconds = timed_loop(fn, rows, args.reps, decoding=case != dtype,
+                                         summary=min if args.fastest else statistics.median)
                 flops = 2 * rows * nbytes / (1 if dtype == 'int8' else 4)
                 print(f'{case:<16} {name:<7} {rows:>3} rows: {seconds * 1e3:7.2f} ms a step, '
                       f'{nbytes / seconds / 1e9:5.1f} GB/s of weights, {flops / seconds / 1e9:6.1f} GFLOP/s',

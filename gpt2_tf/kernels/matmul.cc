@@ -494,15 +494,19 @@ void Segment(const Problem<float>& p, int64_t b) {
 // Float32 weights [K, N], fewer than kPackedRows rows of x (a decode step at batch 1-11): the product is bound
 // by reading w once, and one sequential stream a thread is what the prefetchers follow best. So w's rows are cut
 // into two bands a thread (one a thread left whole calls waiting on a late thread: batch 4 took 1.4x XLA's
-// time in two of six runs), each read kBandStep rows at a time (four streams, each one contiguous) into its own
+// time in two of six runs), each read kBandStep rows at a time (eight streams, each one contiguous) into its own
 // sums y[M, N] (in L1 and L2); the bands' sums are added in order at the end, each band's over its k in order.
 // Against the row segments they replace (bench/bench_products.py with the kernel forced, alternating processes,
 // on a Zen 4): 0.56-0.82x the time of the 48 block products at 2-8 rows with AVX-512, 0.66-0.68x with AVX2's
 // code, 0.8-1.0x at 10 rows; level with XLA's dot at one row with AVX-512, 1.3x with AVX2's (when the products
 // are independent; in a decode step, one after another, ahead of XLA's: kernels.FEW_ROWS).
-constexpr int64_t kBandStep = 4;
+// Eight rows of w a step rather than four halve the passes over y, which at many rows lives in L2: the 48 block
+// products chained as in a step at 8 rows took 20-24 against 23-30 ms a step with AVX-512 and 21-27 against
+// 27-31 with AVX2's code (fastest of 15, alternating processes, three rounds each; level at one row).
+constexpr int64_t kBandStep = 8;
 
-// Rows of x a pass over kBandStep rows of w takes, so that their broadcasts stay in registers (AVX2 has 16).
+// Rows of x a pass over kBandStep rows of w takes (their broadcasts are read from L1 where the registers run
+// out; AVX2 has 16).
 // Against all the rows in one pass, the 48 block products at 10 rows took 25 against 27-29 ms a step with
 // AVX-512 (0.85-0.91x XLA's dots) and 24-26 against 32-33 with AVX2's code (0.91-0.98x), on the Zen 4.
 constexpr int kBandTile = kLanes >= 16 ? 8 : 4;
