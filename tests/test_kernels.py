@@ -83,13 +83,15 @@ def test_packed_product_equals_the_float64_product(m, k, n, width, where):
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # as above
 
 
-FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, False),  # below 12 rows: bands of k
+FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, False),  # below 17 rows: bands of k
                 (5, 33, 300, False),  # two threads: bands of 8, 8, 8, 9 rows of w (one past the steps); a channel tail
                 (7, 40, 2100, False), (8, 3072, 768, False),  # x's rows in tiles, 4 + 3 and 4 + 4 with AVX2
-                (11, 130, 70, False),  # the most rows a band takes: tiles of 8 + 3 (AVX-512), 4 + 4 + 3 (AVX2)
-                (4, 3, 50, False),  # k shorter than a band's step of 4 rows
-                (12, 3072, 768, False), (16, 768, 2304, False),  # panels: k in 24 and 6 chunks; rows 6 + 6, 6 + 6 + 4
-                (13, 33, 300, False),  # the last segment 44: 2 panels, then a vector and 4 channels; rows 6 + 6 + 1
+                (11, 130, 70, False),  # tiles of 8 + 3 (AVX-512), 4 + 4 + 3 (AVX2); a band of 34 rows: 4 steps + 2
+                (12, 3072, 768, False), (13, 33, 300, False),  # tiles of 8 + 4 and 8 + 5 (AVX-512)
+                (16, 768, 2304, False),  # the most rows a band takes: tiles of 8 + 8 (AVX-512), 4 x 4 (AVX2)
+                (4, 3, 50, False),  # k shorter than a band's step of 8 rows
+                (17, 3072, 768, False), (22, 768, 2304, False),  # panels: k in 24 and 6 chunks; rows 6+6+5, 6+6+6+4
+                (19, 33, 300, False),  # the last segment 44: 2 panels, then a vector and 4 channels; rows 6 + 6 + 6 + 1
                 (9, 17, 13, False), (70, 64, 200, False),  # fewer channels than a vector; Eigen's GEMM
                 (8, 768, 5000, True), (3, 33, 17, True), (70, 40, 300, True)]  # wte's layout
 

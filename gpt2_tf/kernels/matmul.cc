@@ -21,8 +21,8 @@
 //
 // Float32 weights keep their plain [K, N] layout (training, saving and export read it), so a tile walking down
 // a block of columns would jump N floats at every k. Their few-row product instead reads whole rows of w: below
-// 12 rows of x, each thread a band of w's rows, one contiguous stream; from 12 rows on, a segment of columns a
-// unit of work, its rows' runs copied into panels that stay in the caches. [N, K] weights (wte) take the same
+// 17 rows of x (a decode step at batch 1-16), each thread a band of w's rows, one contiguous stream; from 17 rows
+// on, a segment of columns a unit of work, its rows' runs copied into panels that stay in the caches. [N, K] weights (wte) take the same
 // row tiles as int8's.
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
@@ -385,18 +385,19 @@ void Gemm(const Problem<float>& p, bool transpose_w, float* /*wide*/, const Thre
   y.device(threads.device) = x.contract(w, dims);
 }
 
-// Float32 weights in the plain [K, N] layout, kPackedRows rows of x or more (a decode step at batch 12-16): a
+// Float32 weights in the plain [K, N] layout, kPackedRows to kGemmRows rows of x (more than a decode step): a
 // unit of work is a segment of output channels, kSegment wide (half that below 2048 channels, so that 768 makes
 // six units for the threads), taken kChunkRows rows of w at a time. The chunk is first copied into this thread's
 // buffer as panels [panel][k][kPanel], read in runs of the segment's width, each asking for the run kChunkRows
 // rows on into L2. Then every row of x meets each panel from L1, kPanelRows rows at a time, their sums in
 // registers over the whole chunk, through y from chunk to chunk: each sum runs over k in order. In an XLA loop
 // on a Zen 3 (bench/bench_products.py, alternating), 0.82-0.92x the time of the 48 block products at 12 rows
-// and 0.72-0.83x at 16 against the row groups that preceded the bands below; on a Zen 4 the bands took 1.1-1.5x
-// the panels' time from 12 rows on.
+// and 0.72-0.83x at 16 against the row groups that preceded the bands below. Since the bands read eight rows of
+// w a step they take 12-16 rows too: chained as in a step on a Zen 4, 25-27 against 32 ms a step at 12 rows and
+// 31-35 against 36-39 at 16 (AVX2's code: 30-31 against 33, and 32-37 against 37-47).
 constexpr int64_t kSegment = 256;
 constexpr int kSegmentVectors = 4;  // the tail past the last panel: 4 vectors a tile
-constexpr int64_t kPackedRows = 12;
+constexpr int64_t kPackedRows = 17;
 constexpr int64_t kChunkRows = 128;  // rows of w a chunk: at most 128 KB of panels, in L2
 constexpr int kPanelVectors = 2;
 constexpr int64_t kPanel = kPanelVectors * kLanes;  // channels a panel
@@ -491,7 +492,7 @@ void Segment(const Problem<float>& p, int64_t b) {
   PackedSegment(p, n0, std::min(p.N, n0 + width));
 }
 
-// Float32 weights [K, N], fewer than kPackedRows rows of x (a decode step at batch 1-11): the product is bound
+// Float32 weights [K, N], fewer than kPackedRows rows of x (a decode step at batch 1-16): the product is bound
 // by reading w once, and one sequential stream a thread is what the prefetchers follow best. So w's rows are cut
 // into two bands a thread (one a thread left whole calls waiting on a late thread: batch 4 took 1.4x XLA's
 // time in two of six runs), each read kBandStep rows at a time (eight streams, each one contiguous) into its own
