@@ -22,8 +22,8 @@
 // Float32 weights keep their plain [K, N] layout (training, saving and export read it), so a tile walking down
 // a block of columns would jump N floats at every k. Their few-row product instead reads whole rows of w: below
 // 17 rows of x (a decode step at batch 1-16), each thread a band of w's rows, one contiguous stream; from 17 rows
-// on, a segment of columns a unit of work, its rows' runs copied into panels that stay in the caches. [N, K] weights (wte) take the same
-// row tiles as int8's.
+// on, a segment of columns a unit of work, its rows' runs copied into panels that stay in the caches. [N, K]
+// weights (wte) take the same row tiles as int8's.
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
 
