@@ -114,7 +114,7 @@ def main():
     parser.add_argument('--fastest', action='store_true', help='the fastest of --reps loops instead of their median')
     args = parser.parse_args()
     parts = args.parts.split(',')
-    if not parts or set(parts) - {'blocks', 'chained', 'logits'}:
+    if set(parts) - {'blocks', 'chained', 'logits'}:
         parser.error(f'--parts {args.parts}: name some of blocks, chained, logits')
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
