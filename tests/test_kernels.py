@@ -108,6 +108,35 @@ def test_float_product_equals_the_float64_product(m, k, n, transpose, where):
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # float32 sums, as above
 
 
+def test_products_called_from_many_threads_at_once_give_the_same_bits_as_alone():
+    # Under XLA the products share one team of threads; a product that finds it busy runs on its caller alone.
+    # Each thread's results must be those of the product run by itself, bit for bit (the same sums in order).
+    import threading
+
+    if not kernels.xla_available():
+        pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
+    rng = np.random.default_rng(4)
+    cases = [(tf.constant(rng.standard_normal((m, 768)).astype(np.float32)),
+              tf.constant(rng.standard_normal((768, 2304)).astype(np.float32))) for m in (1, 5, 8, 16)]
+    compiled = tf.function(lambda x, w: kernels.float_matmul(x, w), jit_compile=True)
+    alone = [compiled(x, w).numpy() for x, w in cases]
+    mismatches, start = [], threading.Barrier(len(cases))
+
+    def hammer(i):
+        start.wait()
+        for _ in range(30):
+            if not np.array_equal(compiled(*cases[i]).numpy(), alone[i]):
+                mismatches.append(i)
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not mismatches
+    for (x, w), y in zip(cases, alone):
+        np.testing.assert_allclose(y, x.numpy().astype(np.float64) @ w.numpy(), rtol=1e-5, atol=1e-4)
+
+
 def traced_ops(fn, rows, k) -> set:
     """The op types of fn traced for x [rows, k] (rows None: unknown when traced)."""
     return {op.type for op in tf.function(fn).get_concrete_function(tf.TensorSpec([rows, k])).graph.get_operations()}
