@@ -353,8 +353,9 @@ void Widened(const Problem<int8_t>& p, bool transpose_w, int64_t n0, int64_t c, 
   }
 }
 
-// Where a product's work runs: TensorFlow's intra-op threads for the op, this library's own pool for XLA's
-// custom call. For(units, cost, fn) runs fn(start, limit) over [0, units); device runs Eigen's GEMM.
+// Where a product's work runs: TensorFlow's intra-op threads for the op, this library's own team (and an Eigen
+// pool for the GEMM) for XLA's custom call. For(units, cost, fn) runs fn(start, limit) over [0, units); device
+// runs Eigen's GEMM.
 struct Threads {
   const Eigen::ThreadPoolDevice& device;
   std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)> For;
