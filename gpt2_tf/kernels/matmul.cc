@@ -34,13 +34,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <mutex>
-#include <thread>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -728,11 +728,17 @@ class Team {
   // alternating: batch 1 took 1375-1399 ms with 100-400 us, 1508-1516 with 0-30 (batch 8 level).
   static constexpr std::chrono::microseconds kSpin{100};
 
+  // One turn of a spin: the CPU's pause hint where there is one.
+  static void Relax() {
+#if defined(__AVX2__)
+    _mm_pause();
+#endif
+  }
+
+  // A wait on another thread of the team: spins, then gives the CPU away (a helper the system delayed).
   static void Pause(int spins) {
     if (spins < 4096) {
-#if defined(__AVX2__)
-      _mm_pause();
-#endif
+      Relax();
     } else {
       std::this_thread::yield();
     }
@@ -749,9 +755,7 @@ class Team {
         sleeping_.fetch_sub(1);
         break;
       }
-#if defined(__AVX2__)
-      _mm_pause();
-#endif
+      Relax();
     }
     return generation_.load();
   }
