@@ -53,7 +53,7 @@ def test_greedy_equals_original_graph(models, name, mode):
 
 @pytest.mark.parametrize('name', GREEDY)
 def test_greedy_through_the_float32_kernel_equals_original_graph(models, name, monkeypatch):
-    # As on a CPU without AVX-512, where a decode step's products over 2-16 rows take the float32 kernel: the
+    # As on a CPU without AVX-512, where a decode step's products over 1-16 rows take the float32 kernel: the
     # 3-row batch, decoded in the XLA loop (the default), traced afresh.
     if not kernels.xla_available():
         pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
