@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .model import shape_list
+from . import kernels
+from .model import attention_weights, shape_list
 from .runtime import Model
-from .precision import activations, decoding, f32
+from .precision import activations, attention_kernel, decoding, f32
 
 
 def empty_cache(model: Model, batch, size: int) -> list:
@@ -61,9 +62,22 @@ class Cache:
         self.cache, self.slots, self.mask = cache, slots, mask
 
     def __call__(self, k, v):  # k, v [batch, heads, n, f] -> k, v [batch, heads, S, f], mask, cache
-        cache = write_cache(self.cache, tf.cast(tf.stack([k, v], axis=1), self.cache.dtype), self.slots)
+        cache = self.write(k, v)
         k, v = tf.unstack(f32(cache), axis=1)  # attention itself stays float32
         return k, v, self.mask, cache
+
+    def write(self, k, v):  # -> the cache with k, v [batch, heads, n, f] at the slots
+        return write_cache(self.cache, tf.cast(tf.stack([k, v], axis=1), self.cache.dtype), self.slots)
+
+    def attend(self, q, k, v):  # q, k, v [batch, heads, n, f] -> a [batch, heads, n, f], cache
+        """A step's one query a row over a float32 cache takes the kernel where decoding allows it
+        (precision.attention_kernel): it reads the cache in place; XLA's attention copies each layer's keys and
+        values out of it first. Otherwise, and for a prompt's queries, the original's attention."""
+        if q.shape[2] == 1 and self.cache.dtype == tf.float32 and attention_kernel():
+            cache = self.write(k, v)
+            return kernels.cached_attention(q[:, :, 0], cache, self.mask[:, 0, 0])[:, :, None], cache
+        k, v, mask, cache = self(k, v)
+        return tf.matmul(attention_weights(q, k, mask), v), cache
 
 
 def decode(model: Model, X, *, pads, caches, index):

@@ -2,7 +2,8 @@
 under the original scopes, so a variable's name is its checkpoint name (model/h0/attn/c_attn/w); the numerics
 are the original's (tanh GELU, LayerNorm epsilon 1e-5, the -1e10 mask). The weights' dtype is an argument
 (gpt2_tf.precision); the block is written once, with where its keys and values come from (Past, or decoding's
-cache) and what it records as arguments. Compiled calls and devices are gpt2_tf.runtime's."""
+cache, each with its way to attend over them) and what it records as arguments. Compiled calls and devices are
+gpt2_tf.runtime's."""
 
 from __future__ import annotations
 
@@ -118,6 +119,12 @@ class Past(NamedTuple):
         nd, ns = shape_list(present)[3], shape_list(k)[2]
         return k, v, tf.reshape(attention_mask(nd, ns, dtype=k.dtype), [1, 1, nd, ns]), present
 
+    def attend(self, q, k, v):  # q, k, v [batch, heads, dst, f] -> a [batch, heads, dst, f], present
+        k, v, b, present = self(k, v)
+        if self.past is None:  # a whole sequence: in parts when long
+            return causal_attn(q, k, v, b, weights=attention_weights, mask=attention_mask), present
+        return tf.matmul(attention_weights(q, k, b), v), present
+
 
 class Attn(tf.Module):
     def __init__(self, nx: int, scope: str, n_state: int, *, hparams: HParams, dtype: str):
@@ -136,13 +143,14 @@ class Attn(tf.Module):
 
     def __call__(self, x, *, kv, record=None):  # x [batch, dst, nx] -> a [batch, dst, n_state], present
         q, k, v = map(self.split_heads, tf.split(self.c_attn(x), 3, axis=2))
-        k, v, b, present = kv(k, v)
-        if record is None and isinstance(kv, Past) and kv.past is None:  # a whole sequence: in parts when long
-            a = causal_attn(q, k, v, b, weights=attention_weights, mask=attention_mask)
-            return self.c_proj(self.merge_heads(a)), present
-        w = attention_weights(q, k, b)
-        if record is not None: record(attn_weights=w)  # noqa: E701
-        return self.c_proj(self.merge_heads(tf.matmul(w, v))), present
+        if record is None:  # the key/value source's way to attend (Past.attend, decoding's Cache.attend)
+            a, present = kv.attend(q, k, v)
+        else:  # the original's, its weights recorded
+            k, v, b, present = kv(k, v)
+            w = attention_weights(q, k, b)
+            record(attn_weights=w)
+            a = tf.matmul(w, v)
+        return self.c_proj(self.merge_heads(a)), present
 
 
 class MLP(tf.Module):

@@ -162,6 +162,13 @@ def decoding():
         _building.decoding = before
 
 
+def attention_kernel() -> bool:
+    """Whether attention traced now over decoding's float32 cache takes the kernel (kernels.cached_attention):
+    inside decoding(), where the kernel may run (kernels.attention_available) and XLA's persistent cache is
+    off, as for the products."""
+    return getattr(_building, 'decoding', False) and kernels.attention_available() and not quiet.xla_cache_on()
+
+
 def _few_rows_product(x, w, transpose_b: bool, few: range):
     """float32 x [M, K] times w: the kernel for the few rows, else TensorFlow's product; where M is unknown
     when traced (an open batch), a tf.cond that XLA, knowing M when it compiles, reduces to one branch."""

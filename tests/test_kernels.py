@@ -108,6 +108,56 @@ def test_float_product_equals_the_float64_product(m, k, n, transpose, where):
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()  # float32 sums, as above
 
 
+ATTENTION_SHAPES = [(1, 12, 80, 64), (8, 12, 80, 64), (3, 2, 7, 5), (2, 1, 33, 19)]  # B, H, S, F
+
+
+def attention_case(b, h, s, f, seed=0):
+    """q [B, H, F], cache [B, 2, H, S, F], mask [B, S] (row 0 sees no slot when there are others; the rest a
+    random set and their last), and the original's attention over them in float64."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, h, f)).astype(np.float32)
+    cache = (rng.standard_normal((b, 2, h, s, f)) * 2).astype(np.float32)
+    mask = (rng.random((b, s)) < 0.6).astype(np.float32)
+    mask[:, -1] = 1
+    if b > 1:
+        mask[0] = 0
+    q64, k, v, m = q.astype(np.float64), cache[:, 0].astype(np.float64), cache[:, 1].astype(np.float64), mask[:, None]
+    w = np.einsum('bhf,bhsf->bhs', q64, k) / np.sqrt(f) * m - 1e10 * (1 - m)
+    w = np.exp(w - w.max(axis=-1, keepdims=True))
+    w /= w.sum(axis=-1, keepdims=True)
+    return q, cache, mask, np.einsum('bhs,bhsf->bhf', w, v)
+
+
+@pytest.mark.parametrize('where', WHERE[:2])
+@pytest.mark.parametrize('b, h, s, f', ATTENTION_SHAPES)
+def test_cached_attention_equals_the_float64_attention(b, h, s, f, where):
+    q, cache, mask, reference = attention_case(b, h, s, f)
+    got = run(lambda q: kernels.cached_attention(q, tf.constant(cache), tf.constant(mask)), q, where,
+              'gpt2_tf_cached_attention')
+    np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5 * max(1.0, np.abs(reference).max()))
+
+
+def test_a_decode_step_attends_by_the_kernel_one_query_a_row(random_checkpoint, monkeypatch):
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    import gpt2_tf
+    from gpt2_tf.decoding import decode, empty_cache
+    from gpt2_tf.hparams import HParams
+
+    monkeypatch.delenv('TF_XLA_FLAGS', raising=False)
+    model = gpt2_tf.load_model(random_checkpoint(HParams(n_vocab=50, n_ctx=16, n_embd=8, n_head=2, n_layer=1)))
+
+    def ops(n) -> set:  # the op types of a decode step of n tokens a row, traced
+        step = lambda X: decode(model, X, pads=tf.zeros([2], tf.int32), caches=empty_cache(model, 2, 8),  # noqa
+                                index=tf.constant(0))[0]
+        graph = tf.function(step).get_concrete_function(tf.TensorSpec([2, n], tf.int32)).graph
+        return {op.type for op in graph.get_operations()}
+    assert 'Gpt2CachedAttention' in ops(1)
+    assert 'Gpt2CachedAttention' not in ops(3)  # a prompt's queries: the original's attention
+    with kernels.tensorflow_ops():
+        assert 'Gpt2CachedAttention' not in ops(1)
+
+
 def test_products_called_from_many_threads_at_once_give_the_same_bits_as_alone():
     # Under XLA the products share one team of threads; a product that finds it busy runs on its caller alone.
     # Each thread's results must be those of the product run by itself, bit for bit (the same sums in order).
@@ -275,15 +325,16 @@ def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatc
 
 @pytest.mark.skipif('avx2' not in kernels._cpu_key().split(), reason='the AVX2 path needs an x86 CPU with AVX2')
 def test_the_avx2_path_passes_the_same_products_on_any_x86_cpu(tmp_path, monkeypatch):
-    # Built with -march=x86-64-v3 (AVX2 and FMA, no AVX-512), whatever this CPU has, the kernel's AVX2 tiles
-    # give the products above; on an AVX-512 machine the native build holds zmm instructions, this one none.
+    # Built with -march=x86-64-v3 (AVX2 and FMA, no AVX-512), whatever this CPU has, the kernel's AVX2 code
+    # gives the products and the attention above; on an AVX-512 machine the native build holds zmm
+    # instructions, this one none.
     env = dict(os.environ, **{kernels.ARCH_ENV: 'x86-64-v3', kernels.CACHE_ENV: str(tmp_path)})
     # The build with XLA's headers (the same tiles, three times the compile time) is marked as failed in this
     # cache, so only the plain op is built.
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     kernels._library_path(xla=True).with_suffix('.failed').write_text('skipped by this test')
-    selected = 'product_equals and kernel and not XLA and not TensorFlow'
+    selected = 'equals_the_float64 and kernel and not XLA and not TensorFlow'
     out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', selected],
                          env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:]

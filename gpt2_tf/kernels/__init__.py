@@ -4,6 +4,7 @@
     y = int8_matmul(x, w, scale, transpose_w=True)  # w int8 [N, K] (wte), scale [N] -> [M, N]
     y = int8_matmul(x, w, scale, panel=128)         # w [K, N] stored as panels [N / 128, K, 128]
     y = float_matmul(x, w)                          # x [M, K] float32, w float32 [K, N] (or [N, K]) -> [M, N]
+    a = cached_attention(q, cache, mask)            # q [B, H, F], cache [B, 2, H, S, F], mask [B, S] -> [B, H, F]
 
 The kernel (matmul.cc) reads the int8 weights themselves and widens them
 next to the multiply, so a product streams a quarter of float32's bytes. It is
@@ -25,6 +26,9 @@ The same library multiplies float32 weights in their plain layout over few rows
 run below the machine's bounds, and the kernel's products take less time:
 the block products at 1-16 rows on CPUs without AVX-512 and at 1-11 with it, the
 tied logits at 1-8 rows on both (few_rows says where it is the default).
+A decode step's attention (one query a row) over a float32 cache also takes it
+(cached_attention): XLA copies each layer's keys and values out of the cache
+before its own small dots; the kernel reads them in place, only the slots a row sees.
 """
 
 from __future__ import annotations
@@ -234,6 +238,23 @@ def float_matmul(x, w, *, transpose_w: bool = False):
     if isinstance(library, str):
         raise RuntimeError(f'the kernel is not available: {library}')
     return library.gpt2_float_mat_mul(x, w, transpose_w=transpose_w)
+
+
+def attention_available() -> bool:
+    """Whether decoding's one-query attention may take the kernel: it is built, and not inside
+    tensorflow_ops() on this thread."""
+    return available() and not getattr(_local, 'off', False)
+
+
+def cached_attention(q, cache, mask):
+    """q float32 [B, H, F] (a decode step's one query a row), cache float32 [B, 2, H, S, F] (a layer's keys and
+    values at S slots), mask float32 [B, S] (1 where the row's query sees the slot, else 0) -> the original's
+    attention, softmax((q . k) / sqrt(F) masked by -1e10) . v, float32 [B, H, F]; by the kernel (no
+    gradient), reading only the slots each row sees."""
+    library = _library()[0]
+    if isinstance(library, str):
+        raise RuntimeError(f'the kernel is not available: {library}')
+    return library.gpt2_cached_attention(q, cache, mask)
 
 
 def unpack(w, panel: int):

@@ -1,5 +1,7 @@
 // Gpt2Int8MatMul: float32 x times int8 weights with one float32 scale per output channel, -> float32.
 // Gpt2FloatMatMul: float32 x times float32 weights in the plain layout, for few rows of x (a decode step).
+// Gpt2CachedAttention: a decode step's attention, one query a row, over a layer's float32 key/value cache: its
+//   two small products and the softmax between them, reading the cache in place (see Attention below).
 //
 //   transpose_w = false: w holds [K, N] (a conv1d's [nx, nf]) in panels of `panel` columns, laid out
 //     [N / panel, K, panel] (panel = N: the plain row-major [K, N]), scale [N]:
@@ -33,10 +35,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -89,6 +93,18 @@ REGISTER_OP("Gpt2FloatMatMul")
     .Output("y: float")
     .Attr("transpose_w: bool = false")  // float32 weights keep the plain layout: no panels
     .SetShapeFn(ProductShape);
+
+REGISTER_OP("Gpt2CachedAttention")
+    .Input("q: float")      // [B, H, F]: one query a row and head
+    .Input("cache: float")  // [B, 2, H, S, F]: a layer's keys, then values, at S slots
+    .Input("mask: float")   // [B, S]: 1 where the row's query sees the slot, else 0
+    .Output("a: float")     // [B, H, F]
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle q;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &q));
+      c->set_output(0, q);
+      return OkStatus();
+    });
 
 namespace {
 
@@ -647,6 +663,100 @@ void Multiply(const Problem<W>& p, bool transpose_w, float* temporary, const Thr
   });
 }
 
+// One query a row over a decode step's key/value cache (Gpt2CachedAttention), the original's attention for it:
+// w_s = (q . k_s) / sqrt(F), masked as w_s m_s - 1e10 (1 - m_s), softmaxed over the slots, a = sum_s p_s v_s. A
+// slot the row does not see gets exp(-1e10 - max) = 0 in float32, so it is skipped (all of them are kept when
+// none is seen, as the original's uniform weights): a step reads only the slots written so far, in place.
+// XLA's own attention copies each layer's keys and values out of the cache before its small dots.
+struct Attention {
+  const float* q;      // [B, H, F]
+  const float* cache;  // [B, 2, H, S, F]
+  const float* mask;   // [B, S]
+  float* a;            // [B, H, F]
+  int64_t B, H, S, F;
+};
+
+inline float Dot(const float* x, const float* y, int64_t n) {
+  Vec acc = Zero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = Fma(Load(x + i), Load(y + i), acc);
+  float sum = Sum(acc);
+  for (; i < n; ++i) sum += x[i] * y[i];
+  return sum;
+}
+
+// out[0:n] += p * v[0:n]
+inline void AddScaled(float p, const float* v, float* out, int64_t n) {
+  const Vec pv = Broadcast(p);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) Store(out + i, Fma(pv, Load(v + i), Load(out + i)));
+  for (; i < n; ++i) out[i] += p * v[i];
+}
+
+// Row and head u = b * H + h; w holds S floats (the scores, then their weights).
+void Attend(const Attention& t, int64_t u, float* w) {
+  const int64_t b = u / t.H, h = u % t.H, F = t.F;
+  const float* q = t.q + u * F;
+  const float* keys = t.cache + (b * 2 * t.H + h) * t.S * F;
+  const float* values = keys + t.H * t.S * F;
+  const float* m = t.mask + b * t.S;
+  const bool none = std::all_of(m, m + t.S, [](float x) { return x == 0.0f; });
+  const float scale = 1.0f / std::sqrt(static_cast<float>(F));
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < t.S; ++s) {
+    if (m[s] == 0.0f && !none) continue;
+    w[s] = Dot(q, keys + s * F, F) * scale * m[s] - 1e10f * (1.0f - m[s]);
+    top = std::max(top, w[s]);
+  }
+  float total = 0.0f;
+  for (int64_t s = 0; s < t.S; ++s) {
+    if (m[s] == 0.0f && !none) continue;
+    w[s] = std::exp(w[s] - top);
+    total += w[s];
+  }
+  float* a = t.a + u * F;
+  std::fill(a, a + F, 0.0f);
+  for (int64_t s = 0; s < t.S; ++s) {
+    if (m[s] == 0.0f && !none) continue;
+    AddScaled(w[s] / total, values + s * F, a, F);
+  }
+}
+
+void AttendAll(const Attention& t, const Threads& threads) {
+  threads.For(t.B * t.H, 4 * t.S * t.F, [&t](int64_t start, int64_t limit) {
+    std::vector<float> w(t.S);
+    for (int64_t u = start; u < limit; ++u) Attend(t, u, w.data());
+  });
+}
+
+// The op's threads: TensorFlow's intra-op pool.
+Threads ContextThreads(OpKernelContext* context) {
+  auto* workers = context->device()->tensorflow_cpu_worker_threads();
+  return Threads{context->eigen_device<Eigen::ThreadPoolDevice>(),
+                 [workers](int64_t units, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
+                   Shard(workers->num_threads, workers->workers, units, cost, fn);
+                 },
+                 workers->num_threads};
+}
+
+class AttentionOp : public OpKernel {
+ public:
+  explicit AttentionOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& q = context->input(0);
+    const Tensor& cache = context->input(1);
+    const Tensor& mask = context->input(2);
+    AttentionSizes n;
+    OP_REQUIRES_OK(context, CheckedAttention(q.shape(), cache.shape(), mask.shape(), &n));
+    Tensor* a = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, q.shape(), &a));
+    const Attention t{q.flat<float>().data(), cache.flat<float>().data(), mask.flat<float>().data(),
+                      a->flat<float>().data(), n.B, n.H, n.S, n.F};
+    AttendAll(t, ContextThreads(context));
+  }
+};
+
 template <typename W>
 class MatMulOp : public OpKernel {
  public:
@@ -662,12 +772,7 @@ class MatMulOp : public OpKernel {
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({n.M, n.N}), &y));
     const Problem<W> p{x.flat<float>().data(), w.flat<W>().data(), scale ? scale->flat<float>().data() : nullptr,
                        y->flat<float>().data(), n.M, n.K, n.N, n.panel};
-    auto* workers = context->device()->tensorflow_cpu_worker_threads();
-    const Threads threads{context->eigen_device<Eigen::ThreadPoolDevice>(),
-                          [workers](int64_t units, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
-                            Shard(workers->num_threads, workers->workers, units, cost, fn);
-                          },
-                          workers->num_threads};
+    const Threads threads = ContextThreads(context);
     const int64_t floats = Temporary(p, attrs_.transpose_w, threads);
     Tensor temporary;
     if (floats) OP_REQUIRES_OK(context, context->allocate_temp(DT_FLOAT, TensorShape({floats}), &temporary));
@@ -821,6 +926,15 @@ void MatMulCall(void* out, const void** in, const char* config, size_t size, voi
   Multiply(p, transpose_w, temporary.get(), threads);
 }
 
+// in = {q, cache, mask}, out = a; `config` is "B H S F", written by AttentionXla (matmul_xla.cc).
+void AttentionCall(void* out, const void** in, const char* config, size_t size, void* /*status*/) {
+  long long B, H, S, F;
+  if (std::sscanf(std::string(config, size).c_str(), "%lld %lld %lld %lld", &B, &H, &S, &F) != 4) return;
+  const Attention t{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
+                    static_cast<const float*>(in[2]), static_cast<float*>(out), B, H, S, F};
+  AttendAll(t, PoolThreads());
+}
+
 void Int8MatMulCall(void* out, const void** in, const char* config, size_t size, void* status) {
   MatMulCall<int8_t>(out, in, config, size, status);
 }
@@ -850,12 +964,28 @@ Status Checked(const TensorShape& x, const TensorShape& w, const TensorShape* sc
   return OkStatus();
 }
 
+Status CheckedAttention(const TensorShape& q, const TensorShape& cache, const TensorShape& mask,
+                        AttentionSizes* sizes) {
+  if (q.dims() != 3 || cache.dims() != 5 || mask.dims() != 2) {
+    return errors::InvalidArgument("q must be [B, H, F], cache [B, 2, H, S, F] and mask [B, S]");
+  }
+  const int64_t B = q.dim_size(0), H = q.dim_size(1), F = q.dim_size(2), S = cache.dim_size(3);
+  if (cache.dim_size(0) != B || cache.dim_size(1) != 2 || cache.dim_size(2) != H || cache.dim_size(4) != F ||
+      mask.dim_size(0) != B || mask.dim_size(1) != S) {
+    return errors::InvalidArgument("q [B, H, F], cache [B, 2, H, S, F] and mask [B, S] do not agree");
+  }
+  *sizes = AttentionSizes{B, H, S, F};
+  return OkStatus();
+}
+
 }  // namespace gpt2_tf
 
 REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU), MatMulOp<int8_t>);
 REGISTER_KERNEL_BUILDER(Name("Gpt2FloatMatMul").Device(DEVICE_CPU), MatMulOp<float>);
+REGISTER_KERNEL_BUILDER(Name("Gpt2CachedAttention").Device(DEVICE_CPU), AttentionOp);
 
 #ifdef GPT2_TF_XLA
 XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM(kCallTarget<int8_t>, Int8MatMulCall);
 XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM(kCallTarget<float>, FloatMatMulCall);
+XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM(kAttentionTarget, AttentionCall);
 #endif

@@ -33,6 +33,14 @@ struct Sizes {
 tensorflow::Status Checked(const tensorflow::TensorShape& x, const tensorflow::TensorShape& w,
                            const tensorflow::TensorShape* scale, const Attrs& attrs, Sizes* sizes);
 
+struct AttentionSizes {
+  int64_t B, H, S, F;  // rows, heads, cache slots, features a head
+};
+
+// Gpt2CachedAttention's q [B, H, F], cache [B, 2, H, S, F] and mask [B, S], checked against each other -> sizes.
+tensorflow::Status CheckedAttention(const tensorflow::TensorShape& q, const tensorflow::TensorShape& cache,
+                                    const tensorflow::TensorShape& mask, AttentionSizes* sizes);
+
 // int8 weights come with their scales (a third input), float32 ones alone.
 template <typename W>
 constexpr bool kScaled = std::is_same<W, int8_t>::value;
@@ -40,6 +48,9 @@ constexpr bool kScaled = std::is_same<W, int8_t>::value;
 // The custom call XLA's kernel for weights W emits, and the library registers (matmul.cc).
 template <typename W>
 constexpr const char* kCallTarget = kScaled<W> ? "gpt2_tf_int8_matmul" : "gpt2_tf_float_matmul";
+
+// The attention's custom call.
+constexpr const char* kAttentionTarget = "gpt2_tf_cached_attention";
 
 }  // namespace gpt2_tf
 

@@ -41,9 +41,29 @@ class MatMulXla : public XlaOpKernel {
   const Attrs attrs_;
 };
 
+class AttentionXla : public XlaOpKernel {
+ public:
+  explicit AttentionXla(OpKernelConstruction* context) : XlaOpKernel(context) {}
+
+  void Compile(XlaOpKernelContext* context) override {
+    AttentionSizes n;
+    OP_REQUIRES_OK(context, CheckedAttention(context->InputShape(0), context->InputShape(1),
+                                             context->InputShape(2), &n));
+    const std::string config =  // "B H S F", as the custom call reads it
+        std::to_string(n.B) + " " + std::to_string(n.H) + " " + std::to_string(n.S) + " " + std::to_string(n.F);
+    context->SetOutput(0, xla::CustomCall(context->builder(), kAttentionTarget,
+                                          {context->Input(0), context->Input(1), context->Input(2)},
+                                          xla::ShapeUtil::MakeShape(xla::F32, {n.B, n.H, n.F}), config,
+                                          /*has_side_effect=*/false, /*output_operand_aliasing=*/{},
+                                          /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
+                                          xla::CustomCallApiVersion::API_VERSION_STATUS_RETURNING_UNIFIED));
+  }
+};
+
 }  // namespace
 
 // Registered directly: REGISTER_XLA_OP's registry is read once per process, at its first XLA compile, and this
 // library may load after that.
 REGISTER_KERNEL_BUILDER(Name("Gpt2Int8MatMul").Device(DEVICE_CPU_XLA_JIT), MatMulXla<int8_t>);
 REGISTER_KERNEL_BUILDER(Name("Gpt2FloatMatMul").Device(DEVICE_CPU_XLA_JIT), MatMulXla<float>);
+REGISTER_KERNEL_BUILDER(Name("Gpt2CachedAttention").Device(DEVICE_CPU_XLA_JIT), AttentionXla);
