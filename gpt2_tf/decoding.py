@@ -90,6 +90,6 @@ def decode(model: Model, X, *, pads, caches, index):
     queries = row_slots(index, batch, n)
     mask = cache_mask(pads, queries, size)
     h = model.embed(X, positions(pads, queries))
-    with decoding():  # a step's few rows may take the float32 kernel (gpt2_tf.precision.decoding)
+    with decoding():  # a step's few rows and its attention may take the kernel (gpt2_tf.precision.decoding)
         h, caches = model.blocks(h, [Cache(cache, queries, mask) for cache in caches])
         return model.logits(h[:, -1:])[:, 0], caches  # only the last token's logits are needed

@@ -152,9 +152,10 @@ def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = Fals
 @contextlib.contextmanager
 def decoding():
     """Within it, on this thread, float32 products over a few rows (a decode step at batch 1-16) take the kernel
-    where it beats XLA's and TensorFlow's own (kernels.few_rows: by CPU and layout), except where XLA's
-    persistent cache is on (XLA code that calls the kernel crashes when read back from it; see compiled).
-    Decoding's graphs trace inside it; forward passes, scoring and training keep TensorFlow's products."""
+    where it beats XLA's and TensorFlow's own (kernels.few_rows: by CPU and layout), and so does a step's
+    attention over its cache (attention_kernel), except where XLA's persistent cache is on (XLA code that calls
+    the kernel crashes when read back from it; see compiled). Decoding's graphs trace inside it; forward
+    passes, scoring and training keep TensorFlow's products."""
     before, _building.decoding = getattr(_building, 'decoding', False), True
     try:
         yield
