@@ -70,9 +70,9 @@ class Cache:
         return write_cache(self.cache, tf.cast(tf.stack([k, v], axis=1), self.cache.dtype), self.slots)
 
     def attend(self, q, k, v):  # q, k, v [batch, heads, n, f] -> a [batch, heads, n, f], cache
-        """A step's one query a row over a float32 cache takes the kernel where decoding allows it
-        (precision.attention_kernel): it reads the cache in place; XLA's attention copies each layer's keys and
-        values out of it first. Otherwise, and for a prompt's queries, the original's attention."""
+        """One query a row (a step, or a one-token prompt) over a float32 cache takes the kernel where decoding
+        allows it (precision.attention_kernel): it reads the cache in place; XLA's attention copies each layer's
+        keys and values out of it first. Otherwise, and for a prompt's several queries, the original's."""
         if q.shape[2] == 1 and self.cache.dtype == tf.float32 and attention_kernel():
             cache = self.write(k, v)
             return kernels.cached_attention(q[:, :, 0], cache, self.mask[:, 0, 0])[:, :, None], cache

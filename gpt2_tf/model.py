@@ -224,8 +224,8 @@ class Graph(tf.Module):
 
     def blocks(self, h, kvs=None, *, wrap=None, record=None):
         """h [batch, sequence, n_embd] through every block -> h, [present per block]. kvs: a key/value source per
-        block (default Past()); wrap(block): each block as h -> h (training's recompute, from outside);
-        record(layer, **states) sees the named states."""
+        block (default Past(); called as kv(k, v) and kv.attend(q, k, v)); wrap(block): each block as h -> h
+        (training's recompute, from outside); record(layer, **states) sees the named states."""
         presents = []
         for layer, (block, kv) in enumerate(zip(self.h, kvs or [None] * len(self.h))):
             note = record and (lambda **states: record(layer, **states))  # called within this step

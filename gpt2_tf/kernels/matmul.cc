@@ -665,8 +665,9 @@ void Multiply(const Problem<W>& p, bool transpose_w, float* temporary, const Thr
 
 // One query a row over a decode step's key/value cache (Gpt2CachedAttention), the original's attention for it:
 // w_s = (q . k_s) / sqrt(F), masked as w_s m_s - 1e10 (1 - m_s), softmaxed over the slots, a = sum_s p_s v_s. A
-// slot the row does not see gets exp(-1e10 - max) = 0 in float32, so it is skipped (all of them are kept when
-// none is seen, as the original's uniform weights): a step reads only the slots written so far, in place.
+// slot the row does not see gets exp(-1e10 - max) = 0 in float32 (for finite scores), so it is skipped (all of
+// them are kept when none is seen, as the original's uniform weights): a step reads only the slots written so
+// far, in place.
 // XLA's own attention copies each layer's keys and values out of the cache before its small dots.
 struct Attention {
   const float* q;      // [B, H, F]
