@@ -165,9 +165,9 @@ def decoding():
 
 def attention_kernel() -> bool:
     """Whether attention traced now over decoding's float32 cache takes the kernel (kernels.cached_attention):
-    inside decoding(), where the kernel may run (kernels.attention_available) and XLA's persistent cache is
+    inside decoding(), where the kernel may run (kernels.decoding_available) and XLA's persistent cache is
     off, as for the products."""
-    return getattr(_building, 'decoding', False) and kernels.attention_available() and not quiet.xla_cache_on()
+    return getattr(_building, 'decoding', False) and kernels.decoding_available() and not quiet.xla_cache_on()
 
 
 def _few_rows_product(x, w, transpose_b: bool, few: range):

@@ -223,10 +223,16 @@ def tensorflow_ops():
         _local.off = before
 
 
+def decoding_available() -> bool:
+    """Whether decoding's products and attention may take the kernel: it is built, and not inside
+    tensorflow_ops() on this thread."""
+    return available() and not getattr(_local, 'off', False)
+
+
 def few_rows(transpose_w: bool) -> range:
     """The rows of x for which a float32 product goes to the kernel while decoding, on this CPU (FEW_ROWS); none
     inside tensorflow_ops() or where the kernel is not built."""
-    if getattr(_local, 'off', False) or not available():
+    if not decoding_available():
         return range(0)
     return FEW_ROWS['avx512' if 'avx512f' in _cpu_key().split() else 'avx2'][transpose_w]
 
@@ -238,12 +244,6 @@ def float_matmul(x, w, *, transpose_w: bool = False):
     if isinstance(library, str):
         raise RuntimeError(f'the kernel is not available: {library}')
     return library.gpt2_float_mat_mul(x, w, transpose_w=transpose_w)
-
-
-def attention_available() -> bool:
-    """Whether decoding's one-query attention may take the kernel: it is built, and not inside
-    tensorflow_ops() on this thread."""
-    return available() and not getattr(_local, 'off', False)
 
 
 def cached_attention(q, cache, mask):

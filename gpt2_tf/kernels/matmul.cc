@@ -702,23 +702,24 @@ void Attend(const Attention& t, int64_t u, float* w) {
   const float* values = keys + t.H * t.S * F;
   const float* m = t.mask + b * t.S;
   const bool none = std::all_of(m, m + t.S, [](float x) { return x == 0.0f; });
+  const auto skipped = [m, none](int64_t s) { return m[s] == 0.0f && !none; };
   const float scale = 1.0f / std::sqrt(static_cast<float>(F));
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t s = 0; s < t.S; ++s) {
-    if (m[s] == 0.0f && !none) continue;
+    if (skipped(s)) continue;
     w[s] = Dot(q, keys + s * F, F) * scale * m[s] - 1e10f * (1.0f - m[s]);
     top = std::max(top, w[s]);
   }
   float total = 0.0f;
   for (int64_t s = 0; s < t.S; ++s) {
-    if (m[s] == 0.0f && !none) continue;
+    if (skipped(s)) continue;
     w[s] = std::exp(w[s] - top);
     total += w[s];
   }
   float* a = t.a + u * F;
   std::fill(a, a + F, 0.0f);
   for (int64_t s = 0; s < t.S; ++s) {
-    if (m[s] == 0.0f && !none) continue;
+    if (skipped(s)) continue;
     AddScaled(w[s] / total, values + s * F, a, F);
   }
 }
