@@ -99,9 +99,16 @@ def arch() -> str:
     return os.environ.get(ARCH_ENV) or 'native'
 
 
+def _common_flags() -> list:
+    """g++'s flags for every source and the link. TensorFlow's Eigen headers do not build under g++ 12 where the
+    CPU has AVX512-FP16 (Intel's Sapphire Rapids and later): the kernel uses no half-precision instruction, so
+    Eigen is told there are none."""
+    return ['-fPIC', '-O3', f'-march={arch()}', '-U__AVX512FP16__', '-w']
+
+
 def _library_path(xla: bool) -> pathlib.Path:
     digest = hashlib.sha256(b''.join(f.read_bytes() for f in (*SOURCES, HEADER)) + tf.__version__.encode() +
-                            _cpu_key().encode() + arch().encode())
+                            _cpu_key().encode() + ' '.join(_common_flags()).encode())
     return cache_folder() / f'matmul-{digest.hexdigest()[:16]}{"-xla" if xla else ""}.so'
 
 
@@ -133,7 +140,7 @@ def _compile(target: pathlib.Path, xla: bool) -> None:
     """Builds the kernel into target: each source into an object, all at once (the XLA source's headers alone
     take most of the time), then linked into a temporary file renamed into place."""
     flags, sources, links = _flags(xla)
-    common = ['-fPIC', '-O3', f'-march={arch()}', '-w']
+    common = _common_flags()
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         objects = [str(pathlib.Path(work) / (source.stem + '.o')) for source in sources]
         _run_all([['g++', '-c', *common, *flags, str(source), '-o', o] for source, o in zip(sources, objects)])
