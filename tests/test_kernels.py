@@ -217,6 +217,10 @@ def test_float32_products_of_few_rows_take_the_kernel_while_decoding_as_the_cpu_
         assert 'Gpt2FloatMatMul' not in traced_ops(step, 8, 96)
     monkeypatch.setenv('TF_XLA_FLAGS', '--tf_xla_persistent_cache_directory=/nonexistent')
     assert 'Gpt2FloatMatMul' not in traced_ops(step, 8, 96)
+    monkeypatch.delenv('TF_XLA_FLAGS')
+    library = kernels._library()[0]
+    monkeypatch.setattr(kernels, '_library', lambda: (library, False))  # built without XLA's custom calls
+    assert 'Gpt2FloatMatMul' not in traced_ops(step, 8, 96)
 
 
 def test_an_open_batch_takes_the_kernel_in_xla_for_few_rows_only(monkeypatch):

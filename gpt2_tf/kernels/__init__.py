@@ -231,9 +231,10 @@ def tensorflow_ops():
 
 
 def decoding_available() -> bool:
-    """Whether decoding's products and attention may take the kernel: it is built, and not inside
+    """Whether decoding's products and attention may take the kernel: it is built with XLA's custom calls
+    (float32 decodes under XLA by default, where an op without them would not compile), and not inside
     tensorflow_ops() on this thread."""
-    return available() and not getattr(_local, 'off', False)
+    return xla_available() and not getattr(_local, 'off', False)
 
 
 def few_rows(transpose_w: bool) -> range:
