@@ -30,8 +30,10 @@ def softmax(x, axis=-1):
 
 
 def gelu(x):
-    # The tanh approximation GPT-2 was trained with, not the exact erf GELU.
-    return 0.5 * x * (1 + tf.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * tf.pow(x, 3))))
+    # The tanh approximation GPT-2 was trained with, not the exact erf GELU. Its ops under the name TensorFlow's
+    # own tanh GELU has: oneDNN's rewriter then fuses them into the product before (BiasAdd, 2-D, one reader).
+    with tf.name_scope('Gelu'):
+        return 0.5 * x * (1 + tf.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * tf.pow(x, 3))))
 
 
 class Norm(tf.Module):
@@ -79,13 +81,13 @@ class Conv1D(tf.Module):
 
     adapter = None  # a LoRA adapter (gpt2_tf.lora): [rows, nx] -> [rows, nf], added after the bias
 
-    def __call__(self, x):  # [..., nx] -> [..., nf]
+    def __call__(self, x, activation=None):  # [..., nx] -> activation([..., nf]), taken on the rows
         *start, nx = shape_list(x)
         x2d = tf.reshape(x, [-1, nx])
-        c = self.product(x2d) + f32(self.b)
+        c = tf.nn.bias_add(self.product(x2d), f32(self.b))
         if self.adapter is not None:
             c = c + self.adapter(x2d)
-        return tf.reshape(c, start + [self.w.shape[-1]])
+        return tf.reshape(activation(c) if activation else c, start + [self.w.shape[-1]])
 
 
 def attention_mask(nd, ns, *, dtype):
@@ -161,7 +163,7 @@ class MLP(tf.Module):
             self.c_proj = Conv1D(n_state, 'c_proj', nx, dtype=dtype)
 
     def __call__(self, x):  # [batch, sequence, nx] -> [batch, sequence, nx]
-        return self.c_proj(gelu(self.c_fc(x)))
+        return self.c_proj(self.c_fc(x, activation=gelu))
 
 
 class Block(tf.Module):

@@ -117,7 +117,7 @@ def test_model_py_reads_beside_the_original():
     # openai/gpt-2 src/model.py at revision 9b63575 has 174 lines; ours adds docstrings, shape comments, the
     # block's two residual halves as methods (training's recompute wraps each), and the key/value source's own
     # way to attend (Past's hands a whole sequence's attention to gpt2_tf.causal).
-    assert len((PACKAGE / 'model.py').read_text().splitlines()) <= 251
+    assert len((PACKAGE / 'model.py').read_text().splitlines()) <= 253
 
 
 def test_no_function_over_80_lines():

@@ -30,7 +30,9 @@ def test_an_adapted_model_starts_as_its_base():
     tokens = batch(2)
     base = model(tokens)['logits'].numpy()
     adapters = lora.attach(model, rank=4, targets='c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj', seed=1)
-    np.testing.assert_array_equal(model(tokens)['logits'].numpy(), base)  # B is zero: exactly the base
+    # B is zero: the base, to float32 rounding (an adapted c_fc's GELU runs apart from its product, where
+    # oneDNN fuses the base's into it)
+    np.testing.assert_allclose(model(tokens)['logits'].numpy(), base, rtol=0, atol=1e-6)
     a = adapters['h.0.attn.c_attn']
     bound = 1 / np.sqrt(32)  # PEFT's kaiming_uniform_(a=sqrt(5)) on [r, nx]: uniform within 1/sqrt(nx)
     assert np.abs(a.A.numpy()).max() <= bound and np.abs(a.A.numpy()).max() > 0.8 * bound

@@ -1,5 +1,7 @@
 """The model against the original TF1 graph: fixtures written by it, and the TF1 reference on random checkpoints."""
 
+import pathlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -192,6 +194,32 @@ def test_eager_equals_tf_function():
     for name in ('logits', 'present'):
         scale = max(1.0, float(np.abs(ref[name]).max()))
         np.testing.assert_allclose(eager[name], compiled[name], rtol=0, atol=3e-6 * scale)
+
+
+def ops_run(fn) -> set:
+    """The op types the runtime ran in one call of fn, after TensorFlow's graph rewrites (its profiler's trace)."""
+    import tempfile
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    with tempfile.TemporaryDirectory() as folder:
+        tf.profiler.experimental.start(folder)
+        fn()
+        tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace.FromString(next(pathlib.Path(folder).rglob('*.xplane.pb')).read_bytes())
+    return {metadata.name.split(':')[-1] for plane in space.planes for metadata in plane.event_metadata.values()}
+
+
+def test_the_gelu_runs_fused_into_its_product_where_onednn_is_on():
+    from tensorflow.python.util import _pywrap_util_port as port
+
+    if not port.IsMklEnabled():  # on by default wherever TensorFlow loads through gpt2_tf (test_quiet)
+        pytest.skip("TensorFlow's oneDNN ops are off")
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    tokens = np.zeros([2, 5], np.int32)
+    model(tokens)
+    ran = ops_run(lambda: model(tokens))
+    assert '_MklNativeFusedMatMul' in ran and 'Tanh' not in ran, sorted(ran)
 
 
 def test_new_batch_sequence_and_past_do_not_retrace():
