@@ -78,8 +78,11 @@ MANY_ROWS = 64
 # The tied logits at one row take the kernel since its rows of wte are prefetched into L2 (PrefetchRow in
 # matmul.cc): 5.0-6.3 ms a step against XLA's 5.3-6.6 (AVX2's code: 4.8-5.1), whole greedy calls at batch 1
 # 0.83-0.98x (Zen 4; AVX2's code level to 0.87x).
+# On an Intel Xeon with AMX (AVX-512), XLA's dots chained as in a step took 49-55 ms at 8-16 rows, the bands
+# 26-35 (0.52-0.64x), and greedy calls at batch 1-8 0.61-0.66x XLA's time: the block products take the bands at
+# 12-16 rows on AVX-512 too (level in whole calls on the Zen 4).
 FEW_ROWS = {'avx2': {False: range(1, 17), True: range(1, 9)},
-            'avx512': {False: range(1, 12), True: range(1, 9)}}
+            'avx512': {False: range(1, 17), True: range(1, 9)}}
 
 
 def cache_folder() -> pathlib.Path:
