@@ -222,6 +222,11 @@ def test_the_gelu_runs_fused_into_its_product_where_onednn_is_on():
     assert '_MklNativeFusedMatMul' in ran and 'Tanh' not in ran, sorted(ran)
 
 
+def test_logits_read_by_np_asarray_are_a_view_of_the_tensor():  # the README's advice, against .numpy()'s copy
+    logits = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')(np.zeros([1, 3], np.int32))['logits']
+    assert not np.asarray(logits).flags.owndata and logits.numpy().flags.owndata
+
+
 def test_new_batch_sequence_and_past_do_not_retrace():
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
     for batch, t in [(1, 3), (4, 9), (2, 17)]:
