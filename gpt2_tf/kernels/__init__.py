@@ -66,8 +66,8 @@ MANY_ROWS = 64
 # took 0.97 / 0.65 / 0.65 / 0.80x the time at 2 / 4 / 8 / 16 rows, the tied logits 0.64 / 0.71 / 1.01 / 1.36x;
 # the bands took 0.66-0.68x the groups' time at 2-8 rows in AVX2's code on a Zen 4, and 0.60-0.91x XLA's at
 # 2-8 rows, 0.91-0.98x at 10. On a Zen 4 (AVX-512): the bands 0.60-0.80x at 2-8 rows, 0.79-0.92x at 10-11 (the
-# panels at 12-16 rows level with XLA's dots, and the bands that replaced them there level in whole calls: XLA
-# keeps those), the tied logits 0.58-0.62x at 2 rows,
+# panels at 12-16 rows level with XLA's dots, and the bands that replaced them there level in whole calls; see
+# the Intel lines below), the tied logits 0.58-0.62x at 2 rows,
 # 0.65-0.79x at 4, 0.72-0.84x at 8, 0.98-1.10x at 12-16. At one row XLA's matrix-vector product streams the
 # weights at the machine's bandwidth: the bands were level with it with AVX-512 and level to 1.3x its time with
 # AVX2's code, the logits' tiles 1.3-1.5x. But that loop's products are independent, and XLA overlaps them; in a
