@@ -16,7 +16,7 @@ import tensorflow as tf
 from . import kernels
 from .model import attention_weights, shape_list
 from .runtime import Model
-from .precision import activations, attention_kernel, decoding, f32
+from .precision import activations, decoding, f32, kernel_while_decoding
 
 
 def empty_cache(model: Model, batch, size: int) -> list:
@@ -71,9 +71,9 @@ class Cache:
 
     def attend(self, q, k, v):  # q, k, v [batch, heads, n, f] -> a [batch, heads, n, f], cache
         """One query a row (a step, or a one-token prompt) over a float32 cache takes the kernel where decoding
-        allows it (precision.attention_kernel): it reads the cache in place; XLA's attention copies each layer's
+        allows it (precision.kernel_while_decoding): it reads the cache in place; XLA's attention copies each layer's
         keys and values out of it first. Otherwise, and for a prompt's several queries, the original's."""
-        if q.shape[2] == 1 and self.cache.dtype == tf.float32 and attention_kernel():
+        if q.shape[2] == 1 and self.cache.dtype == tf.float32 and kernel_while_decoding():
             cache = self.write(k, v)
             return kernels.cached_attention(q[:, :, 0], cache, self.mask[:, 0, 0])[:, :, None], cache
         k, v, mask, cache = self(k, v)

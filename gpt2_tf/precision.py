@@ -143,8 +143,8 @@ def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = Fals
     inputs, float32 accumulation and result; int8 w is multiplied as it is, with its scales [N]."""
     if w.dtype == tf.int8:
         return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b, panel=0 if transpose_b else panel(w.shape[-1]))
-    few = kernels.few_rows(transpose_b) if w.dtype == tf.float32 and getattr(_building, 'decoding', False) else None
-    if few and not quiet.xla_cache_on():
+    few = kernels.few_rows(transpose_b) if w.dtype == tf.float32 and kernel_while_decoding() else None
+    if few:
         return _few_rows_product(x, w, transpose_b, few)
     return f32(tf.matmul(tf.cast(x, w.dtype), w, transpose_b=transpose_b))
 
@@ -153,8 +153,8 @@ def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = Fals
 def decoding():
     """Within it, on this thread, float32 products over a few rows (a decode step at batch 1-16) take the kernel
     where it beats XLA's and TensorFlow's own (kernels.few_rows: by CPU and layout), and so does a step's
-    attention over its cache (attention_kernel), except where XLA's persistent cache is on (XLA code that calls
-    the kernel crashes when read back from it; see compiled). Decoding's graphs trace inside it; forward
+    attention over its cache, except where XLA's persistent cache is on (XLA code that calls the kernel crashes
+    when read back from it; see compiled): kernel_while_decoding. Decoding's graphs trace inside it; forward
     passes, scoring and training keep TensorFlow's products."""
     before, _building.decoding = getattr(_building, 'decoding', False), True
     try:
@@ -163,10 +163,10 @@ def decoding():
         _building.decoding = before
 
 
-def attention_kernel() -> bool:
-    """Whether attention traced now over decoding's float32 cache takes the kernel (kernels.cached_attention):
-    inside decoding(), where the kernel may run (kernels.decoding_available) and XLA's persistent cache is
-    off, as for the products."""
+def kernel_while_decoding() -> bool:
+    """Whether a float32 product (over kernels.few_rows) or the attention over decoding's float32 cache
+    (kernels.cached_attention) traced now may take the kernel: inside decoding(), where the kernel may run
+    (kernels.decoding_available), with XLA's persistent cache off."""
     return getattr(_building, 'decoding', False) and kernels.decoding_available() and not quiet.xla_cache_on()
 
 

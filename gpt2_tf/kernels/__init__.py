@@ -24,8 +24,8 @@ and multiplied. Both sum in float32; they agree to float32 rounding (the tests c
 The same library multiplies float32 weights in their plain layout over few rows
 (float_matmul): XLA's float32 dots over 1-16 rows (a decode step at batch 1-16)
 run below the machine's bounds, and the kernel's products take less time:
-the block products at 1-16 rows on CPUs without AVX-512 and at 1-11 with it, the
-tied logits at 1-8 rows on both (few_rows says where it is the default).
+the block products at 1-16 rows, the tied logits at 1-8 (few_rows says where it
+is the default, by CPU).
 A decode step's attention (one query a row) over a float32 cache also takes it
 (cached_attention): XLA copies each layer's keys and values out of the cache
 before its own small dots; the kernel reads them in place, only the slots a row sees.
@@ -241,10 +241,8 @@ def decoding_available() -> bool:
 
 
 def few_rows(transpose_w: bool) -> range:
-    """The rows of x for which a float32 product goes to the kernel while decoding, on this CPU (FEW_ROWS); none
-    inside tensorflow_ops() or where the kernel is not built."""
-    if not decoding_available():
-        return range(0)
+    """The rows of x for which a float32 product goes to the kernel while decoding, on this CPU (FEW_ROWS),
+    where decoding may take it at all (decoding_available, through precision.kernel_while_decoding)."""
     return FEW_ROWS['avx512' if 'avx512f' in _cpu_key().split() else 'avx2'][transpose_w]
 
 
