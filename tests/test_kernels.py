@@ -15,6 +15,7 @@ from gpt2_tf import kernels
 SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 96, 1000, True),
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
           (11, 768, 1001, True), (16, 80, 64, False),  # every count of rows left over by a tile of 4 or 6
+          (1, 64, 200, False),  # one row, channels not a whole number of its 128-channel tiles
           (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True)]  # enough rows for the GEMM, over more than one chunk
 
 
@@ -76,7 +77,8 @@ def panels(w: np.ndarray, width: int) -> np.ndarray:
 @pytest.mark.parametrize('where', WHERE)
 @pytest.mark.parametrize('m, k, n, width', [(1, 768, 2304, 128), (7, 64, 384, 128), (13, 33, 256, 128),
                                             (2, 40, 96, 32), (9, 768, 3072, 128), (80, 64, 2560, 128),
-                                            (8, 768, 2304, 128), (19, 96, 512, 128)])  # half-width tiles
+                                            (8, 768, 2304, 128), (19, 96, 512, 128),  # half-width tiles
+                                            (1, 40, 96, 32)])  # one row, panels narrower than its 128-channel tiles
 def test_packed_product_equals_the_float64_product(m, k, n, width, where):
     x, w, scale, reference = case(m, k, n, False, seed=2)
     y = product(x, panels(w, width), scale, where, panel=width)

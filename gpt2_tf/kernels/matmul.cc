@@ -126,6 +126,7 @@ constexpr int kVectors = 4;  // a tile: up to 6 rows x 4 vectors of output chann
 constexpr int kMaxRows = 6;
 constexpr int kHalfRows = 12;  // from 7 rows on, tiles of up to 12 rows x 2 vectors (24 registers)
 constexpr int kRowChannels = 4;  // [N, K] layout, from 2 rows on: 4 channels x up to 6 rows (24 registers)
+constexpr int kRowVectors = 8;  // one row of x: a tile of 8 vectors, a whole int8 panel's row a k (16 registers)
 #elif defined(__AVX2__)
 constexpr int kLanes = 8;
 using Vec = __m256;
@@ -147,6 +148,7 @@ constexpr int kVectors = 4;  // up to 2 rows x 4 vectors: 8 of the 16 registers,
 constexpr int kMaxRows = 2;
 constexpr int kHalfRows = 4;  // from 3 rows on, tiles of up to 4 rows x 2 vectors (8 registers)
 constexpr int kRowChannels = 2;  // [N, K] layout, from 2 rows on: 2 channels x up to 4 rows (8 registers)
+constexpr int kRowVectors = kVectors;
 #else
 constexpr int kLanes = 1;
 using Vec = float;
@@ -162,6 +164,7 @@ constexpr int kVectors = 8;
 constexpr int kMaxRows = 4;
 constexpr int kHalfRows = kMaxRows;
 constexpr int kRowChannels = 1;
+constexpr int kRowVectors = kVectors;
 #endif
 
 // The hardware prefetchers of some CPUs (seen on a virtualised AMD EPYC) follow one stream of int8 well and
@@ -275,11 +278,25 @@ void AllRows(const Problem<W>& p, int64_t n0) {
   if (m < p.M) LastRows<T, Rows - 1, C>(p.M - m, p, m, n0);
 }
 
-// Output channels [b * kBlock, (b + 1) * kBlock) for every row of x.
+// Output channels a unit of the panel layout: kBlock; at one row of x, kRowVectors vectors where a panel holds a
+// whole number of them, so that a tile reads the whole of each of a panel's rows (on AVX-512 all 128 channels:
+// one contiguous stream, where two 64-channel tiles each read every other cache line: a step's 48 block products
+// at one row took 5.3-6.0 against 9.2-10.1 ms on an Intel Xeon with AVX-512).
 template <typename W>
-void Columns(const Problem<W>& p, int64_t b) {
-  const int64_t n0 = b * kBlock, n1 = std::min(p.N, n0 + kBlock);
-  if (n1 - n0 == kBlock && (n0 % p.panel) + kBlock <= p.panel) {
+int64_t ColumnWidth(const Problem<W>& p) {
+  constexpr int64_t kRowWidth = kLanes * kRowVectors;
+  return p.M == 1 && p.panel % kRowWidth == 0 ? kRowWidth : kBlock;
+}
+
+// Output channels [b * width, (b + 1) * width) for every row of x (width: ColumnWidth).
+template <typename W>
+void Columns(const Problem<W>& p, int64_t width, int64_t b) {
+  const int64_t n0 = b * width, n1 = std::min(p.N, n0 + width);
+  if (n1 - n0 == width && (n0 % p.panel) + width <= p.panel) {
+    if (width != kBlock) {
+      Tile<1, kRowVectors>(p, 0, n0);
+      return;
+    }
     if constexpr (kHalfRows > kMaxRows) {
       if (p.M > kMaxRows) {  // two half-width passes: each vector of weights widened once per kHalfRows rows
         AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0);
@@ -647,17 +664,17 @@ void Multiply(const Problem<W>& p, bool transpose_w, float* temporary, const Thr
       return;
     }
   }
-  const int64_t width = transpose_w ? kRowChannels : kFloat ? SegmentWidth(p.N) : kBlock;
+  const int64_t width = transpose_w ? kRowChannels : kFloat ? SegmentWidth(p.N) : ColumnWidth(p);
   const int64_t units = (p.N + width - 1) / width;
   const int64_t cost = 2 * p.K * width * p.M + p.K * width;  // multiply-adds per unit, plus reading its weights
-  threads.For(units, cost, [&p, transpose_w](int64_t start, int64_t limit) {
+  threads.For(units, cost, [&p, transpose_w, width](int64_t start, int64_t limit) {
     for (int64_t b = start; b < limit; ++b) {
       if (transpose_w) {
         Channels(p, b);
       } else if constexpr (kFloat) {
         Segment(p, b);
       } else {
-        Columns(p, b);
+        Columns(p, width, b);
       }
     }
   });
