@@ -148,7 +148,10 @@ constexpr int kVectors = 4;  // up to 2 rows x 4 vectors: 8 of the 16 registers,
 constexpr int kMaxRows = 2;
 constexpr int kHalfRows = 4;  // from 3 rows on, tiles of up to 4 rows x 2 vectors (8 registers)
 constexpr int kRowChannels = 2;  // [N, K] layout, from 2 rows on: 2 channels x up to 4 rows (8 registers)
-constexpr int kRowVectors = kVectors;
+// One row of x: a tile of 16 vectors, a whole int8 panel's row a k, its sums in all 16 registers (the compiler
+// spills what else it needs). In AVX2's code on an Intel Xeon the 48 block products of a step took 3.5-3.7 ms so,
+// 3.7-3.9 with 8 vectors and 4.9-5.9 with 4 (every fourth 32-byte run of the panel's stream a tile).
+constexpr int kRowVectors = 16;
 #else
 constexpr int kLanes = 1;
 using Vec = float;
@@ -281,9 +284,9 @@ void AllRows(const Problem<W>& p, int64_t n0) {
 }
 
 // Output channels a unit of the panel layout: kBlock; at one row of x, kRowVectors vectors where a panel holds a
-// whole number of them, so that a tile reads the whole of each of a panel's rows (on AVX-512 all 128 channels:
-// one contiguous stream, where two 64-channel tiles each read every other cache line: a step's 48 block products
-// at one row took 5.3-6.0 against 9.2-10.1 ms on an Intel Xeon with AVX-512).
+// whole number of them, so that a tile reads the whole of each of a panel's rows (all 128 channels: one contiguous
+// stream, where AVX-512's two 64-channel tiles each read every other cache line: a step's 48 block products at
+// one row took 5.3-6.0 against 9.2-10.1 ms on an Intel Xeon with AVX-512).
 template <typename W>
 int64_t ColumnWidth(const Problem<W>& p) {
   constexpr int64_t kRowWidth = kLanes * kRowVectors;
