@@ -255,7 +255,7 @@ def test_kernel_and_fallback_agree_in_a_compiled_function():
 
 
 @pytest.mark.parametrize('traced', ['eager', 'rows unknown when traced'])
-def test_block_matrices_take_tensorflow_s_product_from_many_rows_on_and_wte_the_kernel(traced, monkeypatch):
+def test_products_take_tensorflow_s_over_a_dequantized_copy_from_many_rows_on(traced, monkeypatch):
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
     from gpt2_tf import precision
@@ -282,10 +282,19 @@ def test_block_matrices_take_tensorflow_s_product_from_many_rows_on_and_wte_the_
         y = run(x, tf.constant(precision.pack(w)), tf.constant(scale), panel=precision.panel(256))
         assert taken.numpy() == (rows >= kernels.MANY_ROWS), rows
         np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
-        x, w, scale, reference = case(rows, 96, 300, True, seed=rows)  # wte's layout: the kernel at every size
+        x, w, scale, reference = case(rows, 96, 300, True, seed=rows)  # wte's layout
+        taken.assign(0)
         y = run(x, tf.constant(w), tf.constant(scale), transpose_w=True)
         assert taken.numpy() == (rows >= kernels.MANY_ROWS), rows
         np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_wte_s_dequantized_product_takes_its_rows_a_part_at_a_time():
+    n = kernels.DEQUANTIZED_ROWS + 808  # two parts, the second shorter
+    x, w, scale, reference = case(kernels.MANY_ROWS, 16, n, True, seed=3)
+    y = product(x, w, scale, 'TensorFlow ops', transpose_w=True)
+    assert y.shape == reference.shape
+    assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
 
 
 def test_off_switch_uses_the_fallback():

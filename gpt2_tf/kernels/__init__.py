@@ -54,12 +54,13 @@ CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
 _local = threading.local()  # .off: inside tensorflow_ops() on this thread
-# From this many rows on, a block matrix ([K, N] in panels) is multiplied by TensorFlow's float32 product over
-# its dequantized copy (at most 41 MB, for 1558M's c_fc), which beat the kernel's Eigen GEMM there: 8.7
+# From this many rows on, an int8 product is TensorFlow's float32 product over a dequantized copy, which beat the
+# kernel's Eigen GEMM there: a block matrix ([K, N] in panels) whole (at most 41 MB, for 1558M's c_fc): 8.7
 # against 19.5 ms for 64 rows of three 124M block products, 79 against 93 for 1024 (Zen 4;
-# bench/bench_int8.py --sections rows).
-# wte's product keeps the kernel at every size: its float32 copy would be 154-322 MB.
+# bench/bench_int8.py --sections rows); wte DEQUANTIZED_ROWS rows at a time (its whole copy would be 154-322 MB):
+# 1024 rows of the 124M logits took 294-298 ms so, 814-830 in the kernel (Intel Xeon, oneDNN's product).
 MANY_ROWS = 64
+DEQUANTIZED_ROWS = 8192  # rows of wte [n_vocab, n_embd] a dequantized copy holds: 25 MB for 124M, 52 for 1558M
 # Rows of x for which a float32 product goes to the kernel by default while decoding, by CPU ('avx512': with
 # AVX-512, 'avx2': without) and layout (transpose_w: wte's [N, K]); inside an XLA loop, against XLA's dots
 # (bench/bench_products.py). On a Zen 3 (AVX2), with the row groups the bands replaced: the 48 block products
@@ -277,8 +278,8 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
 
     panel: 0 for w's plain layout; else w [K, N] holds its values as [N / panel, K, panel] (see
     gpt2_tf.precision.pack), so that a block of output channels is one contiguous stream.
-    kernel: None uses the C++ kernel when it is available (a block matrix times MANY_ROWS rows or more takes
-    TensorFlow's float32 product over its dequantized copy), True requires it, False uses TensorFlow ops.
+    kernel: None uses the C++ kernel when it is available (MANY_ROWS rows or more take TensorFlow's float32
+    product over a dequantized copy), True requires it, False uses TensorFlow ops.
     """
     use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
     dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel)  # noqa: E731
@@ -288,7 +289,7 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     if isinstance(library, str):
         raise RuntimeError(f'the int8 kernel is not available: {library}')
     tiles = lambda: library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel)  # noqa: E731
-    if kernel or transpose_w:
+    if kernel:
         return tiles()
     rows = x.shape[0]
     if rows is not None:  # known when traced: one branch, not a tf.cond holding both
@@ -297,7 +298,11 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
 
 
 def _dequantized_product(x, w, scale, transpose_w: bool, panel: int):
-    """The same product in TensorFlow ops: w cast to float32 and scaled, then a float32 matmul."""
+    """The same product in TensorFlow ops: w cast to float32 and scaled, then a float32 matmul; w [N, K] (wte)
+    DEQUANTIZED_ROWS rows at a time, their products joined along N."""
+    if transpose_w:
+        parts = [tf.matmul(x, tf.cast(w[n:n + DEQUANTIZED_ROWS], tf.float32) * scale[n:n + DEQUANTIZED_ROWS, None],
+                           transpose_b=True) for n in range(0, w.shape[0], DEQUANTIZED_ROWS)]
+        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
     wide = tf.cast(unpack(w, panel) if panel else w, tf.float32)
-    wide = wide * (scale[:, None] if transpose_w else scale)
-    return tf.matmul(x, wide, transpose_b=transpose_w)
+    return tf.matmul(x, wide * scale)
