@@ -282,9 +282,9 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     product over a dequantized copy), True requires it, False uses TensorFlow ops.
     """
     use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
-    dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel)  # noqa: E731
     if not use:
-        return dequantized()
+        return _dequantized_product(x, w, scale, transpose_w, panel)
+    dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel, DEQUANTIZED_ROWS)  # noqa: E731
     library = _library()[0]
     if isinstance(library, str):
         raise RuntimeError(f'the int8 kernel is not available: {library}')
@@ -297,12 +297,14 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     return tf.cond(tf.shape(x)[0] >= MANY_ROWS, dequantized, tiles)
 
 
-def _dequantized_product(x, w, scale, transpose_w: bool, panel: int):
+def _dequantized_product(x, w, scale, transpose_w: bool, panel: int, part: Optional[int] = None):
     """The same product in TensorFlow ops: w cast to float32 and scaled, then a float32 matmul; w [N, K] (wte)
-    DEQUANTIZED_ROWS rows at a time, their products joined along N."""
+    `part` rows at a time where given, their products joined along N (the fallback keeps one copy: exporters
+    fold small parts into float32 constants)."""
     if transpose_w:
-        parts = [tf.matmul(x, tf.cast(w[n:n + DEQUANTIZED_ROWS], tf.float32) * scale[n:n + DEQUANTIZED_ROWS, None],
-                           transpose_b=True) for n in range(0, w.shape[0], DEQUANTIZED_ROWS)]
+        part = part or w.shape[0]
+        parts = [tf.matmul(x, tf.cast(w[n:n + part], tf.float32) * scale[n:n + part, None], transpose_b=True)
+                 for n in range(0, w.shape[0], part)]
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
     wide = tf.cast(unpack(w, panel) if panel else w, tf.float32)
     return tf.matmul(x, wide * scale)
