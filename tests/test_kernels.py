@@ -290,10 +290,10 @@ def test_products_take_tensorflow_s_over_a_dequantized_copy_from_many_rows_on(tr
 
 
 def test_wte_s_dequantized_product_takes_its_rows_a_part_at_a_time():
-    n = kernels.DEQUANTIZED_ROWS + 808  # two parts, the second shorter
-    x, w, scale, reference = case(kernels.MANY_ROWS, 16, n, True, seed=3)
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
+    n = kernels.DEQUANTIZED_ROWS + 808  # two parts, the second shorter
+    x, w, scale, reference = case(kernels.MANY_ROWS, 16, n, True, seed=3)
     y = kernels.int8_matmul(tf.constant(x), tf.constant(w), tf.constant(scale), transpose_w=True).numpy()
     assert y.shape == reference.shape
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()

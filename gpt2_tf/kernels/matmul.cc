@@ -174,7 +174,7 @@ constexpr int kRowVectors = kVectors;
 // several interleaved ones badly: the loops ask for the weights kAhead ahead themselves (2.5x on wte's rows).
 constexpr int64_t kAhead = 256;    // weights along a row of wte: 256 bytes of int8, 1 KB of float32
 // Rows of a panel: 32 (4 KB of a 128-channel panel) rather than 8 took an Intel Xeon's 48 block products of a step
-// at 8 rows from 13.4-14.7 to 10.9-12.8 ms (32, 64 and 128 level; at one row level within its noise).
+// at 8 rows from 13.4-14.7 to 10.9-13.6 ms (one round of three level; 32, 64 and 128 ahead level).
 constexpr int64_t kRowsAhead = 32;
 template <typename W>
 constexpr int64_t kLineElements = 64 / sizeof(W);  // weights in a cache line
