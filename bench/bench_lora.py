@@ -70,6 +70,7 @@ import json, sys, time
 import numpy as np, tensorflow as tf
 import gpt2_tf
 from gpt2_tf.model import positions_for
+from gpt2_tf.scoring import frozen_head_loss
 from gpt2_tf.train import Trainer, recomputed
 
 def mark(phase):
@@ -87,8 +88,7 @@ if case == 'nograd':
             h = model.embed(tokens, positions_for(tokens, 0))
             tape.watch(h)
             out, _ = model.blocks(h, wrap=wrap)
-            logits = model.logits(out[:, :-1])
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tokens[:, 1:], logits=logits))
+            loss = frozen_head_loss(model, out[:, :-1], tokens[:, 1:])  # as a LoRA step's
         return loss, tf.reduce_sum(tape.gradient(loss, h))
     step = lambda t: float(run(tf.constant(t))[0])
 else:

@@ -23,6 +23,7 @@ from .encoder import END_OF_TEXT_ID
 from .model import positions_for
 from .runtime import Model
 
+LOSS_ROWS = 256  # frozen_head_loss's rows of logits at a time: [256, 50257] float32 is 51 MB
 
 
 def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
@@ -35,16 +36,62 @@ def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
     return model.blocks(model.embed(X, positions_for(X, 0)), wrap=wrap)[0]
 
 
-def mean_loss(model: Model, tokens, *, wrap: Optional[Callable] = None):
+def mean_loss(model: Model, tokens, *, wrap: Optional[Callable] = None, wte_trained: bool = True):
     """The original training loss: mean over batch and positions of the cross-entropy of
     logits[:, :-1] against tokens[:, 1:]. tokens [batch, T] -> float32 [].
 
     Through the original's own fused op, whose backward pass (softmax minus the
     one-hot) needs no second [batch, T, vocab] tensor; it equals the mean of
     -log_probs to float32 rounding (the validation loss uses log_probs).
+    wte_trained=False (LoRA, only_train_transformer_layers): the same loss
+    through frozen_head_loss, which never holds the [batch, T, vocab] logits.
     """
-    logits = model.logits(hidden(model, tokens, wrap=wrap)[:, :-1])
+    h = hidden(model, tokens, wrap=wrap)[:, :-1]
+    if not wte_trained:
+        return frozen_head_loss(model, h, tokens[:, 1:])
+    logits = model.logits(h)
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tokens[:, 1:], logits=logits))
+
+
+def frozen_head_loss(model: Model, h, labels):
+    """mean_loss's cross-entropy for h [batch, T, n_embd] and labels [batch, T], for a step in which wte takes
+    no gradient. The original's fused op runs on LOSS_ROWS rows of logits at a time, and each part's gradient
+    (its softmax minus one-hot, times 1/N as the mean's backward scales it, back through wte) is formed at
+    once: the backward pass keeps only h's gradient [N, n_embd], not the logits and their gradient (2 x 206 MB
+    at T = 1024). Another order of float32 sums only (tests: LoRA and blocks-only steps against TF1's)."""
+    x = tf.reshape(model.ln_f(h), [-1, h.shape[-1]])  # [N, n_embd]: ln_f's gradient flows as usual
+    labels = tf.reshape(labels, [-1])
+
+    @tf.custom_gradient
+    def loss(x):
+        n = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+        parts = (n + LOSS_ROWS - 1) // LOSS_ROWS
+        padded = parts * LOSS_ROWS
+        xs = tf.reshape(tf.pad(x, [[0, padded - n], [0, 0]]), [parts, LOSS_ROWS, x.shape[-1]])
+        ys = tf.reshape(tf.pad(labels, [[0, padded - n]]), [parts, LOSS_ROWS])
+        real = tf.reshape(tf.cast(tf.range(padded) < n, tf.float32), [parts, LOSS_ROWS])  # 0: a padding row
+        mean_grad = real / tf.cast(n, tf.float32)  # the mean's gradient, per row
+
+        def part(i, total, grads):
+            rows = xs[i]  # [LOSS_ROWS, n_embd]
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(rows)
+                logits = model.unembed(rows)  # [LOSS_ROWS, n_vocab]
+            losses, back = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=logits, labels=ys[i])
+            grad = tape.gradient(logits, rows, output_gradients=back * mean_grad[i][:, None])
+            return i + 1, total + tf.reduce_sum(losses * real[i]), grads.write(i, grad)
+
+        _, total, grads = tf.while_loop(lambda i, *_: i < parts, part,
+                                        [tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=parts)],
+                                        parallel_iterations=1)  # one part's logits at a time
+        dx = tf.reshape(grads.stack(), [padded, x.shape[-1]])[:n]
+
+        def gradient(upstream, variables=None):  # wte (read inside) takes none: that is this loss's premise
+            return dx * upstream, [None] * len(variables or [])
+
+        return total / tf.cast(n, tf.float32), gradient
+
+    return loss(x)
 
 
 def log_probs(logits, targets, *, top: int = 0):

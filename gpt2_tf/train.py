@@ -100,6 +100,7 @@ class Trainer:
                    else (lambda n: '/h' in n or not only_train_transformer_layers))
         self.names = sorted(filter(trained, by_name))
         self.variables = [by_name[n] for n in self.names]
+        self.wte_trained = 'model/wte' in self.names  # when not, the loss never holds the logits (frozen_head_loss)
         self.steps = 0  # updates applied, the run's counter
         self.strategy = model.strategy  # data-parallel when load_model created the model under a strategy
         self.slots = self._create_slots()
@@ -130,13 +131,13 @@ class Trainer:
         k = self.accumulate
         if k == 1:
             with self._tape() as tape:
-                loss = mean_loss(self.model, tokens, wrap=wrap)
+                loss = mean_loss(self.model, tokens, wrap=wrap, wte_trained=self.wte_trained)
             return loss, tape.gradient(loss, self.variables)
         micro = tf.reshape(tokens, [k, -1, tf.shape(tokens)[1]])  # [k, batch / k, T]
 
         def one(i, loss, grads):
             with self._tape() as tape:
-                part = mean_loss(self.model, micro[i], wrap=wrap)
+                part = mean_loss(self.model, micro[i], wrap=wrap, wte_trained=self.wte_trained)
             new = tape.gradient(part, self.variables)
             return i + 1, loss + part, [g + n for g, n in zip(grads, new)]
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpt2_tf import HParams, load_model, lora
+from gpt2_tf import HParams, load_model, lora, scoring
 from gpt2_tf.checkpoint import save_checkpoint
 from gpt2_tf.hf import save_hf
 from gpt2_tf.tf1_reference import Reference, gpt2_graph
@@ -78,8 +78,11 @@ def reference_steps(tokens, a0: dict, b0: dict, *, scale, lr, steps):
     return losses, values
 
 
-@pytest.mark.parametrize('accumulate, recompute', [(1, False), (2, True)])
-def test_lora_steps_equal_the_reference(accumulate, recompute):
+@pytest.mark.parametrize('accumulate, recompute, loss_rows', [(1, False, 256), (2, True, 256), (1, False, 16)],
+                         ids=['plain', 'accumulate2-recompute', 'loss-in-parts'])
+def test_lora_steps_equal_the_reference(accumulate, recompute, loss_rows, monkeypatch):
+    # loss_rows 16: a step's 44 rows of logits in 3 parts, the last one padded (scoring.frozen_head_loss)
+    monkeypatch.setattr(scoring, 'LOSS_ROWS', loss_rows)
     model = load_model(TINY)
     trainer = Trainer(model, 1e-2, 'adam', accumulate, recompute, lora_rank=2, lora_alpha=3.0,
                       lora_targets='c_attn,mlp.c_proj')

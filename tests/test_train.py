@@ -66,13 +66,17 @@ def test_steps_equal_the_original_training_graph(optimizer, accumulate, recomput
                                           before.variables_by_name()[name].numpy())
 
 
-@pytest.mark.parametrize('recompute', [False, True], ids=['plain', 'recompute'])
-def test_steps_on_a_long_sequence_equal_the_original_training_graph(random_checkpoint, recompute):
-    # 1024 positions: the attention goes in parts (gpt2_tf.causal), forward and backward.
+@pytest.mark.parametrize('recompute, only_blocks', [(False, False), (True, False), (False, True)],
+                         ids=['plain', 'recompute', 'blocks-only'])
+def test_steps_on_a_long_sequence_equal_the_original_training_graph(random_checkpoint, recompute, only_blocks):
+    # 1024 positions: the attention goes in parts (gpt2_tf.causal), forward and backward; blocks only, wte
+    # takes no gradient and the loss goes 256 rows of logits at a time, the last part padded
+    # (scoring.frozen_head_loss).
     hparams = HParams(n_vocab=50, n_ctx=1024, n_embd=24, n_head=3, n_layer=2)
     folder = random_checkpoint(hparams, scale=0.3)
-    trainer = Trainer(gpt2_tf.load_model(folder), 1e-3, 'adam', 1, recompute)
-    reference = ReferenceTrainer(hparams, str(folder / 'model.ckpt'), learning_rate=1e-3, optimizer='adam')
+    trainer = Trainer(gpt2_tf.load_model(folder), 1e-3, 'adam', 1, recompute, only_blocks)
+    reference = ReferenceTrainer(hparams, str(folder / 'model.ckpt'), learning_rate=1e-3, optimizer='adam',
+                                 only_train_transformer_layers=only_blocks)
     rng = np.random.default_rng(5)
     data = [rng.integers(0, hparams.n_vocab, (1, hparams.n_ctx)).astype(np.int32) for _ in range(3)]
     assert_losses_match([trainer.step(b) for b in data], [reference.step(b) for b in data])
