@@ -1,11 +1,11 @@
 """Fine-tuning memory and speed: LoRA (rank 8 on c_attn), Adafactor and Adam, each in a fresh process.
 
-    python bench/bench_lora.py [--size 124M|1558M] [--length 1024] [--steps 1] [--rounds 1] [--limit-gb 15]
+    python bench/bench_lora.py [--size 124M|1558M] [--length 1024] [--batch 1] [--steps 1] [--rounds 1] [--limit-gb 15]
                                [--cases lora,adam,...] [--no-recompute]
 
 A random checkpoint of the size's shape is written once into bench/.cache/ (1558M tensor by tensor: each
 tensor saved alone, then the bundles merged, so no more than one tensor is ever in memory). Every case
-loads it, runs one step (tracing), then --steps timed steps (0: the first step's time is the step's), batch 1, recompute=True
+loads it, runs one step (tracing), then --steps timed steps (0: the first step's time is the step's), batch --batch, recompute=True
 (--no-recompute: False, finetune's default, on every side). Peak memory is the
 process's own VmHWM; a watchdog in this process kills a case whose RSS passes --limit-gb, and the table
 says in which phase it stopped (the machine is never pushed into swap). Beside each step's wall time, the
@@ -76,10 +76,11 @@ from gpt2_tf.train import Trainer, recomputed
 def mark(phase):
     print(json.dumps({'phase': phase}), flush=True)
 
-case, folder, length, steps, recompute = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == '1'
+case, folder, length, steps, recompute, batch = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                                 sys.argv[5] == '1', int(sys.argv[6]))
 model = gpt2_tf.load_model(folder, dtype='int8' if case == 'lora-int8' else 'float32')
 mark('loaded')
-tokens = np.random.default_rng(0).integers(0, 50257, (1, length)).astype(np.int32)
+tokens = np.random.default_rng(0).integers(0, 50257, (batch, length)).astype(np.int32)
 if case == 'nograd':
     wrap = recomputed if recompute else None
     @tf.function(autograph=False)
@@ -121,11 +122,12 @@ def rss_mb(pid: int) -> float:
         return 0.0
 
 
-def run_case(case: str, folder, length: int, steps: int, limit_mb: float, recompute: bool) -> dict:
+def run_case(case: str, folder, length: int, steps: int, limit_mb: float, recompute: bool, batch: int) -> dict:
     """The case in a fresh process under the RSS watchdog -> its result, or where it stopped."""
     import threading
 
-    process = subprocess.Popen([sys.executable, '-c', CHILD, case, str(folder), str(length), str(steps), str(int(recompute))],
+    process = subprocess.Popen([sys.executable, '-c', CHILD, case, str(folder), str(length), str(steps), str(int(recompute)),
+                                str(batch)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     items = []
     reader = threading.Thread(target=lambda: items.extend(json.loads(line) for line in process.stdout), daemon=True)
@@ -152,6 +154,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--size', choices=sorted(SIZES), default='124M')
     parser.add_argument('--length', type=int, default=1024)
+    parser.add_argument('--batch', type=int, default=1)
     parser.add_argument('--steps', type=int, default=1)
     parser.add_argument('--rounds', type=int, default=1)
     parser.add_argument('--limit-gb', type=float, default=15.0)
@@ -166,9 +169,10 @@ def main():
     results = {case: [] for case in cases}
     for _ in range(args.rounds):
         for case in cases:
-            results[case].append(run_case(case, folder, args.length, args.steps, args.limit_gb * 1024, args.recompute))
+            results[case].append(run_case(case, folder, args.length, args.steps, args.limit_gb * 1024, args.recompute,
+                                                 args.batch))
             print(case, results[case][-1], flush=True)
-    print(f'\n{args.size}, batch 1, T={args.length}, recompute={args.recompute}; CPU: {cpu()}; best of {args.rounds} round(s)')
+    print(f'\n{args.size}, batch {args.batch}, T={args.length}, recompute={args.recompute}; CPU: {cpu()}; best of {args.rounds} round(s)')
     print('| case | step (s) | step CPU time (s) | first step (s) | peak RSS (GB) |\n|---|---|---|---|---|')
     best = {}
     for case in cases:
