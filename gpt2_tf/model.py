@@ -237,11 +237,9 @@ class Graph(tf.Module):
 
     def logits(self, h):  # [batch, sequence, n_embd] -> [batch, sequence, n_vocab]: ln_f, then the tied wte
         batch, sequence, n_embd = shape_list(h)
-        logits = self.unembed(tf.reshape(self.ln_f(h), [batch * sequence, n_embd]))
+        logits = product(tf.reshape(self.ln_f(h), [batch * sequence, n_embd]), self.wte, self.wte_scale,
+                         transpose_b=True)
         return tf.reshape(logits, [batch, sequence, self.hparams.n_vocab])
-
-    def unembed(self, x):  # [rows, n_embd], after ln_f -> [rows, n_vocab]: the product with the tied wte
-        return product(x, self.wte, self.wte_scale, transpose_b=True)
 
     def forward(self, X, past=None):
         """The original model(): X [batch, sequence], past [batch, n_layer, 2, n_head, past_sequence, head_size]."""

@@ -23,7 +23,7 @@ from .encoder import END_OF_TEXT_ID
 from .model import positions_for
 from .runtime import Model
 
-LOSS_ROWS = 256  # frozen_head_loss's rows of logits at a time: [256, 50257] float32 is 51 MB
+LOSS_ROWS = 256  # frozen_head_loss's most rows of logits at a time: [256, 50257] float32 is 51 MB
 
 
 def hidden(model: Model, X, *, wrap: Optional[Callable] = None):
@@ -54,44 +54,51 @@ def mean_loss(model: Model, tokens, *, wrap: Optional[Callable] = None, wte_trai
 
 
 def frozen_head_loss(model: Model, h, labels):
-    """mean_loss's cross-entropy for h [batch, T, n_embd] and labels [batch, T], for a step in which wte takes
-    no gradient. The original's fused op runs on LOSS_ROWS rows of logits at a time, and each part's gradient
-    (its softmax minus one-hot, times 1/N as the mean's backward scales it, back through wte) is formed at
-    once: the backward pass keeps only h's gradient [N, n_embd], not the logits and their gradient (2 x 206 MB
-    at T = 1024). Another order of float32 sums only (tests: LoRA and blocks-only steps against TF1's)."""
-    x = tf.reshape(model.ln_f(h), [-1, h.shape[-1]])  # [N, n_embd]: ln_f's gradient flows as usual
+    """mean_loss's cross-entropy for h [batch, T, n_embd] (the last block's output) and labels [batch, T], for
+    a step in which wte takes no gradient. model.logits (ln_f, then wte) and the original's fused op run on
+    at most LOSS_ROWS rows at a time, and each part's gradients (its softmax minus one-hot, times 1/N as the
+    mean's backward scales it, back to h's rows and ln_f's g and b) are formed in the forward pass: the
+    backward then holds h's gradient [N, n_embd], never the logits or their gradient (2 x 206 MB a row of
+    1024 positions). Another order of float32 sums only (tests: against the one-op loss, and LoRA and
+    blocks-only steps against TF1's). The products must be differentiable: Trainer.step runs them as
+    TensorFlow's ops (kernels.tensorflow_ops)."""
+    n_embd, norm = h.shape[-1], [model.ln_f.g, model.ln_f.b]
     labels = tf.reshape(labels, [-1])
 
     @tf.custom_gradient
-    def loss(x):
+    def loss(x):  # x [N, n_embd] -> the mean loss, and its gradient function
         n = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
         parts = (n + LOSS_ROWS - 1) // LOSS_ROWS
-        padded = parts * LOSS_ROWS
-        xs = tf.reshape(tf.pad(x, [[0, padded - n], [0, 0]]), [parts, LOSS_ROWS, x.shape[-1]])
-        ys = tf.reshape(tf.pad(labels, [[0, padded - n]]), [parts, LOSS_ROWS])
-        real = tf.reshape(tf.cast(tf.range(padded) < n, tf.float32), [parts, LOSS_ROWS])  # 0: a padding row
+        size = (n + parts - 1) // parts if isinstance(n, int) else LOSS_ROWS  # known N: parts of equal size
+        xs = tf.reshape(tf.pad(x, [[0, parts * size - n], [0, 0]]), [parts, size, n_embd])
+        ys = tf.reshape(tf.pad(labels, [[0, parts * size - n]]), [parts, size])
+        real = tf.reshape(tf.cast(tf.range(parts * size) < n, tf.float32), [parts, size])  # 0: a padding row
         mean_grad = real / tf.cast(n, tf.float32)  # the mean's gradient, per row
 
-        def part(i, total, grads):
-            rows = xs[i]  # [LOSS_ROWS, n_embd]
+        def part(i, total, grads, norm_grads):
+            rows = xs[i]  # [size, n_embd]
             with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(rows)
-                logits = model.unembed(rows)  # [LOSS_ROWS, n_vocab]
+                tape.watch([rows] + norm)
+                logits = model.logits(rows[None])[0]  # [size, n_vocab]
             losses, back = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=logits, labels=ys[i])
-            grad = tape.gradient(logits, rows, output_gradients=back * mean_grad[i][:, None])
-            return i + 1, total + tf.reduce_sum(losses * real[i]), grads.write(i, grad)
+            d = tape.gradient(logits, [rows] + norm, output_gradients=back * mean_grad[i][:, None])
+            return (i + 1, total + tf.reduce_sum(losses * real[i]), grads.write(i, d[0]),
+                    [a + b for a, b in zip(norm_grads, d[1:])])
 
-        _, total, grads = tf.while_loop(lambda i, *_: i < parts, part,
-                                        [tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=parts)],
-                                        parallel_iterations=1)  # one part's logits at a time
-        dx = tf.reshape(grads.stack(), [padded, x.shape[-1]])[:n]
+        start = [tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=parts, element_shape=[size, n_embd]),
+                 [tf.zeros_like(v) for v in norm]]
+        _, total, grads, norm_grads = tf.while_loop(lambda i, *_: i < parts, part, start,
+                                                    parallel_iterations=1)  # one part's logits at a time
+        dx = tf.reshape(grads.stack(), [parts * size, n_embd])[:n]
+        by_name = {v.name: g for v, g in zip(norm, norm_grads)}
 
-        def gradient(upstream, variables=None):  # wte (read inside) takes none: that is this loss's premise
-            return dx * upstream, [None] * len(variables or [])
+        def gradient(upstream, variables=None):  # of the variables read inside, ln_f's have one; wte takes none
+            scaled = {name: g * tf.cast(upstream, g.dtype) for name, g in by_name.items()}
+            return dx * upstream, [scaled.get(v.name) for v in variables or []]
 
         return total / tf.cast(n, tf.float32), gradient
 
-    return loss(x)
+    return loss(tf.reshape(h, [-1, n_embd]))
 
 
 def log_probs(logits, targets, *, top: int = 0):

@@ -100,7 +100,7 @@ class Trainer:
                    else (lambda n: '/h' in n or not only_train_transformer_layers))
         self.names = sorted(filter(trained, by_name))
         self.variables = [by_name[n] for n in self.names]
-        self.wte_trained = 'model/wte' in self.names  # when not, the loss never holds the logits (frozen_head_loss)
+        self.wte_trained = any(v is model.wte for v in self.variables)  # if not, the loss never holds the logits
         self.steps = 0  # updates applied, the run's counter
         self.strategy = model.strategy  # data-parallel when load_model created the model under a strategy
         self.slots = self._create_slots()

@@ -199,3 +199,39 @@ def test_score_command_errors_are_one_line(tmp_path, argv, message):
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if not line.startswith('gpt2-tf: no model')]
     assert len(lines) == 1 and re.search(message, lines[0]), done.stderr
+
+
+@pytest.mark.parametrize('jit, known_rows', [(False, True), (False, False), (True, True)],
+                         ids=['graph', 'rows-unknown-until-run', 'xla'])
+def test_the_frozen_head_loss_in_parts_equals_the_one_op_loss(monkeypatch, jit, known_rows):
+    # Training's loss when wte takes no gradient: 3 x 15 = 45 rows of logits in parts of at most 16 (three of
+    # 15 when N is known, else 16, 16 and a padded 13). Against the original's one op over all the logits, the
+    # loss times 3 and its gradients with respect to the blocks' output and ln_f's g and b.
+    import tensorflow as tf
+    monkeypatch.setattr(scoring, 'LOSS_ROWS', 16)
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    rng = np.random.default_rng(3)
+    h = tf.constant(rng.normal(0, 1, (3, 15, model.hparams.n_embd)).astype(np.float32))
+    labels = tf.constant(rng.integers(0, model.hparams.n_vocab, (3, 15)).astype(np.int32))
+    norm = [model.ln_f.g, model.ln_f.b]
+
+    def both(h, labels):
+        out = []
+        for loss_of in (lambda: scoring.frozen_head_loss(model, h, labels),
+                        lambda: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                            labels=labels, logits=model.logits(h)))):
+            with tf.GradientTape() as tape:
+                tape.watch(h)
+                loss = 3 * loss_of()
+            out.append([loss] + tape.gradient(loss, [h] + norm))
+        return out
+
+    shape = [None if not known_rows else 3, None if not known_rows else 15]
+    run = tf.function(both, jit_compile=jit, input_signature=[tf.TensorSpec(shape + [h.shape[-1]]),
+                                                                tf.TensorSpec(shape, tf.int32)])
+    ours, theirs = run(h, labels)
+    for name, a, b in zip(['loss', 'h', 'ln_f/g', 'ln_f/b'], ours, theirs):
+        # float32 sums in another order: 1e-6 of the largest value
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6 * max(1.0, np.abs(b.numpy()).max()),
+                                   err_msg=name)
+    assert np.abs(theirs[1].numpy()).max() > 1e-3  # a real gradient to compare

@@ -70,8 +70,8 @@ def test_steps_equal_the_original_training_graph(optimizer, accumulate, recomput
                          ids=['plain', 'recompute', 'blocks-only'])
 def test_steps_on_a_long_sequence_equal_the_original_training_graph(random_checkpoint, recompute, only_blocks):
     # 1024 positions: the attention goes in parts (gpt2_tf.causal), forward and backward; blocks only, wte
-    # takes no gradient and the loss goes 256 rows of logits at a time, the last part padded
-    # (scoring.frozen_head_loss).
+    # takes no gradient and the loss goes at most 256 rows of logits at a time: 1023 rows in 4 parts of 256,
+    # the last one padded (scoring.frozen_head_loss).
     hparams = HParams(n_vocab=50, n_ctx=1024, n_embd=24, n_head=3, n_layer=2)
     folder = random_checkpoint(hparams, scale=0.3)
     trainer = Trainer(gpt2_tf.load_model(folder), 1e-3, 'adam', 1, recompute, only_blocks)
