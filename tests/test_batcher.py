@@ -107,8 +107,11 @@ def test_a_row_whose_client_left_frees_its_slot_at_the_next_chunk():
         while not gone.tokens:
             time.sleep(0.01)
         leaving.done = True  # what Completion.close does when the client goes away
+        seen = len(gone.tokens)  # what came before it was left, or while it was being left
         assert next_one.ended.wait(30) and next_one.tokens == expected([3], 4)
-        assert len(gone.tokens) <= 8 and not gone.ended.is_set()  # at most the chunk in flight, and no end
+        # at most the chunk in flight (4 tokens) after that, and no end; counted from the moment it was left, so
+        # a loaded machine that delays this thread cannot make it fail
+        assert len(gone.tokens) <= seen + 4 and not gone.ended.is_set()
     finally:
         queue.close()
     assert queue.running == 0 and queue.waiting == 0
