@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from . import compiled, validate
 from .encoder import END_OF_TEXT_ID
-from .model import positions_for
+from .model import positions_for, shape_list
 from .runtime import Model
 
 LOSS_ROWS = 256  # frozen_head_loss's most rows of logits at a time: [256, 50257] float32 is 51 MB
@@ -67,7 +67,7 @@ def frozen_head_loss(model: Model, h, labels):
 
     @tf.custom_gradient
     def loss(x):  # x [N, n_embd] -> the mean loss, and its gradient function
-        n = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+        n = shape_list(x)[0]  # an int when N is known when traced
         parts = (n + LOSS_ROWS - 1) // LOSS_ROWS
         size = (n + parts - 1) // parts if isinstance(n, int) else LOSS_ROWS  # known N: parts of equal size
         xs = tf.reshape(tf.pad(x, [[0, parts * size - n], [0, 0]]), [parts, size, n_embd])

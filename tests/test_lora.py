@@ -81,7 +81,7 @@ def reference_steps(tokens, a0: dict, b0: dict, *, scale, lr, steps):
 @pytest.mark.parametrize('accumulate, recompute, loss_rows', [(1, False, 256), (2, True, 256), (1, False, 16)],
                          ids=['plain', 'accumulate2-recompute', 'loss-in-parts'])
 def test_lora_steps_equal_the_reference(accumulate, recompute, loss_rows, monkeypatch):
-    # loss_rows 16: a step's 44 rows of logits in 3 parts, the last one padded (scoring.frozen_head_loss)
+    # loss_rows 16: a step's 44 rows of logits in 3 parts of 15, the last one padded (scoring.frozen_head_loss)
     monkeypatch.setattr(scoring, 'LOSS_ROWS', loss_rows)
     model = load_model(TINY)
     trainer = Trainer(model, 1e-2, 'adam', accumulate, recompute, lora_rank=2, lora_alpha=3.0,
