@@ -1,4 +1,5 @@
-"""The causal attention of a sequence without a past, whole (the original's) against in parts (gpt2_tf.causal).
+"""The causal attention of a sequence without a past: whole (the original's ops), in parts (gpt2_tf.causal), and
+by the kernel's op (gpt2_tf.kernels.causal_attention, the default where it builds).
 
     python bench/bench_attention.py [--sections core,forward,train] [--reps 5]
 
@@ -6,7 +7,7 @@ core: the attention alone, 12 layers of 12 heads of 64 features, in a tf.functio
 when traced (as the model's are), forward and forward + backward, at several batches and lengths.
 forward: the 124M-shaped model's forward pass, one model tracing the whole attention and one the parts,
 alternating in one process. train: a Trainer step (LoRA rank 8 on c_attn, and full Adam; recompute, batch 1,
-T = 1024), the same way. Medians in ms (s for train), and the parts' time over the whole's.
+T = 1024), the same way. Medians in ms (s for train), and each one's time over the whole's.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import gpt2_tf  # noqa: E402
-from gpt2_tf import causal, model as graph  # noqa: E402
+from gpt2_tf import causal, kernels, model as graph  # noqa: E402
 from gpt2_tf.train import Trainer  # noqa: E402
 from bench_generate import checkpoint, cpu  # noqa: E402
 from bench_int8 import alternating  # noqa: E402
@@ -30,15 +31,28 @@ WHOLE = 10 ** 9  # a PARTS_FROM no sequence reaches: the whole attention
 
 
 def models(make) -> dict:
-    """{'whole': make(), 'parts': make()}, each built and traced under its PARTS_FROM."""
+    """{'whole': make(), 'parts': make(), 'kernel': make()}, each built and traced under its PARTS_FROM, the first
+    two inside kernels.tensorflow_ops() (the kernel's only where it builds)."""
     built = {}
-    for name, start in (('whole', WHOLE), ('parts', causal.PARTS_FROM)):
+    for name, start in (('whole', WHOLE), ('parts', causal.PARTS_FROM), ('kernel', None)):
+        if start is None:
+            if kernels.available():
+                built[name] = make()
+            continue
         before, causal.PARTS_FROM = causal.PARTS_FROM, start
         try:
-            built[name] = make()
+            with kernels.tensorflow_ops():
+                built[name] = make()
         finally:
             causal.PARTS_FROM = before
     return built
+
+
+def against_whole(t: dict, unit: str = 'ms') -> str:
+    """'whole 1.0 ms, parts 0.8 ms (0.80x), ...' from {name: seconds}."""
+    scale = 1e3 if unit == 'ms' else 1
+    return ', '.join(f'{name} {value * scale:.{0 if unit == "ms" else 2}f} {unit}' +
+                     ('' if name == 'whole' else f' ({value / t["whole"]:.2f}x)') for name, value in t.items())
 
 
 def core(reps: int) -> None:
@@ -67,10 +81,10 @@ def core(reps: int) -> None:
             return pair
 
         functions = models(traced)
-        (wf, pf), (wb, pb) = (alternating({name: lambda f=pair[i]: tf.nest.map_structure(np.asarray, f(*qkv))
-                                           for name, pair in functions.items()}, reps).values() for i in (0, 1))
-        print(f'core B{batch} T{sequence}: forward {wf * 1e3:.0f} -> {pf * 1e3:.0f} ms ({pf / wf:.2f}x), '
-              f'with backward {wb * 1e3:.0f} -> {pb * 1e3:.0f} ms ({pb / wb:.2f}x)', flush=True)
+        timed = [alternating({name: lambda f=pair[i]: tf.nest.map_structure(np.asarray, f(*qkv))
+                              for name, pair in functions.items()}, reps) for i in (0, 1)]
+        print(f'core B{batch} T{sequence}: forward: {against_whole(timed[0])}; '
+              f'with backward: {against_whole(timed[1])}', flush=True)
 
 
 def forward(reps: int) -> None:
@@ -87,8 +101,7 @@ def forward(reps: int) -> None:
     for shape in shapes:
         tokens = rng.integers(0, 50257, shape).astype(np.int32)
         t = alternating({name: lambda m=m: m(tokens)['logits'].numpy() for name, m in built.items()}, reps)
-        print(f'forward B{shape[0]} T{shape[1]}: {t["whole"] * 1e3:.0f} -> {t["parts"] * 1e3:.0f} ms '
-              f'({t["parts"] / t["whole"]:.2f}x)', flush=True)
+        print(f'forward B{shape[0]} T{shape[1]}: {against_whole(t)}', flush=True)
 
 
 def train(reps: int) -> None:
@@ -100,8 +113,7 @@ def train(reps: int) -> None:
             return trainer
 
         t = alternating({name: lambda tr=tr: tr.step(tokens) for name, tr in models(make).items()}, reps)
-        print(f'train {case}, T 1024, recompute: {t["whole"]:.2f} -> {t["parts"]:.2f} s a step '
-              f'({t["parts"] / t["whole"]:.2f}x)', flush=True)
+        print(f'train {case}, T 1024, recompute, a step: {against_whole(t, "s")}', flush=True)
 
 
 def main():

@@ -1,15 +1,21 @@
-"""The causal attention of a sequence without a past, in parts of its queries when it is long.
+"""The causal attention of a sequence without a past: by the kernel where it runs, else in parts of its
+queries when it is long.
 
 The original gives every later key the score -1e10, so its softmax weight is exp(-1e10 - max) = 0 exactly.
-From PARTS_FROM positions on, causal_attn takes the queries in PARTS parts, each against the keys and values
-up to its own last position: the same sums less their zero terms, in another float32 order. At 1024
-positions the attention then takes 0.61-0.76x the whole one's time, forward and backward; below 512 the
-parts cost more than they save (BENCHMARKS.md, Causal attention in parts).
+Where gpt2_tf.kernels.sequence_attention_available says so (float32 on a CPU, outside XLA and exports), the
+kernel's op takes the whole attention and its gradient, block by block of queries, no [heads, T, T] tensor
+held (BENCHMARKS.md, The causal attention's kernel). Elsewhere, from PARTS_FROM positions on, causal_attn
+takes the queries in PARTS parts, each against the keys and values up to its own last position: the same
+sums less their zero terms, in another float32 order. At 1024 positions the attention then takes 0.61-0.76x
+the whole one's time, forward and backward; below 512 the parts cost more than they save (BENCHMARKS.md,
+Causal attention in parts).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
+
+from . import kernels
 
 PARTS = 8
 PARTS_FROM = 512
@@ -19,6 +25,8 @@ def causal_attn(q, k, v, b, *, weights, mask):
     """weights(q, k, b) @ v for q, k, v [batch, heads, sequence, f] of one sequence (src = dst, b its causal
     mask) -> [batch, heads, sequence, f]. weights: the original's softmaxed scores (model.attention_weights);
     mask(nd, ns, dtype=): its mask (model.attention_mask)."""
+    if kernels.sequence_attention_available(q):
+        return kernels.causal_attention(q, k, v)
     sequence = q.shape[2] if q.shape[2] is not None else tf.shape(q)[2]
 
     def parts():

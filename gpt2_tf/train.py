@@ -65,7 +65,8 @@ class Trainer:
     backward then skips the frozen products whose outputs only the next half reads). Only the
     trained variables are watched: no gradient of a frozen weight is formed.
     A step's products are TensorFlow's ops (kernels.tensorflow_ops: the C++
-    kernels for int8 weights and few float32 rows have no gradient).
+    kernels for int8 weights and few float32 rows have no gradient); its
+    causal attention keeps the kernel's op, which has one.
     only_train_transformer_layers=True trains the h* blocks only.
     lora_rank=R > 0 trains LoRA adapters of rank R on the lora_targets
     products (gpt2_tf.lora) and nothing else: the base weights stay frozen,
@@ -200,8 +201,9 @@ class Trainer:
             raise GPT2Error(f'batch of {tokens.shape[0]} rows does not split into accumulate_gradients='
                             f'{self.accumulate} equal micro-batches' + (f' on each of {replicas} replicas'
                                                                         if replicas > 1 else ''))
-        # products trace as TensorFlow's ops, which have the activations' gradient (the kernels have none)
-        with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops():
+        # products trace as TensorFlow's ops, which have the activations' gradient (their kernels have none);
+        # the attention keeps its kernel, which has one
+        with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops(products_only=True):
             loss = float(self._step(tf.constant(tokens, tf.int32)))
         self.steps += 1
         if self.adapters:

@@ -139,6 +139,70 @@ def test_cached_attention_equals_the_float64_attention(b, h, s, f, where):
     np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5 * max(1.0, np.abs(reference).max()))
 
 
+SEQUENCE_SHAPES = [(1, 2, 1, 8), (2, 3, 65, 16), (1, 12, 200, 64), (1, 2, 1024, 64)]  # B, H, T, F
+
+
+def with_gradients(attend, q, k, v, grad):
+    """attend(q, k, v) and q's, k's and v's gradients for the output's gradient grad -> numpy."""
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        a = attend(q, k, v)
+    return [t.numpy() for t in (a, *tape.gradient(a, [q, k, v], output_gradients=grad))]
+
+
+def sequence_attention64(q, k, v):
+    """The original's attention of one whole sequence in float64: scores over sqrt(F), later keys at -1e10."""
+    t = q.shape[2]
+    seen = tf.constant(np.tril(np.ones((t, t))), tf.float64)
+    w = tf.matmul(q, k, transpose_b=True) / np.sqrt(q.shape[-1])
+    return tf.matmul(tf.nn.softmax(w * seen - 1e10 * (1 - seen)), v)
+
+
+@pytest.mark.parametrize('where', ['kernel'])
+@pytest.mark.parametrize('b, h, t, f', SEQUENCE_SHAPES)
+def test_sequence_attention_equals_the_float64_attention_and_so_do_its_gradients(b, h, t, f, where):
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    rng = np.random.default_rng(t)
+    q, k, v, grad = ((rng.standard_normal((b, h, t, f)) * 2).astype(np.float32) for _ in range(4))
+    ours = with_gradients(kernels.causal_attention, *map(tf.constant, (q, k, v, grad)))
+    theirs = with_gradients(sequence_attention64, *(tf.constant(x, tf.float64) for x in (q, k, v, grad)))
+    for name, got, reference in zip(['a', 'dq', 'dk', 'dv'], ours, theirs):
+        np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5 * max(1.0, np.abs(reference).max()), err_msg=name)
+
+
+def test_a_sequence_s_attention_takes_the_kernel_outside_xla_and_exports(random_checkpoint):
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    import gpt2_tf
+    from gpt2_tf.hparams import HParams
+
+    model = gpt2_tf.load_model(random_checkpoint(HParams(n_vocab=50, n_ctx=16, n_embd=8, n_head=2, n_layer=1)))
+
+    def ops(jit_compile=False) -> set:  # the op types of the forward pass and its gradient, traced
+        def forward(X):
+            h = model.embed(X, tf.zeros_like(X))
+            with tf.GradientTape() as tape:
+                tape.watch(h)
+                out = model.blocks(h)[0]
+            return tape.gradient(out, h)
+        function = tf.function(forward, jit_compile=jit_compile, autograph=False)
+        graph = function.get_concrete_function(tf.TensorSpec([2, 5], tf.int32)).graph
+        return {op.type for op in graph.get_operations()}
+    kernel = {'Gpt2CausalAttention', 'Gpt2CausalAttentionGrad'}
+    assert kernel <= ops()
+    assert not kernel & ops(jit_compile=True)  # no XLA kernel: XLA's own ops
+    with kernels.tensorflow_ops():  # exports: no op library needed to load them
+        assert not kernel & ops()
+        with kernels.tensorflow_ops(products_only=True):  # nor when something inside asks for products only
+            assert not kernel & ops()
+    with kernels.tensorflow_ops(products_only=True):  # training: the attention keeps its kernel
+        assert kernel <= ops()
+        with kernels.tensorflow_ops():
+            assert not kernel & ops()
+        assert kernel <= ops()
+
+
 def test_a_decode_step_attends_by_the_kernel_one_query_a_row(random_checkpoint, monkeypatch):
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())

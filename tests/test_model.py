@@ -1,5 +1,6 @@
 """The model against the original TF1 graph: fixtures written by it, and the TF1 reference on random checkpoints."""
 
+import contextlib
 import pathlib
 
 import numpy as np
@@ -8,7 +9,7 @@ import tensorflow as tf
 
 import gpt2_tf
 from gpt2_tf import HParams, Model
-from gpt2_tf import causal
+from gpt2_tf import causal, kernels
 from gpt2_tf import model as model_graph
 from gpt2_tf.tf1_reference import Reference
 
@@ -96,7 +97,7 @@ def test_past_chained_over_three_calls(random_checkpoint, hparams):
     assert_close(ours['logits'], graph(tokens)['logits'][:, 5:], 'whole-sequence logits', rel=FLOAT32)
 
 
-# --- long sequences: the causal attention in parts --------------------------------------------
+# --- a whole sequence's causal attention: the kernel's op, or TensorFlow's ops in parts when long --------
 
 def attention64(q, k, v):
     """The original attention, in float64: scores over sqrt(f), the -1e10 mask, softmax, the values."""
@@ -107,9 +108,12 @@ def attention64(q, k, v):
     return tf.matmul(tf.nn.softmax(w * seen - 1e10 * (1 - seen)), v)
 
 
+@pytest.mark.parametrize('where', ['kernel', 'TensorFlow ops'])
 @pytest.mark.parametrize('traced', [False, True], ids=['eager', 'traced-unknown-length'])
-@pytest.mark.parametrize('sequence', [causal.PARTS_FROM - 1, causal.PARTS_FROM, 700, 1024])
-def test_causal_attention_in_parts_equals_the_original_and_so_do_its_gradients(sequence, traced):
+@pytest.mark.parametrize('sequence', [1, 65, causal.PARTS_FROM - 1, causal.PARTS_FROM, 700, 1024])
+def test_causal_attention_equals_the_original_and_so_do_its_gradients(sequence, traced, where):
+    if where == 'kernel' and not kernels.available():
+        pytest.skip(kernels.unavailable_reason())  # test_kernels: never under CI
     rng = np.random.default_rng(sequence)
     q, k, v = (rng.standard_normal((2, 3, sequence, 16)).astype(np.float32) * 2 for _ in range(3))
     grad_out = rng.standard_normal((2, 3, sequence, 16)).astype(np.float32)
@@ -129,15 +133,18 @@ def test_causal_attention_in_parts_equals_the_original_and_so_do_its_gradients(s
             out = attend(q, k, v)
         return out, tape.gradient(out, [q, k, v], output_gradients=tf.cast(grad_out, out.dtype))
 
-    ours = with_gradients(attend, *map(tf.constant, (q, k, v)))
-    if traced:  # the length unknown when traced: tf.cond picks parts or the whole at run time
-        spec = tf.TensorSpec([None, 3, None, 16], tf.float32)
-        ours = tf.function(lambda *t: with_gradients(attend, *t), input_signature=[spec] * 3)(q, k, v)
+    with kernels.tensorflow_ops() if where == 'TensorFlow ops' else contextlib.nullcontext():
+        ours = with_gradients(attend, *map(tf.constant, (q, k, v)))
+        if traced:  # the length unknown when traced: tf.cond picks parts or the whole at run time
+            spec = tf.TensorSpec([None, 3, None, 16], tf.float32)
+            ours = tf.function(lambda *t: with_gradients(attend, *t), input_signature=[spec] * 3)(q, k, v)
     theirs = with_gradients(attention64, *(tf.constant(t.astype(np.float64)) for t in (q, k, v)))
     assert_close(ours[0], theirs[0], 'attention', rel=FLOAT32)
     for name, a, b in zip('qkv', ours[1], theirs[1]):
         assert_close(a, b, f'gradient of {name}', rel=FLOAT32)
-    if not traced:  # in parts from PARTS_FROM on, each part a PARTS-th of the queries (rounded up)
+    if where == 'kernel':  # the kernel's op took it all: TensorFlow's weights never formed
+        assert rows == []
+    elif not traced:  # in parts from PARTS_FROM on, each part a PARTS-th of the queries (rounded up)
         size = -(-sequence // causal.PARTS)
         expected = [min(size, sequence - i * size) for i in range(causal.PARTS)]
         assert rows == (expected if sequence >= causal.PARTS_FROM else [sequence])

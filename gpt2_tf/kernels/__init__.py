@@ -5,6 +5,7 @@
     y = int8_matmul(x, w, scale, panel=128)         # w [K, N] stored as panels [N / 128, K, 128]
     y = float_matmul(x, w)                          # x [M, K] float32, w float32 [K, N] (or [N, K]) -> [M, N]
     a = cached_attention(q, cache, mask)            # q [B, H, F], cache [B, 2, H, S, F], mask [B, S] -> [B, H, F]
+    a = causal_attention(q, k, v)                   # q, k, v [B, H, T, F], one whole sequence -> [B, H, T, F]
 
 The kernel (matmul.cc) reads the int8 weights themselves and widens them
 next to the multiply, so a product streams a quarter of float32's bytes. It is
@@ -29,6 +30,8 @@ is the default, by CPU).
 A decode step's attention (one query a row) over a float32 cache also takes it
 (cached_attention): XLA copies each layer's keys and values out of the cache
 before its own small dots; the kernel reads them in place, only the slots a row sees.
+A whole sequence's attention (no past: the forward pass, scoring, training) takes attention.cc's op, which has
+a gradient (causal_attention): see there.
 """
 
 from __future__ import annotations
@@ -46,14 +49,15 @@ from typing import Optional
 
 import tensorflow as tf
 
-# The library's sources: matmul.cc (the op and its products: all a build without XLA compiles), then
-# matmul_xla.cc (the op's XLA kernel); both include HEADER.
-SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ('matmul.cc', 'matmul_xla.cc'))
+# The library's sources: matmul.cc (the ops and their products) and attention.cc (a whole sequence's attention):
+# all a build without XLA compiles; then matmul_xla.cc (the products' XLA kernels), which like matmul.cc includes
+# HEADER.
+SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ('matmul.cc', 'attention.cc', 'matmul_xla.cc'))
 HEADER = pathlib.Path(__file__).with_name('matmul.h')
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
-_local = threading.local()  # .off: inside tensorflow_ops() on this thread
+_local = threading.local()  # on this thread: .off inside tensorflow_ops(), .attention_off unless products_only
 # From this many rows on, an int8 product is TensorFlow's float32 product over a dequantized copy, which beat the
 # kernel's Eigen GEMM there: a block matrix ([K, N] in panels) whole (at most 41 MB, for 1558M's c_fc): 8.7
 # against 19.5 ms for 64 rows of three 124M block products, 79 against 93 for 1024 (Zen 4;
@@ -121,7 +125,7 @@ def _flags(xla: bool) -> tuple:
     source and the library that XLA's custom calls need."""
     flags, links = tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
     if not xla:
-        return flags, SOURCES[:1], links
+        return flags, SOURCES[:2], links
     include = pathlib.Path(tf.sysconfig.get_include()) / 'external'
     extra = [f'-I{include / "highwayhash"}', f'-I{include / "farmhash_archive" / "src"}', '-DGPT2_TF_XLA']
     return [*flags, *extra], SOURCES, [*links, '-l:libtensorflow_cc.so.2']
@@ -224,14 +228,17 @@ def unavailable_reason() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def tensorflow_ops():
-    """Within it, on this thread, products traced with kernel=None use TensorFlow ops (cast, scale, matmul):
-    for graphs another runtime converts (LiteRT keeps the int8 weights as int8 constants)."""
-    before, _local.off = getattr(_local, 'off', False), True
+def tensorflow_ops(*, products_only: bool = False):
+    """Within it, on this thread, products traced with kernel=None use TensorFlow ops (cast, scale, matmul), and
+    so does a whole sequence's attention: for graphs another runtime converts (LiteRT keeps the int8 weights as
+    int8 constants) or that must load without the op library (SavedModel). products_only=True leaves the
+    attention's kernel on, which has a gradient (training: the products' kernels have none)."""
+    before = getattr(_local, 'off', False), getattr(_local, 'attention_off', False)
+    _local.off, _local.attention_off = True, before[1] or not products_only
     try:
         yield
     finally:
-        _local.off = before
+        _local.off, _local.attention_off = before
 
 
 def decoding_available() -> bool:
@@ -308,3 +315,35 @@ def _dequantized_product(x, w, scale, transpose_w: bool, panel: int, part: Optio
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
     wide = tf.cast(unpack(w, panel) if panel else w, tf.float32)
     return tf.matmul(x, wide * scale)
+
+
+def sequence_attention_available(q) -> bool:
+    """Whether a whole sequence's attention traced now for q [B, H, T, F] may take the kernel (causal_attention):
+    q float32 and on a CPU, the library built, not inside tensorflow_ops() (products_only=True leaves it on),
+    and not in an XLA-compiled function (the op has no XLA kernel: there XLA's own ops run)."""
+    device = (q.device or '').upper()
+    on_cpu = 'CPU' in device or ('GPU' not in device and not tf.config.list_logical_devices('GPU'))
+    return (q.dtype == tf.float32 and on_cpu and available() and not getattr(_local, 'attention_off', False)
+            and not _under_xla())
+
+
+def _under_xla() -> bool:
+    from tensorflow.python.ops import control_flow_util  # TensorFlow's own test (tf.function(jit_compile=True)
+    # traces inside an XLA context); there is no public one
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def causal_attention(q, k, v):
+    """q, k, v float32 [B, H, T, F] of one whole sequence -> the original's attention under its causal mask,
+    each query against the keys up to its own position, float32 [B, H, T, F]; by the kernel (attention.cc),
+    differentiable (its gradient op recomputes the weights from each query's saved log-sum-exp)."""
+    library = _library()[0]
+    if isinstance(library, str):
+        raise RuntimeError(f'the kernel is not available: {library}')
+    return library.gpt2_causal_attention(q, k, v)[0]
+
+
+@tf.RegisterGradient('Gpt2CausalAttention')
+def _causal_attention_gradient(op, da, _):  # da [B, H, T, F] -> dq, dk, dv (lse, the second output, has none)
+    q, k, v = op.inputs
+    return _library()[0].gpt2_causal_attention_grad(q, k, v, op.outputs[1], da)
