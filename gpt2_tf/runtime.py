@@ -17,8 +17,8 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from . import kernels, validate
 from . import model as graph
-from . import validate
 from .hparams import HParams
 from .precision import check_dtype, f32
 
@@ -57,6 +57,8 @@ class Model(graph.Graph):
             tokens = self.check_inputs(tokens, past)
         tokens = tf.cast(tokens, tf.int32)
         with self.on_device():
+            if kernels.under_xla():  # called inside an XLA-compiled function: traced there, with XLA's own ops,
+                return self.forward(tokens, past)  # not through a trace made outside it (it may hold the kernels')
             if past is None:
                 return self._forward(tokens)
             return self._forward_past(tokens, past)

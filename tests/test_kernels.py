@@ -33,6 +33,7 @@ def test_the_kernel_builds_here():
     if os.environ.get('CI') == 'true':
         assert kernels.available(), kernels.unavailable_reason()
         assert kernels.xla_available()
+        assert kernels.attention_available(), kernels._attention_library()
     elif not kernels.available():
         pytest.skip(kernels.unavailable_reason())
 
@@ -139,7 +140,7 @@ def test_cached_attention_equals_the_float64_attention(b, h, s, f, where):
     np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5 * max(1.0, np.abs(reference).max()))
 
 
-SEQUENCE_SHAPES = [(1, 2, 1, 8), (2, 3, 65, 16), (1, 12, 200, 64), (1, 2, 1024, 64)]  # B, H, T, F
+SEQUENCE_SHAPES = [(1, 2, 1, 8), (2, 3, 65, 16), (1, 12, 200, 64), (1, 2, 1024, 64), (1, 1, 130, 7)]  # B, H, T, F
 
 
 def with_gradients(attend, q, k, v, grad):
@@ -158,11 +159,11 @@ def sequence_attention64(q, k, v):
     return tf.matmul(tf.nn.softmax(w * seen - 1e10 * (1 - seen)), v)
 
 
-@pytest.mark.parametrize('where', ['kernel'])
+@pytest.mark.parametrize('where', ['kernel'])  # the AVX2 build's run below selects its tests by 'kernel'
 @pytest.mark.parametrize('b, h, t, f', SEQUENCE_SHAPES)
 def test_sequence_attention_equals_the_float64_attention_and_so_do_its_gradients(b, h, t, f, where):
-    if not kernels.available():
-        pytest.skip(kernels.unavailable_reason())
+    if not kernels.attention_available():
+        pytest.skip(kernels._attention_library())
     rng = np.random.default_rng(t)
     q, k, v, grad = ((rng.standard_normal((b, h, t, f)) * 2).astype(np.float32) for _ in range(4))
     ours = with_gradients(kernels.causal_attention, *map(tf.constant, (q, k, v, grad)))
@@ -172,8 +173,8 @@ def test_sequence_attention_equals_the_float64_attention_and_so_do_its_gradients
 
 
 def test_a_sequence_s_attention_takes_the_kernel_outside_xla_and_exports(random_checkpoint):
-    if not kernels.available():
-        pytest.skip(kernels.unavailable_reason())
+    if not kernels.attention_available():
+        pytest.skip(kernels._attention_library())
     import gpt2_tf
     from gpt2_tf.hparams import HParams
 
@@ -201,6 +202,46 @@ def test_a_sequence_s_attention_takes_the_kernel_outside_xla_and_exports(random_
         with kernels.tensorflow_ops():
             assert not kernel & ops()
         assert kernel <= ops()
+    tokens = tf.constant([[1, 2, 3, 4, 5]])
+    eager = model(tokens)['logits'].numpy()  # model.__call__'s trace, with the kernel's op
+    compiled = tf.function(lambda t: model(t)['logits'], jit_compile=True)(tokens).numpy()  # traced anew in XLA
+    np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-5 * max(1.0, np.abs(eager).max()))
+
+
+def test_the_sequence_attention_refuses_mismatched_shapes_in_one_line():
+    if not kernels.attention_available():
+        pytest.skip(kernels._attention_library())
+    q = tf.zeros([1, 2, 3, 4])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r'q, k and v must be .* got \[1,2,3,4\], \[1,2,3,5\]'):
+        kernels.causal_attention(q, tf.zeros([1, 2, 3, 5]), q)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r'features > 0'):
+        kernels.causal_attention(*[tf.zeros([1, 2, 3, 0])] * 3)
+    library = kernels._loaded(attention=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r'da must be shaped as q \[1,2,3,4\] .* got'):
+        library.gpt2_causal_attention_grad(q, q, q, tf.zeros([1, 2, 4]), q)
+
+
+def test_without_the_attention_s_library_a_sequence_takes_tensorflow_s_ops(tmp_path, monkeypatch):
+    # attention.cc is a library of its own: its failed build leaves the products' library (cached above) alone,
+    # and the model's attention takes TensorFlow's ops.
+    from gpt2_tf import causal, model as graph
+
+    products = kernels.available()  # loaded (or not) from the usual cache, before the build below fails
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, '_run_all', lambda commands: (_ for _ in ()).throw(
+        subprocess.CalledProcessError(1, commands[0], stderr=b'attention.cc:1: error: no compiler today')))
+    kernels._attention_library.cache_clear()
+    try:
+        assert kernels._attention_library() == 'g++ failed: attention.cc:1: error: no compiler today'
+        assert kernels.available() == products
+        q = tf.random.normal([1, 2, 5, 4])
+        mask = tf.reshape(graph.attention_mask(5, 5, dtype=tf.float32), [1, 1, 5, 5])
+        attend = tf.function(lambda q: causal.causal_attn(q, q, q, mask, weights=graph.attention_weights,
+                                                         mask=graph.attention_mask))
+        assert 'Gpt2CausalAttention' not in {op.type for op in attend.get_concrete_function(q).graph.get_operations()}
+        assert attend(q).shape == [1, 2, 5, 4]
+    finally:
+        kernels._attention_library.cache_clear()
 
 
 def test_a_decode_step_attends_by_the_kernel_one_query_a_row(random_checkpoint, monkeypatch):
@@ -420,10 +461,11 @@ def test_the_avx2_path_passes_the_same_products_on_any_x86_cpu(tmp_path, monkeyp
                          env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:]
     assert 'skipped' not in out.stdout and ' passed' in out.stdout, out.stdout[-1000:]
-    built = list(tmp_path.glob('matmul-*.so'))
-    assert built, 'no library was built'
-    code = subprocess.run(['objdump', '-d', str(built[0])], capture_output=True, text=True, check=True).stdout
-    assert 'ymm' in code and 'zmm' not in code
+    built = sorted(tmp_path.glob('*.so'))
+    assert [path.name.split('-')[0] for path in built] == ['attention', 'matmul'], built
+    for path in built:
+        code = subprocess.run(['objdump', '-d', str(path)], capture_output=True, text=True, check=True).stdout
+        assert 'ymm' in code and 'zmm' not in code, path.name
 
 
 def test_a_kernel_target_g_plus_plus_does_not_know_is_refused_in_one_line(tmp_path):

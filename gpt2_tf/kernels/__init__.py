@@ -31,7 +31,7 @@ A decode step's attention (one query a row) over a float32 cache also takes it
 (cached_attention): XLA copies each layer's keys and values out of the cache
 before its own small dots; the kernel reads them in place, only the slots a row sees.
 A whole sequence's attention (no past: the forward pass, scoring, training) takes attention.cc's op, which has
-a gradient (causal_attention): see there.
+a gradient (causal_attention), from a library of its own built the same way: see there.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ from typing import Optional
 
 import tensorflow as tf
 
-# The library's sources: matmul.cc (the ops and their products) and attention.cc (a whole sequence's attention):
-# all a build without XLA compiles; then matmul_xla.cc (the products' XLA kernels), which like matmul.cc includes
-# HEADER.
-SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ('matmul.cc', 'attention.cc', 'matmul_xla.cc'))
+# The products' library: matmul.cc (the ops and their products: all a build without XLA compiles), then
+# matmul_xla.cc (the ops' XLA kernels); both include HEADER. A whole sequence's attention is a library of its own
+# (ATTENTION: no XLA kernel): built apart, it shares no template instance with the products (Eigen's, compiled
+# for other register tiles there) and a failed build of one leaves the other.
+SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ('matmul.cc', 'matmul_xla.cc'))
 HEADER = pathlib.Path(__file__).with_name('matmul.h')
+ATTENTION = pathlib.Path(__file__).with_name('attention.cc')
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
@@ -114,18 +116,20 @@ def _common_flags() -> list:
     return ['-fPIC', '-O3', f'-march={arch()}', '-U__AVX512FP16__', '-w']
 
 
-def _library_path(xla: bool) -> pathlib.Path:
-    digest = hashlib.sha256(b''.join(f.read_bytes() for f in (*SOURCES, HEADER)) + tf.__version__.encode() +
+def _library_path(xla: bool, name: str = 'matmul') -> pathlib.Path:
+    """The library's file in the cache, keyed by its sources, TensorFlow's version, the CPU and g++'s flags."""
+    sources = (ATTENTION,) if name == 'attention' else (*SOURCES, HEADER)
+    digest = hashlib.sha256(b''.join(f.read_bytes() for f in sources) + tf.__version__.encode() +
                             _cpu_key().encode() + ' '.join(_common_flags()).encode())
-    return cache_folder() / f'matmul-{digest.hexdigest()[:16]}{"-xla" if xla else ""}.so'
+    return cache_folder() / f'{name}-{digest.hexdigest()[:16]}{"-xla" if xla else ""}.so'
 
 
-def _flags(xla: bool) -> tuple:
+def _flags(xla: bool, name: str = 'matmul') -> tuple:
     """(g++'s compile flags, its sources, its link flags): TensorFlow's own; with xla, also the headers, the
     source and the library that XLA's custom calls need."""
     flags, links = tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
     if not xla:
-        return flags, SOURCES[:2], links
+        return flags, (ATTENTION,) if name == 'attention' else SOURCES[:1], links
     include = pathlib.Path(tf.sysconfig.get_include()) / 'external'
     extra = [f'-I{include / "highwayhash"}', f'-I{include / "farmhash_archive" / "src"}', '-DGPT2_TF_XLA']
     return [*flags, *extra], SOURCES, [*links, '-l:libtensorflow_cc.so.2']
@@ -144,10 +148,10 @@ def _run_all(commands: list) -> None:
             raise subprocess.CalledProcessError(process.returncode, command, stderr=error)
 
 
-def _compile(target: pathlib.Path, xla: bool) -> None:
-    """Builds the kernel into target: each source into an object, all at once (the XLA source's headers alone
+def _compile(target: pathlib.Path, xla: bool, name: str = 'matmul') -> None:
+    """Builds the library into target: each source into an object, all at once (the XLA source's headers alone
     take most of the time), then linked into a temporary file renamed into place."""
-    flags, sources, links = _flags(xla)
+    flags, sources, links = _flags(xla, name)
     common = _common_flags()
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         objects = [str(pathlib.Path(work) / (source.stem + '.o')) for source in sources]
@@ -170,9 +174,9 @@ def _one_builder(target: pathlib.Path):
         yield
 
 
-def _load(xla: bool):
+def _load(xla: bool, name: str = 'matmul'):
     """The op library built with (or without) XLA's custom calls, or the reason it is not there (a str)."""
-    target = _library_path(xla)
+    target = _library_path(xla, name)
     failed = target.with_suffix('.failed')  # a build that failed once is not tried again for this key
     try:
         if not target.exists():
@@ -180,7 +184,7 @@ def _load(xla: bool):
                 if failed.exists():
                     return failed.read_text()
                 if not target.exists():
-                    _compile(target, xla)
+                    _compile(target, xla, name)
         return tf.load_op_library(str(target))
     except FileNotFoundError:
         return 'no g++ on this machine'
@@ -194,23 +198,40 @@ def _load(xla: bool):
         return f'the kernel could not be built or loaded: {e}'
 
 
+def _refused() -> Optional[str]:
+    """Why no library is built here at all, or None."""
+    if os.environ.get(SWITCH_ENV, '').lower() == 'off':
+        return f'{SWITCH_ENV}=off'
+    if not sys.platform.startswith('linux'):
+        return 'the kernel is built on Linux only'
+    return None
+
+
+def _checked(library, what: str):
+    """library as loaded; a build asked for by name ($GPT2_TF_KERNEL_ARCH) that failed is refused, not skipped."""
+    if isinstance(library, str) and os.environ.get(ARCH_ENV):
+        from ..validate import GPT2Error
+
+        raise GPT2Error(f'{ARCH_ENV}={arch()}: {what} could not be built ({library}); give g++ a valid '
+                        f'-march value (native, x86-64-v3, ...) or unset it')
+    return library
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> tuple:
-    """(the loaded op library or the reason it is not there (a str), whether it holds XLA's custom calls)."""
-    if os.environ.get(SWITCH_ENV, '').lower() == 'off':
-        return f'{SWITCH_ENV}=off', False
-    if not sys.platform.startswith('linux'):
-        return 'the kernel is built on Linux only', False
+    """(the loaded products' library or the reason it is not there (a str), whether it holds XLA's custom calls)."""
+    if _refused():
+        return _refused(), False
     library = _load(xla=True)
     if not isinstance(library, str):
         return library, True
-    library = _load(xla=False)
-    if isinstance(library, str) and os.environ.get(ARCH_ENV):  # a build asked for by name is not silently skipped
-        from ..validate import GPT2Error
+    return _checked(_load(xla=False), 'the int8 kernel'), False
 
-        raise GPT2Error(f'{ARCH_ENV}={arch()}: the int8 kernel could not be built ({library}); give g++ a valid '
-                        f'-march value (native, x86-64-v3, ...) or unset it')
-    return library, False
+
+@functools.lru_cache(maxsize=1)
+def _attention_library():
+    """The loaded library of a whole sequence's attention (attention.cc), or the reason it is not there (a str)."""
+    return _refused() or _checked(_load(xla=False, name='attention'), 'the attention kernel')
 
 
 def available() -> bool:
@@ -220,6 +241,14 @@ def available() -> bool:
 def xla_available() -> bool:
     """Whether the int8 product also compiles under XLA (the library was built with XLA's headers)."""
     return available() and _library()[1]
+
+
+def _loaded(what: str = 'the kernel', *, attention: bool = False):
+    """The loaded op library (the attention's, or the products'); RuntimeError naming why it is not there."""
+    library = _attention_library() if attention else _library()[0]
+    if isinstance(library, str):
+        raise RuntimeError(f'{what} is not available: {library}')
+    return library
 
 
 def unavailable_reason() -> Optional[str]:
@@ -257,10 +286,7 @@ def few_rows(transpose_w: bool) -> range:
 def float_matmul(x, w, *, transpose_w: bool = False):
     """x float32 [M, K] times float32 w [K, N] (or [N, K] with transpose_w, wte's layout) -> [M, N], by the
     kernel (no gradient: training traces inside tensorflow_ops())."""
-    library = _library()[0]
-    if isinstance(library, str):
-        raise RuntimeError(f'the kernel is not available: {library}')
-    return library.gpt2_float_mat_mul(x, w, transpose_w=transpose_w)
+    return _loaded().gpt2_float_mat_mul(x, w, transpose_w=transpose_w)
 
 
 def cached_attention(q, cache, mask):
@@ -268,10 +294,7 @@ def cached_attention(q, cache, mask):
     values at S slots), mask float32 [B, S] (1 where the row's query sees the slot, else 0) -> the original's
     attention, softmax((q . k) / sqrt(F) masked by -1e10) . v, float32 [B, H, F]; by the kernel (no
     gradient), reading only the slots each row sees."""
-    library = _library()[0]
-    if isinstance(library, str):
-        raise RuntimeError(f'the kernel is not available: {library}')
-    return library.gpt2_cached_attention(q, cache, mask)
+    return _loaded().gpt2_cached_attention(q, cache, mask)
 
 
 def unpack(w, panel: int):
@@ -292,9 +315,7 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     if not use:
         return _dequantized_product(x, w, scale, transpose_w, panel)
     dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel, DEQUANTIZED_ROWS)  # noqa: E731
-    library = _library()[0]
-    if isinstance(library, str):
-        raise RuntimeError(f'the int8 kernel is not available: {library}')
+    library = _loaded('the int8 kernel')
     tiles = lambda: library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel)  # noqa: E731
     if kernel:
         return tiles()
@@ -321,29 +342,37 @@ def sequence_attention_available(q) -> bool:
     """Whether a whole sequence's attention traced now for q [B, H, T, F] may take the kernel (causal_attention):
     q float32 and on a CPU, the library built, not inside tensorflow_ops() (products_only=True leaves it on),
     and not in an XLA-compiled function (the op has no XLA kernel: there XLA's own ops run)."""
-    device = (q.device or '').upper()
-    on_cpu = 'CPU' in device or ('GPU' not in device and not tf.config.list_logical_devices('GPU'))
-    return (q.dtype == tf.float32 and on_cpu and available() and not getattr(_local, 'attention_off', False)
-            and not _under_xla())
+    device = (q.device or '').upper()  # placed by the caller, or by TensorFlow: then only CPUs may be there
+    on_cpu = 'CPU' in device or (not device and all(d.device_type == 'CPU' for d in tf.config.list_logical_devices()))
+    return (q.dtype == tf.float32 and on_cpu and attention_available()
+            and not getattr(_local, 'attention_off', False) and not under_xla())
 
 
-def _under_xla() -> bool:
-    from tensorflow.python.ops import control_flow_util  # TensorFlow's own test (tf.function(jit_compile=True)
-    # traces inside an XLA context); there is no public one
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+def attention_available() -> bool:
+    """Whether the library of a whole sequence's attention (attention.cc) is built and loaded here."""
+    return not isinstance(_attention_library(), str)
+
+
+def under_xla() -> bool:
+    """Whether the graph being traced now is XLA-compiled (tf.function(jit_compile=True) traces inside an XLA
+    context: TensorFlow's own test, not a public one; where it is gone, answered yes, so TensorFlow's ops run)."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+        return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    except (ImportError, AttributeError):
+        return True
 
 
 def causal_attention(q, k, v):
     """q, k, v float32 [B, H, T, F] of one whole sequence -> the original's attention under its causal mask,
     each query against the keys up to its own position, float32 [B, H, T, F]; by the kernel (attention.cc),
     differentiable (its gradient op recomputes the weights from each query's saved log-sum-exp)."""
-    library = _library()[0]
-    if isinstance(library, str):
-        raise RuntimeError(f'the kernel is not available: {library}')
-    return library.gpt2_causal_attention(q, k, v)[0]
+    return _loaded(attention=True).gpt2_causal_attention(q, k, v)[0]
 
 
 @tf.RegisterGradient('Gpt2CausalAttention')
-def _causal_attention_gradient(op, da, _):  # da [B, H, T, F] -> dq, dk, dv (lse, the second output, has none)
+def _causal_attention_gradient(op, da, _):
+    """da [B, H, T, F] -> dq, dk, dv. The second output, lse, only this gradient reads (causal_attention
+    returns a alone), so it takes no gradient of its own."""
     q, k, v = op.inputs
-    return _library()[0].gpt2_causal_attention_grad(q, k, v, op.outputs[1], da)
+    return _loaded(attention=True).gpt2_causal_attention_grad(q, k, v, op.outputs[1], da)

@@ -13,11 +13,10 @@
 //
 // The sums run in another float32 order than TensorFlow's ops; the tests hold both to the original graph's
 // tolerance, forward and backward.
-
-// Eigen's generic product kernel, not its AVX-512 one: matmul.cc's instances of the latter (the same template,
-// compiled in another context) take the place of this file's at link time, and ran this attention at half the
-// speed (an Intel Xeon with AVX-512: 20 against 10 ms a 124M layer at T = 1024).
-#define EIGEN_USE_AVX512_GEMM_KERNELS 0
+//
+// A library of its own (gpt2_tf.kernels builds it apart from matmul.cc's): linked with matmul.cc, the linker kept
+// that source's copy of Eigen's AVX-512 product kernel for both, which ran this attention at half the speed (an
+// Intel Xeon with AVX-512: 20 against 10 ms a 124M layer at T = 1024).
 
 #include <algorithm>
 #include <atomic>
@@ -131,8 +130,8 @@ void Backward(const Heads& t, int64_t h, const float* lse, const float* da, floa
 }
 
 Status CheckedHeads(const Tensor& q, const Tensor& k, const Tensor& v, Heads* t) {
-  if (q.dims() != 4 || q.shape() != k.shape() || q.shape() != v.shape()) {
-    return errors::InvalidArgument("q, k and v must be float32 [batch, heads, sequence, features] alike, got ",
+  if (q.dims() != 4 || q.shape() != k.shape() || q.shape() != v.shape() || q.dim_size(3) == 0) {
+    return errors::InvalidArgument("q, k and v must be float32 [batch, heads, sequence, features > 0] alike, got ",
                                    q.shape().DebugString(), ", ", k.shape().DebugString(), ", ",
                                    v.shape().DebugString());
   }
@@ -168,8 +167,11 @@ class CausalAttentionGradOp : public OpKernel {
     OP_REQUIRES_OK(context, CheckedHeads(context->input(0), context->input(1), context->input(2), &t));
     const Tensor &lse = context->input(3), &da = context->input(4);
     const TensorShape& shape = context->input(0).shape();
-    OP_REQUIRES(context, da.shape() == shape && lse.NumElements() == t.heads * t.T,
-                errors::InvalidArgument("the gradient must be shaped as q, and lse [batch, heads, sequence]"));
+    OP_REQUIRES(context,
+                da.shape() == shape && lse.shape() == TensorShape({shape.dim_size(0), shape.dim_size(1),
+                                                                    shape.dim_size(2)}),
+                errors::InvalidArgument("da must be shaped as q ", shape.DebugString(), " and lse as its first three "
+                                        "axes, got ", da.shape().DebugString(), " and ", lse.shape().DebugString()));
     Tensor *dq = nullptr, *dk = nullptr, *dv = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, shape, &dq));
     OP_REQUIRES_OK(context, context->allocate_output(1, shape, &dk));
