@@ -32,11 +32,12 @@ WHOLE = 10 ** 9  # a PARTS_FROM no sequence reaches: the whole attention
 
 def models(make) -> dict:
     """{'whole': make(), 'parts': make(), 'kernel': make()}, each built and traced under its PARTS_FROM, the first
-    two inside kernels.tensorflow_ops() (the kernel's only where it builds)."""
+    two inside kernels.tensorflow_ops() (the kernel's only where its library builds; float32 models' products
+    take TensorFlow's ops outside decoding either way)."""
     built = {}
     for name, start in (('whole', WHOLE), ('parts', causal.PARTS_FROM), ('kernel', None)):
         if start is None:
-            if kernels.available():
+            if kernels.attention_available():
                 built[name] = make()
             continue
         before, causal.PARTS_FROM = causal.PARTS_FROM, start
