@@ -21,6 +21,23 @@ from gpt2_tf.tf1_reference import gpt2_graph
 v1 = tf.compat.v1
 
 
+def attention64(q, k, v):
+    """The original attention, in float64: scores over sqrt(f), the -1e10 mask, softmax, the values."""
+    q, k, v = (tf.cast(t, tf.float64) for t in (q, k, v))
+    nd, ns = q.shape[2], k.shape[2]
+    w = tf.matmul(q, k, transpose_b=True) / np.sqrt(q.shape[-1])
+    seen = tf.constant(np.arange(nd)[:, None] >= np.arange(ns)[None] - ns + nd, tf.float64)
+    return tf.matmul(tf.nn.softmax(w * seen - 1e10 * (1 - seen)), v)
+
+
+def with_gradients(attend, q, k, v, grad):
+    """attend(q, k, v) and [q's, k's, v's gradients] for the output's gradient grad (cast to its dtype)."""
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        out = attend(q, k, v)
+    return out, tape.gradient(out, [q, k, v], output_gradients=tf.cast(grad, out.dtype))
+
+
 def write_random_checkpoint(model_dir: str | os.PathLike, hparams: HParams, *, seed: int = 0,
                             scale: float = 0.05, meta_graph: bool = True) -> str:
     """Writes an original-format checkpoint with random values through tf.compat.v1.train.Saver.

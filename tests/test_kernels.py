@@ -1,6 +1,7 @@
 """The int8 product and the few-row float32 product: the C++ kernel (as a TensorFlow op, and as XLA's custom
 call inside an XLA-compiled function) and the TensorFlow fallback, against a float64 numpy product; where the
-float32 kernel is taken."""
+float32 kernel is taken. A whole sequence's attention (attention.cc, a library of its own) against float64
+autograd, and where it is taken."""
 
 import os
 import subprocess
@@ -11,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 from gpt2_tf import kernels
+
+from support import attention64, with_gradients
 
 SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 96, 1000, True),
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
@@ -143,22 +146,6 @@ def test_cached_attention_equals_the_float64_attention(b, h, s, f, where):
 SEQUENCE_SHAPES = [(1, 2, 1, 8), (2, 3, 65, 16), (1, 12, 200, 64), (1, 2, 1024, 64), (1, 1, 130, 7)]  # B, H, T, F
 
 
-def with_gradients(attend, q, k, v, grad):
-    """attend(q, k, v) and q's, k's and v's gradients for the output's gradient grad -> numpy."""
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
-        a = attend(q, k, v)
-    return [t.numpy() for t in (a, *tape.gradient(a, [q, k, v], output_gradients=grad))]
-
-
-def sequence_attention64(q, k, v):
-    """The original's attention of one whole sequence in float64: scores over sqrt(F), later keys at -1e10."""
-    t = q.shape[2]
-    seen = tf.constant(np.tril(np.ones((t, t))), tf.float64)
-    w = tf.matmul(q, k, transpose_b=True) / np.sqrt(q.shape[-1])
-    return tf.matmul(tf.nn.softmax(w * seen - 1e10 * (1 - seen)), v)
-
-
 @pytest.mark.parametrize('where', ['kernel'])  # the AVX2 build's run below selects its tests by 'kernel'
 @pytest.mark.parametrize('b, h, t, f', SEQUENCE_SHAPES)
 def test_sequence_attention_equals_the_float64_attention_and_so_do_its_gradients(b, h, t, f, where):
@@ -166,9 +153,10 @@ def test_sequence_attention_equals_the_float64_attention_and_so_do_its_gradients
         pytest.skip(kernels._attention_library())
     rng = np.random.default_rng(t)
     q, k, v, grad = ((rng.standard_normal((b, h, t, f)) * 2).astype(np.float32) for _ in range(4))
-    ours = with_gradients(kernels.causal_attention, *map(tf.constant, (q, k, v, grad)))
-    theirs = with_gradients(sequence_attention64, *(tf.constant(x, tf.float64) for x in (q, k, v, grad)))
-    for name, got, reference in zip(['a', 'dq', 'dk', 'dv'], ours, theirs):
+    ours, theirs = (with_gradients(attend, *(tf.constant(x, dtype) for x in (q, k, v)), grad)
+                    for attend, dtype in ((kernels.causal_attention, tf.float32), (attention64, tf.float64)))
+    for name, got, reference in zip(['a', 'dq', 'dk', 'dv'], [ours[0], *ours[1]], [theirs[0], *theirs[1]]):
+        got, reference = np.asarray(got), np.asarray(reference)
         np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5 * max(1.0, np.abs(reference).max()), err_msg=name)
 
 

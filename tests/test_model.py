@@ -14,6 +14,7 @@ from gpt2_tf import model as model_graph
 from gpt2_tf.tf1_reference import Reference
 
 from conftest import FIXTURES, FLOAT32, assert_close
+from support import attention64, with_gradients
 
 
 def load_reference(folder):
@@ -99,15 +100,6 @@ def test_past_chained_over_three_calls(random_checkpoint, hparams):
 
 # --- a whole sequence's causal attention: the kernel's op, or TensorFlow's ops in parts when long --------
 
-def attention64(q, k, v):
-    """The original attention, in float64: scores over sqrt(f), the -1e10 mask, softmax, the values."""
-    q, k, v = (tf.cast(t, tf.float64) for t in (q, k, v))
-    nd, ns = q.shape[2], k.shape[2]
-    w = tf.matmul(q, k, transpose_b=True) / np.sqrt(q.shape[-1])
-    seen = tf.constant(np.arange(nd)[:, None] >= np.arange(ns)[None] - ns + nd, tf.float64)
-    return tf.matmul(tf.nn.softmax(w * seen - 1e10 * (1 - seen)), v)
-
-
 @pytest.mark.parametrize('where', ['kernel', 'TensorFlow ops'])
 @pytest.mark.parametrize('traced', [False, True], ids=['eager', 'traced-unknown-length'])
 @pytest.mark.parametrize('sequence', [1, 65, causal.PARTS_FROM - 1, causal.PARTS_FROM, 700, 1024])
@@ -127,18 +119,12 @@ def test_causal_attention_equals_the_original_and_so_do_its_gradients(sequence, 
         mask = tf.reshape(model_graph.attention_mask(sequence, sequence, dtype=tf.float32), [1, 1, sequence, sequence])
         return causal.causal_attn(q, k, v, mask, weights=weights, mask=model_graph.attention_mask)
 
-    def with_gradients(attend, q, k, v):
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
-            out = attend(q, k, v)
-        return out, tape.gradient(out, [q, k, v], output_gradients=tf.cast(grad_out, out.dtype))
-
     with kernels.tensorflow_ops() if where == 'TensorFlow ops' else contextlib.nullcontext():
-        ours = with_gradients(attend, *map(tf.constant, (q, k, v)))
+        ours = with_gradients(attend, *map(tf.constant, (q, k, v)), grad_out)
         if traced:  # the length unknown when traced: tf.cond picks parts or the whole at run time
             spec = tf.TensorSpec([None, 3, None, 16], tf.float32)
-            ours = tf.function(lambda *t: with_gradients(attend, *t), input_signature=[spec] * 3)(q, k, v)
-    theirs = with_gradients(attention64, *(tf.constant(t.astype(np.float64)) for t in (q, k, v)))
+            ours = tf.function(lambda *t: with_gradients(attend, *t, grad_out), input_signature=[spec] * 3)(q, k, v)
+    theirs = with_gradients(attention64, *(tf.constant(t.astype(np.float64)) for t in (q, k, v)), grad_out)
     assert_close(ours[0], theirs[0], 'attention', rel=FLOAT32)
     for name, a, b in zip('qkv', ours[1], theirs[1]):
         assert_close(a, b, f'gradient of {name}', rel=FLOAT32)

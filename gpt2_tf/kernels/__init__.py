@@ -56,6 +56,8 @@ import tensorflow as tf
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ('matmul.cc', 'matmul_xla.cc'))
 HEADER = pathlib.Path(__file__).with_name('matmul.h')
 ATTENTION = pathlib.Path(__file__).with_name('attention.cc')
+# Each library by name: (its sources, a build without XLA compiling the first alone; the headers they include).
+LIBRARIES = {'matmul': (SOURCES, (HEADER,)), 'attention': ((ATTENTION,), ())}
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
@@ -118,8 +120,8 @@ def _common_flags() -> list:
 
 def _library_path(xla: bool, name: str = 'matmul') -> pathlib.Path:
     """The library's file in the cache, keyed by its sources, TensorFlow's version, the CPU and g++'s flags."""
-    sources = (ATTENTION,) if name == 'attention' else (*SOURCES, HEADER)
-    digest = hashlib.sha256(b''.join(f.read_bytes() for f in sources) + tf.__version__.encode() +
+    sources, headers = LIBRARIES[name]
+    digest = hashlib.sha256(b''.join(f.read_bytes() for f in (*sources, *headers)) + tf.__version__.encode() +
                             _cpu_key().encode() + ' '.join(_common_flags()).encode())
     return cache_folder() / f'{name}-{digest.hexdigest()[:16]}{"-xla" if xla else ""}.so'
 
@@ -128,11 +130,12 @@ def _flags(xla: bool, name: str = 'matmul') -> tuple:
     """(g++'s compile flags, its sources, its link flags): TensorFlow's own; with xla, also the headers, the
     source and the library that XLA's custom calls need."""
     flags, links = tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+    sources = LIBRARIES[name][0]
     if not xla:
-        return flags, (ATTENTION,) if name == 'attention' else SOURCES[:1], links
+        return flags, sources[:1], links
     include = pathlib.Path(tf.sysconfig.get_include()) / 'external'
     extra = [f'-I{include / "highwayhash"}', f'-I{include / "farmhash_archive" / "src"}', '-DGPT2_TF_XLA']
-    return [*flags, *extra], SOURCES, [*links, '-l:libtensorflow_cc.so.2']
+    return [*flags, *extra], sources, [*links, '-l:libtensorflow_cc.so.2']
 
 
 def _run_all(commands: list) -> None:
@@ -220,8 +223,8 @@ def _checked(library, what: str):
 @functools.lru_cache(maxsize=1)
 def _library() -> tuple:
     """(the loaded products' library or the reason it is not there (a str), whether it holds XLA's custom calls)."""
-    if _refused():
-        return _refused(), False
+    if reason := _refused():
+        return reason, False
     library = _load(xla=True)
     if not isinstance(library, str):
         return library, True
@@ -342,10 +345,11 @@ def sequence_attention_available(q) -> bool:
     """Whether a whole sequence's attention traced now for q [B, H, T, F] may take the kernel (causal_attention):
     q float32 and on a CPU, the library built, not inside tensorflow_ops() (products_only=True leaves it on),
     and not in an XLA-compiled function (the op has no XLA kernel: there XLA's own ops run)."""
+    if q.dtype != tf.float32 or getattr(_local, 'attention_off', False) or under_xla():
+        return False  # asked first: where the answer is no, the library is never built
     device = (q.device or '').upper()  # placed by the caller, or by TensorFlow: then only CPUs may be there
     on_cpu = 'CPU' in device or (not device and all(d.device_type == 'CPU' for d in tf.config.list_logical_devices()))
-    return (q.dtype == tf.float32 and on_cpu and attention_available()
-            and not getattr(_local, 'attention_off', False) and not under_xla())
+    return on_cpu and attention_available()
 
 
 def attention_available() -> bool:

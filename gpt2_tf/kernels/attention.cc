@@ -129,7 +129,12 @@ void Backward(const Heads& t, int64_t h, const float* lse, const float* da, floa
   }
 }
 
-Status CheckedHeads(const Tensor& q, const Tensor& k, const Tensor& v, Heads* t) {
+// [B, H, T]: one log-sum-exp per query, for q's shape [B, H, T, F].
+TensorShape LseShape(const TensorShape& q) { return TensorShape({q.dim_size(0), q.dim_size(1), q.dim_size(2)}); }
+
+// Inputs 0-2, q, k and v, checked against each other -> t.
+Status CheckedHeads(OpKernelContext* context, Heads* t) {
+  const Tensor &q = context->input(0), &k = context->input(1), &v = context->input(2);
   if (q.dims() != 4 || q.shape() != k.shape() || q.shape() != v.shape() || q.dim_size(3) == 0) {
     return errors::InvalidArgument("q, k and v must be float32 [batch, heads, sequence, features > 0] alike, got ",
                                    q.shape().DebugString(), ", ", k.shape().DebugString(), ", ",
@@ -147,12 +152,11 @@ class CausalAttentionOp : public OpKernel {
 
   void Compute(OpKernelContext* context) override {
     Heads t;
-    OP_REQUIRES_OK(context, CheckedHeads(context->input(0), context->input(1), context->input(2), &t));
+    OP_REQUIRES_OK(context, CheckedHeads(context, &t));
     const TensorShape& shape = context->input(0).shape();
     Tensor *a = nullptr, *lse = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, shape, &a));
-    OP_REQUIRES_OK(context, context->allocate_output(
-                                1, TensorShape({shape.dim_size(0), shape.dim_size(1), shape.dim_size(2)}), &lse));
+    OP_REQUIRES_OK(context, context->allocate_output(1, LseShape(shape), &lse));
     float *out = a->flat<float>().data(), *sums = lse->flat<float>().data();
     ForEach(context, t.heads * t.blocks(), [&](int64_t u) { Forward(t, u, out, sums); });
   }
@@ -164,12 +168,10 @@ class CausalAttentionGradOp : public OpKernel {
 
   void Compute(OpKernelContext* context) override {
     Heads t;
-    OP_REQUIRES_OK(context, CheckedHeads(context->input(0), context->input(1), context->input(2), &t));
+    OP_REQUIRES_OK(context, CheckedHeads(context, &t));
     const Tensor &lse = context->input(3), &da = context->input(4);
     const TensorShape& shape = context->input(0).shape();
-    OP_REQUIRES(context,
-                da.shape() == shape && lse.shape() == TensorShape({shape.dim_size(0), shape.dim_size(1),
-                                                                    shape.dim_size(2)}),
+    OP_REQUIRES(context, da.shape() == shape && lse.shape() == LseShape(shape),
                 errors::InvalidArgument("da must be shaped as q ", shape.DebugString(), " and lse as its first three "
                                         "axes, got ", da.shape().DebugString(), " and ", lse.shape().DebugString()));
     Tensor *dq = nullptr, *dk = nullptr, *dv = nullptr;
