@@ -1,7 +1,9 @@
 """The causal attention of a sequence without a past: by the kernel where it runs, else in parts of its
 queries when it is long.
 
-The original gives every later key the score -1e10, so its softmax weight is exp(-1e10 - max) = 0 exactly.
+The original gives every later key the score -1e10, so its softmax weight is exp(-1e10 - max) = 0 exactly
+(for finite scores above -1e10; beyond them skipping later keys, in parts or in the kernel, differs from masking
+them: gpt2_tf/kernels/attention.cc's header says how).
 Where gpt2_tf.kernels.sequence_attention_available says so (float32 on a CPU, outside XLA and exports), the
 kernel's op takes the whole attention and its gradient, block by block of queries, no [heads, T, T] tensor
 held (BENCHMARKS.md, The causal attention's kernel). Elsewhere, from PARTS_FROM positions on, causal_attn
