@@ -19,7 +19,8 @@ SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 9
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
           (11, 768, 1001, True), (16, 80, 64, False),  # every count of rows left over by a tile of 4 or 6
           (1, 64, 200, False),  # one row, channels not a whole number of its 128-channel tiles
-          (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True)]  # enough rows for the GEMM, over more than one chunk
+          (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True),  # enough rows for the GEMM, over more than one chunk
+          (64, 0, 8, False), (3, 0, 8, True)]  # an empty sum (k = 0): zeros
 
 
 def case(m, k, n, transpose, seed=0):
@@ -72,6 +73,16 @@ def test_int8_product_equals_the_float64_product(m, k, n, transpose, where):
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
 
 
+@pytest.mark.parametrize('rows, kernel', [(4, None), (64, None), (4, False)])  # the tiles; the dequantized copy
+def test_an_int8_product_refuses_what_the_op_refuses_on_every_path(rows, kernel):
+    x, w, scale, _ = case(rows, 16, 256, False)
+    with pytest.raises(TypeError, match=r'w must be int8, got int32; quantize it first'):
+        kernels.int8_matmul(tf.constant(x), tf.constant(w.astype(np.int32)), tf.constant(scale), kernel=kernel)
+    with pytest.raises(ValueError, match=r'a transposed w has no panels; pass panel=0'):
+        kernels.int8_matmul(tf.constant(x), tf.constant(w.T), tf.constant(scale), transpose_w=True, panel=128,
+                            kernel=kernel)
+
+
 def panels(w: np.ndarray, width: int) -> np.ndarray:
     """w [K, N] with its values laid out as [N / width, K, width], in w's shape: the packed layout."""
     k, n = w.shape
@@ -99,7 +110,8 @@ FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, Fals
                 (17, 3072, 768, False), (22, 768, 2304, False),  # panels: k in 24 and 6 chunks; rows 6+6+5, 6+6+6+4
                 (19, 33, 300, False),  # the last segment 44: 2 panels, then a vector and 4 channels; rows 6 + 6 + 6 + 1
                 (9, 17, 13, False), (70, 64, 200, False),  # fewer channels than a vector; Eigen's GEMM
-                (8, 768, 5000, True), (3, 33, 17, True), (70, 40, 300, True)]  # wte's layout
+                (8, 768, 5000, True), (3, 33, 17, True), (70, 40, 300, True),  # wte's layout
+                (17, 0, 8, False), (70, 0, 8, True), (2, 0, 8, False)]  # an empty sum (k = 0): zeros
 
 
 @pytest.mark.parametrize('where', WHERE[:2])

@@ -314,6 +314,10 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
     kernel: None uses the C++ kernel when it is available (MANY_ROWS rows or more take TensorFlow's float32
     product over a dequantized copy), True requires it, False uses TensorFlow ops.
     """
+    if w.dtype != tf.int8:  # the op's own checks, which the TensorFlow ops' path would not make
+        raise TypeError(f'int8_matmul: w must be int8, got {w.dtype.name}; quantize it first (gpt2_tf.precision.quantize)')
+    if transpose_w and panel:
+        raise ValueError('int8_matmul: a transposed w has no panels; pass panel=0 with transpose_w=True')
     use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
     if not use:
         return _dequantized_product(x, w, scale, transpose_w, panel)

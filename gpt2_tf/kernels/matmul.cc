@@ -658,6 +658,10 @@ int64_t Temporary(const Problem<W>& p, bool transpose_w, const Threads& threads)
 template <typename W>
 void Multiply(const Problem<W>& p, bool transpose_w, float* temporary, const Threads& threads) {
   if (p.M == 0 || p.N == 0) return;
+  if (p.K == 0) {  // an empty sum: the Gemm and the packed segments would leave y unwritten
+    std::fill(p.y, p.y + p.M * p.N, 0.0f);
+    return;
+  }
   if (p.M >= kGemmRows) {
     Gemm(p, transpose_w, temporary, threads);
     return;
