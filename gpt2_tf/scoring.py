@@ -3,6 +3,7 @@
     lp = score(model, tokens)             # [batch, T] -> [batch, T - 1]: lp[b, i] = log p(tokens[b, i + 1] | tokens[b, :i + 1])
     lp, ids, top_lp = score(model, tokens, top=5)   # plus the 5 likeliest next tokens per position
     perplexity(model, ids, stride=512)    # {'perplexity', 'nll', 'tokens'} over windows of n_ctx tokens
+    lp = window_log_probs(model, ids, stride=512); summary(lp)   # the same in two steps, every token's log p kept
 
 Log-probs come from the model's raw distribution (no temperature, no filters),
 as a float32 log-softmax computed stably (the logit minus the logsumexp, never
@@ -134,7 +135,9 @@ def _rows(tokens, n_vocab: int, n_ctx: int) -> list:
     if not rows:
         raise ValueError('tokens is empty: give at least one row')
     for i, row in enumerate(rows):
-        if row.ndim != 1 or len(row) < 2:
+        if row.ndim != 1:
+            raise ValueError(f'row {i} must be one sequence of token ids, got shape {list(row.shape)}')
+        if len(row) < 2:
             raise ValueError(f'row {i} has {row.size} token(s): scoring needs at least 2 (a context and a next token)')
         validate.check_token_ids(row, n_vocab, name=f'row {i}: token')
         validate.check_sequence(0, len(row), n_ctx)
@@ -200,6 +203,8 @@ def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False,
         raise ValueError(f'ids must be one sequence of token ids, got shape {list(ids.shape)}')
     validate.check_token_ids(ids, hp.n_vocab)
     if bos:
+        if not validate.is_int(end_of_text):
+            raise validate.GPT2Error(f'end_of_text must be a token id, an integer, got {validate.shown(end_of_text)}')
         validate.check_token_ids([end_of_text], hp.n_vocab, name='end_of_text')
         ids = np.concatenate([[end_of_text], ids]).astype(np.int64)
     if len(ids) < 2:
@@ -207,6 +212,9 @@ def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False,
                          f'(or 1 with bos=True)')
     if not validate.is_int(stride) or not 1 <= stride <= hp.n_ctx - 1:
         raise validate.GPT2Error(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {validate.shown(stride)}')
+    if not validate.is_int(batch_size) or batch_size < 1:
+        raise validate.GPT2Error(f'batch_size must be a positive integer (windows a call), got {validate.shown(batch_size)}')
+    stride = int(stride)  # a numpy integer would make the compiled call's count int64
     spans = windows(len(ids), hp.n_ctx, stride)
     run = compiled.shared(_scored, model, mode)
     out = np.zeros(len(ids) - 1, np.float32)
@@ -234,7 +242,11 @@ def perplexity(model: Model, ids, *, stride: int = 512, bos: bool = False, **opt
     token from position 1 on (0 with bos=True); see window_log_probs for the
     windows, and its options (batch_size, mode, progress, end_of_text).
     """
-    lp = window_log_probs(model, ids, stride=stride, bos=bos, **options)
+    return summary(window_log_probs(model, ids, stride=stride, bos=bos, **options))
+
+
+def summary(lp: np.ndarray) -> dict:
+    """{'perplexity', 'nll', 'tokens'} of the log-probs lp (nats) that window_log_probs gives."""
     nll = float(-lp.astype(np.float64).mean())
     return {'perplexity': float(np.exp(nll)), 'nll': nll, 'tokens': int(lp.size)}
 

@@ -38,7 +38,10 @@ def is_int(x) -> bool:
 
 def token_array(tokens, *, name: str = 'tokens') -> np.ndarray:
     """tokens as a numpy integer array, without casting (an int64 id 2**32 + 5 stays what it is)."""
-    array = np.asarray(tokens)
+    try:
+        array = np.asarray(tokens)
+    except ValueError:  # rows of different lengths, or ids beside rows
+        raise GPT2Error(f'{name} must be one array of token ids, got rows of mixed lengths or nesting') from None
     if array.dtype == object or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
         raise GPT2Error(f'{name} must be integers, got {array.dtype if array.dtype != object else "mixed values"}')
     return array

@@ -99,7 +99,7 @@ def test_perplexity_equals_the_windows_computed_from_the_tf1_graph(hot, stride, 
     assert result['perplexity'] == pytest.approx(np.exp(-expected.mean()), rel=1e-5)
 
 
-@pytest.mark.parametrize('stride, bos', [(63, False), (20, False), (7, True)])
+@pytest.mark.parametrize('stride, bos', [(63, False), (np.int64(20), False), (7, True)])  # 20: as read from an array
 def test_perplexity_equals_a_plain_loop_over_windows(hot, stride, bos):
     # Written out here, not through scoring.windows: window k scores positions 1 + k * stride onwards
     # (stride of them) and sees the n_ctx tokens that end at its last one; a float64 log-softmax of
@@ -153,6 +153,11 @@ def test_new_lengths_in_a_bucket_do_not_retrace(hot):
     (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=64), r'stride must be an integer in \[1, 63\]'),
     (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=0), r'stride must be an integer in \[1, 63\]'),
     (lambda m: gpt2_tf.perplexity(m, [1, 2, -3]), 'token id -3 is outside'),
+    (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=2, batch_size=0), 'batch_size must be a positive integer'),
+    (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=2, batch_size=-1), 'batch_size must be a positive integer'),
+    (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], bos=True, end_of_text=1.5), 'end_of_text must be a token id'),
+    (lambda m: gpt2_tf.score(m, [np.array([[1, 2]]), [1, 2]]), r'row 0 must be one sequence .* shape \[1, 2\]'),
+    (lambda m: gpt2_tf.score(m, [1, [1, 2]]), 'tokens must be one array of token ids'),
 ])
 def test_bad_input_fails_before_any_compute(hot, monkeypatch, call, message):
     model, _ = hot

@@ -182,7 +182,7 @@ def cmd_score(args):
     model = open_model(args, folder)
     from tqdm import tqdm
 
-    from ..scoring import perplexity, window_log_probs, windows
+    from ..scoring import summary, window_log_probs, windows
 
     for path, ids in encoded.items():
         count = len(windows(len(ids) + args.bos, hparams.n_ctx, stride))
@@ -190,10 +190,9 @@ def cmd_score(args):
                   disable=args.quiet or not sys.stderr.isatty()) as bar:
             options = dict(stride=stride, bos=args.bos, progress=bar.update,
                            end_of_text=encoder.encoder.get('<|endoftext|>', 0))
-            result = perplexity(model, ids, **options)
+            lp = window_log_probs(model, ids, **options)
+        result = summary(lp)
         if args.json:
-            lp = result['log_probs'] if 'log_probs' in result else \
-                window_log_probs(model, ids, **dict(options, progress=None))
             scored = [None] * (0 if args.bos else 1) + [float(x) for x in lp]
             pieces = [{'id': int(t), 'text': encoder.decode([t]), 'log_prob': scored[i]} for i, t in enumerate(ids)]
             print(json.dumps({'file': path, 'tokens': result['tokens'], 'nll': result['nll'],
