@@ -139,7 +139,7 @@ class GPT2ModelHandler(ModelHandler):
                 scored[element['key']] = lp
         for element in batch:
             if element['key'] not in scored:
-                scored[element['key']] = window_log_probs(model, element['ids'], stride=self.stride or n_ctx // 2)
+                scored[element['key']] = window_log_probs(model, element['ids'], stride=self.stride)
         return [{'key': e['key'], 'log_probs': [float(x) for x in scored[e['key']]],
                  'nll': float(-np.mean(scored[e['key']], dtype=np.float64)), 'tokens': int(len(scored[e['key']]))}
                 for e in batch]

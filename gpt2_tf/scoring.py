@@ -2,8 +2,8 @@
 
     lp = score(model, tokens)             # [batch, T] -> [batch, T - 1]: lp[b, i] = log p(tokens[b, i + 1] | tokens[b, :i + 1])
     lp, ids, top_lp = score(model, tokens, top=5)   # plus the 5 likeliest next tokens per position
-    perplexity(model, ids, stride=512)    # {'perplexity', 'nll', 'tokens'} over windows of n_ctx tokens
-    lp = window_log_probs(model, ids, stride=512); summary(lp)   # the same in two steps, every token's log p kept
+    perplexity(model, ids)                # {'perplexity', 'nll', 'tokens'} over windows of n_ctx tokens
+    lp = window_log_probs(model, ids); summary(lp)   # the same in two steps, every token's log p kept
 
 Log-probs come from the model's raw distribution (no temperature, no filters),
 as a float32 log-softmax computed stably (the logit minus the logsumexp, never
@@ -188,10 +188,16 @@ def windows(n: int, n_ctx: int, stride: int) -> list:
     return out
 
 
-def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False, batch_size: int = 4,
+def default_stride(hparams) -> int:
+    """Half a window (512 for GPT-2's 1024): each window after the first scores its last n_ctx // 2 tokens."""
+    return hparams.n_ctx // 2
+
+
+def window_log_probs(model: Model, ids, *, stride: Optional[int] = None, bos: bool = False, batch_size: int = 4,
                      mode: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
                      end_of_text: int = END_OF_TEXT_ID) -> np.ndarray:
-    """log p of every token of ids from position 1 on (from 0 with bos), over the windows of `windows`.
+    """log p of every token of ids from position 1 on (from 0 with bos), over the windows of `windows`, `stride`
+    tokens scored a window (default_stride by default).
 
     bos prepends end_of_text (<|endoftext|>, 50256) as context, as GPT-2
     evaluations do. progress, when given, is called with the number of windows
@@ -210,6 +216,7 @@ def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False,
     if len(ids) < 2:
         raise ValueError(f'the text has {len(ids)} token(s): scoring needs at least 2 '
                          f'(or 1 with bos=True)')
+    stride = default_stride(hp) if stride is None else stride
     if not validate.is_int(stride) or not 1 <= stride <= hp.n_ctx - 1:
         raise validate.GPT2Error(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {validate.shown(stride)}')
     if not validate.is_int(batch_size) or batch_size < 1:
@@ -235,7 +242,7 @@ def window_log_probs(model: Model, ids, *, stride: int = 512, bos: bool = False,
     return out
 
 
-def perplexity(model: Model, ids, *, stride: int = 512, bos: bool = False, **options) -> dict:
+def perplexity(model: Model, ids, *, stride: Optional[int] = None, bos: bool = False, **options) -> dict:
     """Perplexity of one token sequence of any length: {'perplexity', 'nll', 'tokens'}.
 
     nll is the mean negative log-likelihood in nats per scored token, over every

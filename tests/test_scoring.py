@@ -125,6 +125,13 @@ def test_perplexity_equals_a_plain_loop_over_windows(hot, stride, bos):
     assert result['nll'] == pytest.approx(-expected.mean(), rel=1e-6)
 
 
+def test_the_default_stride_is_half_a_window(hot):
+    # n_ctx // 2 for any model (512 for GPT-2's 1024; this one's n_ctx is 64), the command line's default too
+    model, _ = hot
+    ids = np.random.default_rng(9).integers(0, model.hparams.n_vocab, 2 * model.hparams.n_ctx + 5, dtype=np.int32)
+    assert gpt2_tf.perplexity(model, ids) == gpt2_tf.perplexity(model, ids, stride=model.hparams.n_ctx // 2)
+
+
 def test_score_completion_is_the_sum_over_the_completion(hot):
     model, _ = hot
     prompt, completion = [5, 6, 7, 8], [9, 10, 11]

@@ -174,16 +174,16 @@ def cmd_score(args):
     """Per file: tokens scored, mean NLL (nats/token) and perplexity; --json adds every token."""
     folder = model_folder(args)
     hparams = folder.hparams()
-    stride = hparams.n_ctx // 2 if args.stride is None else args.stride
-    if not 1 <= stride <= hparams.n_ctx - 1:
-        raise CommandError(f'--stride must be an integer in [1, {hparams.n_ctx - 1}] (n_ctx - 1), got {stride}')
+    if args.stride is not None and not 1 <= args.stride <= hparams.n_ctx - 1:  # before any file is read
+        raise CommandError(f'--stride must be an integer in [1, {hparams.n_ctx - 1}] (n_ctx - 1), got {args.stride}')
     encoder = folder.encoder()
     encoded = encoded_files(args, encoder, hparams)
     model = open_model(args, folder)
     from tqdm import tqdm
 
-    from ..scoring import summary, window_log_probs, windows
+    from ..scoring import default_stride, summary, window_log_probs, windows
 
+    stride = default_stride(hparams) if args.stride is None else args.stride
     for path, ids in encoded.items():
         count = len(windows(len(ids) + args.bos, hparams.n_ctx, stride))
         with tqdm(total=count, desc=f'scoring {path}', unit='window', file=sys.stderr, leave=False, mininterval=0,
