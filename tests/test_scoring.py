@@ -202,12 +202,17 @@ def test_score_command_on_a_file_and_on_stdin(tmp_path):
     (['score', 'missing.txt'], 'missing.txt: no such file'),
     (['score', 'empty.txt'], 'empty.txt: the text has 0 token'),
     (['score', 'one.txt', '--stride', '128'], r'stride must be an integer in \[1, 127\]'),
+    (['score', 'latin1.txt'], r'latin1.txt: not UTF-8 text \(invalid continuation byte at byte 3\); convert it'),
+    (['score', '-'], r'-: not UTF-8 text \(invalid continuation byte at byte 3\); convert it'),  # stdin alike
 ])
 def test_score_command_errors_are_one_line(tmp_path, argv, message):
     (tmp_path / 'empty.txt').write_text('')
     (tmp_path / 'one.txt').write_text('Hello world')
-    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', *argv], capture_output=True, text=True,
+    latin1 = 'café au lait'.encode('latin-1')
+    (tmp_path / 'latin1.txt').write_bytes(latin1)
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', *argv], capture_output=True, input=latin1,
                           cwd=tmp_path, timeout=300)
+    done.stderr = done.stderr.decode()
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if not line.startswith('gpt2-tf: no model')]
     assert len(lines) == 1 and re.search(message, lines[0]), done.stderr

@@ -142,17 +142,19 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
 # --- scoring ------------------------------------------------------------------------------------
 
 def read_text(path: str) -> str:
-    if path == '-':
-        return sys.stdin.read()
+    """A file's text, or stdin's for '-', as strict UTF-8 either way."""
     try:
+        if path == '-':
+            return sys.stdin.buffer.read().decode('utf-8')
         with open(path, encoding='utf-8') as f:
             return f.read()
     except FileNotFoundError:
-        raise CommandError(f'{path}: no such file') from None
+        raise CommandError(f'{path}: no such file; check the path') from None
     except IsADirectoryError:
         raise CommandError(f'{path} is a folder: give text files, or - for stdin') from None
     except UnicodeDecodeError as e:
-        raise CommandError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start})') from None
+        raise CommandError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it first, '
+                           f'e.g. iconv -t UTF-8') from None
 
 
 def encoded_files(args, encoder, hparams) -> dict:
