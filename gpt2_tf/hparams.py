@@ -55,8 +55,8 @@ class HParams:
                 values = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f'no hparams.json at {path}') from None
-        except json.JSONDecodeError as e:
-            raise GPT2Error(f'{path}: not valid JSON ({e})') from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a binary file fails as UTF-8 first
+            raise GPT2Error(f'{path}: not valid JSON ({e}); is it the model\'s hparams.json?') from None
         if not isinstance(values, dict):
             raise GPT2Error(f'{path}: expected a JSON object, got {type(values).__name__}')
         return cls.from_dict(values, source=path)

@@ -46,5 +46,8 @@ def test_bad_json_names_the_file(tmp_path):
     path.write_text('{"n_vocab": ')
     with pytest.raises(ValueError, match='hparams.json: not valid JSON'):
         HParams.from_json(path)
+    path.write_bytes(b'\x89PNG\r\n\x1a\n\0\0\xff')  # a binary file: not UTF-8 either
+    with pytest.raises(ValueError, match=r"hparams.json: not valid JSON \('utf-8' codec can't decode"):
+        HParams.from_json(path)
     with pytest.raises(FileNotFoundError, match='no hparams.json'):
         HParams.from_json(tmp_path / 'missing' / 'hparams.json')
