@@ -7,9 +7,11 @@ A model folder holds `checkpoint`, `hparams.json`, `model.ckpt.index`,
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import ctypes
 import glob
+import ntpath
 import os
 import re
 import sys
@@ -118,11 +120,11 @@ def find_checkpoint(path: str | os.PathLike) -> str:
             raise CheckpointError(f'{state_file}: no model_checkpoint_path line')
         # Fine-tuned checkpoints often name an absolute path on another machine;
         # the files themselves sit beside the `checkpoint` file.
-        for candidate in (os.path.join(path, named), os.path.join(path, os.path.basename(named))):
+        for candidate in (os.path.join(path, named), os.path.join(path, file_name(named))):
             if os.path.isfile(candidate + '.index'):
                 return candidate
         raise FileNotFoundError(
-            f'{state_file} names checkpoint {named!r}, but {os.path.basename(named)}.index is not in {path}')
+            f'{state_file} names checkpoint {named!r}, but {file_name(named)}.index is not in {path}')
     prefix = os.path.join(path, CHECKPOINT_PREFIX)
     if os.path.isfile(prefix + '.index'):
         return prefix
@@ -275,21 +277,39 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
 def read_state(model_dir: str) -> tuple:
     """(the current path, every listed path) as a folder's `checkpoint` file names them, or (None, []).
 
-    The one reader of that file; the paths are as written (often absolute, from another machine)."""
+    The one reader of that file; the paths are as written (often absolute, from another machine, Windows
+    ones included), their text-format escapes undone: a doubled backslash is one, octal escapes are UTF-8 bytes."""
     try:
-        with open(os.path.join(model_dir, 'checkpoint'), encoding='utf-8', errors='replace') as f:
+        with open(os.path.join(model_dir, 'checkpoint'), 'rb') as f:
             text = f.read()
     except FileNotFoundError:
         return None, []
-    current = re.search(r'^model_checkpoint_path:\s*"(.*)"', text, re.MULTILINE)
-    return current and current.group(1), re.findall(r'^all_model_checkpoint_paths:\s*"(.*)"', text, re.MULTILINE)
+
+    def paths(field: bytes) -> list:  # a quoted string may hold escaped quotes and backslashes
+        return [_unescaped(m) for m in re.findall(field + rb'"((?:[^"\\\n]|\\.)*)"', text, re.MULTILINE)]
+
+    current = paths(rb'^model_checkpoint_path:\s*')
+    return (current[0] if current else None), paths(rb'^all_model_checkpoint_paths:\s*')
+
+
+def _unescaped(quoted: bytes) -> str:
+    try:
+        quoted = codecs.escape_decode(quoted)[0]
+    except ValueError:  # a malformed escape (a backslash and x without hex digits): the text as written
+        pass
+    return quoted.decode('utf-8', errors='replace')
+
+
+def file_name(path: str) -> str:
+    r"""The last part of a path written on any system: 'C:\run1\model-5' and '/content/run1/model-5' -> 'model-5'."""
+    return ntpath.basename(path)  # splits at '/' and at '\\'
 
 
 def checkpoint_state(model_dir: str) -> tuple:
     """(the current prefix name, every listed prefix name) from a folder's `checkpoint` file, or (None, [])."""
     current, listed = read_state(model_dir)
-    current = os.path.basename(current) if current else None
-    names = [os.path.basename(name) for name in listed]
+    current = file_name(current) if current else None
+    names = [file_name(name) for name in listed]
     return current, names if current in names else names + [current] if current else names
 
 

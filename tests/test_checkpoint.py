@@ -37,6 +37,18 @@ def test_checkpoint_file_with_a_foreign_absolute_path(tiny_copy):
     assert find_checkpoint(tiny_copy) == str(tiny_copy / 'model.ckpt')
 
 
+@pytest.mark.parametrize('written, meant', [
+    (r'C:\\Users\\someone\\run1\\model.ckpt', 'C:\\Users\\someone\\run1\\model.ckpt'),  # backslashes escaped, as TF writes them
+    (r'D:\\caf\303\251\\model.ckpt', 'D:\\café\\model.ckpt'),  # a non-ASCII folder, octal-escaped by older protobufs
+    ('C:/Users/someone/run1/model.ckpt', 'C:/Users/someone/run1/model.ckpt'),
+])
+def test_checkpoint_file_with_a_windows_path(tiny_copy, written, meant):
+    (tiny_copy / 'checkpoint').write_text(f'model_checkpoint_path: "{written}"\nall_model_checkpoint_paths: "{written}"\n')
+    assert gpt2_tf.checkpoint.read_state(str(tiny_copy)) == (meant, [meant])
+    assert gpt2_tf.checkpoint.checkpoint_state(str(tiny_copy)) == ('model.ckpt', ['model.ckpt'])
+    assert find_checkpoint(tiny_copy) == str(tiny_copy / 'model.ckpt')
+
+
 def test_missing_folder():
     with pytest.raises(FileNotFoundError, match='no model folder at /nonexistent/124M'):
         gpt2_tf.load_model('/nonexistent/124M')
