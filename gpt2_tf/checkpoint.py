@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from .hparams import HParams
 from .precision import assign, stored
-from .validate import GPT2Error
+from .validate import GPT2Error, save_folder
 from .runtime import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
@@ -151,42 +151,56 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict:
     return {name: tuple(shape) for name, shape in reader.get_variable_to_shape_map().items()}
 
 
-def _describe(shapes: dict) -> str:
-    """What a checkpoint's own shapes say about its size, for error messages."""
-    facts = []
+def _size(shapes: dict) -> dict:
+    """What a checkpoint's own shapes say about its size: {'n_vocab': .., 'n_embd': .., 'n_ctx': .., 'n_layer': ..}
+    as far as they tell."""
+    size = {}
     if len(shapes.get('model/wte', ())) == 2:
-        facts += [f'n_vocab={shapes["model/wte"][0]}', f'n_embd={shapes["model/wte"][1]}']
+        size.update(n_vocab=int(shapes['model/wte'][0]), n_embd=int(shapes['model/wte'][1]))
     if len(shapes.get('model/wpe', ())) == 2:
-        facts.append(f'n_ctx={shapes["model/wpe"][0]}')
+        size['n_ctx'] = int(shapes['model/wpe'][0])
     layers = {int(m.group(1)) for name in shapes if (m := re.match(r'model/h(\d+)/', name))}
     if layers:
-        facts.append(f'n_layer={max(layers) + 1}')
-    return ', '.join(facts) or 'no GPT-2 variables'
+        size['n_layer'] = max(layers) + 1
+    return size
+
+
+def _listed(names: list) -> str:
+    return ', '.join(names[:3]) + (f' and {len(names) - 3} more' if len(names) > 3 else '')
 
 
 def verify(expected: dict, shapes: dict, *, hparams: HParams, source: str, strict: bool = True,
            settings: str = 'hparams.json') -> None:
-    """Raises CheckpointError unless the checkpoint's names and shapes are exactly the expected ones."""
-    problems = []
-    for name, shape in expected.items():
-        if name not in shapes:
-            problems.append(f'{name}: missing from the checkpoint (expected shape {list(shape)})')
-        elif tuple(shapes[name]) != tuple(shape):
-            problems.append(f'{name}: expected shape {list(shape)}, found {list(shapes[name])}')
-    extra = sorted(set(shapes) - set(expected))
-    if extra and strict:
-        shown = ', '.join(extra[:5]) + (f' and {len(extra) - 5} more' if len(extra) > 5 else '')
-        problems.append(f'{len(extra)} variable(s) the model does not have: {shown} '
-                        f'(pass strict=False to ignore them, e.g. optimizer slots)')
-    if problems:
-        hp = hparams
-        raise CheckpointError(
-            f'checkpoint {source} does not match the model '
-            f'(hparams: n_vocab={hp.n_vocab}, n_ctx={hp.n_ctx}, n_embd={hp.n_embd}, n_layer={hp.n_layer}; '
-            f'checkpoint looks like {_describe(shapes)}). '
-            f'Likely cause: {settings} describes another model size than the checkpoint.\n  '
-            + '\n  '.join(problems[:10])
-            + (f'\n  ... and {len(problems) - 10} more' if len(problems) > 10 else ''))
+    """Raises CheckpointError unless the checkpoint's names and shapes are exactly the expected ones.
+
+    Its first line names the likely cause and the next step (the command line shows only that line): another
+    model size than settings says, variables missing from a checkpoint of the right size, or variables the
+    model does not have (optimizer slots: strict=False); the lines after it list each name."""
+    missing = [name for name in expected if name not in shapes]
+    reshaped = [name for name in expected if name in shapes and tuple(shapes[name]) != tuple(expected[name])]
+    extra = sorted(set(shapes) - set(expected)) if strict else []
+    if not (missing or reshaped or extra):
+        return
+    hp, size = hparams, _size(shapes)
+    ours = {'n_vocab': hp.n_vocab, 'n_embd': hp.n_embd, 'n_ctx': hp.n_ctx, 'n_layer': hp.n_layer}
+    where = f'checkpoint {source} does not match the model'
+    if reshaped or any(size[k] != ours[k] for k in size):
+        looks = ', '.join(f'{k}={v}' for k, v in size.items()) or 'no GPT-2 variables'
+        first = (f'{where} (hparams: n_vocab={hp.n_vocab}, n_ctx={hp.n_ctx}, n_embd={hp.n_embd}, '
+                 f'n_layer={hp.n_layer}; checkpoint looks like {looks}). Likely cause: {settings} describes another '
+                 f'model size than the checkpoint; use the {settings} that came with it')
+    elif missing:
+        first = (f'{where}: {len(missing)} of its variable(s) are missing from the checkpoint ({_listed(missing)}); '
+                 f'it is incomplete or not a GPT-2 checkpoint: copy or download it again')
+    else:
+        first = (f'{where}: the checkpoint holds {len(extra)} variable(s) the model does not have '
+                 f'({_listed(extra)}); if they are optimizer slots or other training state, load with strict=False '
+                 f'(--no_strict on the command line) to ignore them')
+    problems = ([f'{name}: missing from the checkpoint (expected shape {list(expected[name])})' for name in missing]
+                + [f'{name}: expected shape {list(expected[name])}, found {list(shapes[name])}' for name in reshaped]
+                + ([f'{len(extra)} variable(s) the model does not have: {_listed(extra)}'] if extra else []))
+    raise CheckpointError(first + '.\n  ' + '\n  '.join(problems[:10])
+                          + (f'\n  ... and {len(problems) - 10} more' if len(problems) > 10 else ''))
 
 
 def _checked_reader(prefix: str, expected: dict, hparams: HParams, *, strict: bool):
@@ -378,8 +392,7 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     if model.dtype == 'int8':
         raise CheckpointError('an int8 model cannot be saved: the original format holds float32 weights, '
                               'and int8 ones are a lossy copy of them; save the float32 model (dtype="float32")')
-    model_dir = os.fspath(model_dir)
-    os.makedirs(model_dir, exist_ok=True)
+    model_dir = save_folder(model_dir)
     hparams_path = os.path.join(model_dir, 'hparams.json')
     if os.path.exists(hparams_path):
         existing = HParams.from_json(hparams_path)

@@ -18,13 +18,14 @@ import functools
 import json
 import os
 import shutil
+import tempfile
 import warnings
 
 import numpy as np
 
 from .encoder import END_OF_TEXT_ID
 from .hparams import HParams
-from .validate import GPT2Error
+from .validate import GPT2Error, save_folder
 
 CONFIG = 'config.json'
 SAFETENSORS = 'model.safetensors'
@@ -95,7 +96,7 @@ def read_config(path) -> HParams:
         refuse('n_inner', f'the MLP is 4 * n_embd = {4 * (n_embd or 0)} wide in GPT-2')
     if config.get('layer_norm_epsilon', 1e-5) != 1e-5:
         refuse('layer_norm_epsilon', 'GPT-2 normalizes with epsilon 1e-5')
-    if 'n_ctx' in config and config['n_ctx'] != config.get('n_positions'):
+    if 'n_ctx' in config and 'n_positions' in config and config['n_ctx'] != config['n_positions']:
         refuse('n_ctx', f'it differs from n_positions={config.get("n_positions")}')
     missing = [k for k in ('vocab_size', 'n_positions', 'n_embd', 'n_head', 'n_layer') if k not in config]
     if missing:
@@ -159,7 +160,11 @@ def read_tensors(path) -> dict:
         return _read_safetensors([single])
     if os.path.isfile(index):
         weight_map = _read_json(index)
-        shards = sorted(set(weight_map.get('weight_map', {}).values())) if isinstance(weight_map, dict) else []
+        weight_map = weight_map.get('weight_map') if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise HFFormatError(f'{index}: no "weight_map" object of tensor names to shard files; '
+                                f'is the file complete? Copy or download it again')
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if not shards or missing:
             raise HFFormatError(f'{index}: shard(s) missing: {missing or "the index lists none"}')
@@ -169,8 +174,9 @@ def read_tensors(path) -> dict:
     raise HFFormatError(f'{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} beside {CONFIG}')
 
 
-def to_original(tensors: dict, hparams: HParams, *, source: str) -> dict:
-    """{HF name: array} -> {checkpoint name: float32 array}, every name and shape checked."""
+def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = True) -> dict:
+    """{HF name: array} -> {checkpoint name: float32 array}, every name and shape checked; strict=False drops
+    tensors GPT-2 does not have instead of refusing them."""
     out, extra, upcast = {}, [], set()
     block_names, top_names = names()
     for name, value in tensors.items():
@@ -194,8 +200,9 @@ def to_original(tensors: dict, hparams: HParams, *, source: str) -> dict:
             upcast.add(str(value.dtype))
             value = value.astype(np.float32)
         out[target] = value[None] if conv else value
-    if extra:
-        raise HFFormatError(f'{source}: {len(extra)} tensor(s) GPT-2 does not have: {", ".join(extra[:5])}')
+    if extra and strict:
+        raise HFFormatError(f'{source}: {len(extra)} tensor(s) GPT-2 does not have: {", ".join(extra[:5])}; '
+                            f'load with strict=False (--no_strict on the command line) to ignore them')
     head = tensors.get('lm_head.weight', tensors.get('transformer.lm_head.weight'))
     if head is not None and 'model/wte' in out and not np.array_equal(np.asarray(head, np.float32), out['model/wte']):
         raise HFFormatError(f'{source}: lm_head.weight differs from wte: an untied head, which GPT-2 does not have')
@@ -264,7 +271,7 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     """
     try:
         import tokenizers  # noqa: F401
-        from safetensors.numpy import save_file
+        import safetensors.numpy  # noqa: F401
     except ImportError:
         raise HFFormatError("writing an HF folder needs the safetensors and tokenizers packages: "
                             "pip install -e '.[hf]'") from None
@@ -274,18 +281,37 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     if model.dtype == 'int8':
         raise HFFormatError('an int8 model cannot be saved as an HF folder: it holds float weights, and int8 ones '
                             'are a lossy copy of them; save the float32 model (load it with dtype="float32")')
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
-        json.dump(config_for(model.hparams), f, indent=2)
-        f.write('\n')
+    path = save_folder(path)
+    if os.path.isfile(os.path.join(path, 'hparams.json')):
+        raise HFFormatError(f'{path} holds a model in the original layout (hparams.json), which would stay the one '
+                            f'that loads from there; save the HF folder to another folder')
     tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
-    weights = os.path.join(path, SAFETENSORS)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, weights, metadata={'format': 'pt'})
-    shutil.copymode(os.path.join(path, CONFIG), weights)  # safetensors writes through a private (0600) file
     files = vocabulary or bundled_vocabulary()
-    for hf_name, source in zip(TOKENIZER_FILES, files):
-        with open(source, 'rb') as src, open(os.path.join(path, hf_name), 'wb') as dst:
-            dst.write(src.read())
-    tokenizer_json(*files, os.path.join(path, TOKENIZER_JSON))
+    staging = tempfile.mkdtemp(prefix='.saving-', dir=path)
+    try:  # every file is written beside the folder's own first, then moved in, config.json last
+        _write_hf_files(staging, model.hparams, tensors, files, destination=path)
+        for name in (SAFETENSORS, *TOKENIZER_FILES, TOKENIZER_JSON, CONFIG):
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _write_hf_files(folder: str, hparams: HParams, tensors: dict, vocabulary, *, destination: str) -> None:
+    from safetensors.numpy import save_file
+
+    config = os.path.join(folder, CONFIG)
+    with open(config, 'w', encoding='utf-8') as f:
+        json.dump(config_for(hparams), f, indent=2)
+        f.write('\n')
+    weights = os.path.join(folder, SAFETENSORS)
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, weights, metadata={'format': 'pt'})
+    except Exception as e:  # safetensors' own error type (a full disk, say), or OSError
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise HFFormatError(f'{os.path.join(destination, SAFETENSORS)} cannot be written ({reason}); nothing in '
+                            f'{destination} was changed: free some space or save elsewhere') from None
+    shutil.copymode(config, weights)  # safetensors writes through a private (0600) file
+    for hf_name, source in zip(TOKENIZER_FILES, vocabulary):
+        shutil.copyfile(source, os.path.join(folder, hf_name))
+    tokenizer_json(*vocabulary, os.path.join(folder, TOKENIZER_JSON))

@@ -192,23 +192,24 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
         # to dtype: bfloat16 and int8 round the merged weight once.
         deltas = lora.merged_deltas(model, adapter) if adapter is not None else None
         if prefix is None:
-            _load_hf(model, folder.path, add=deltas)
+            _load_hf(model, folder.path, strict=strict, add=deltas)
         else:
             restore(model, prefix, strict=strict, all_or_nothing=False, add=deltas)
     model.strategy = strategy
     return model
 
 
-def _load_hf(model, model_dir: str, *, add: Optional[dict] = None) -> None:
+def _load_hf(model, model_dir: str, *, strict: bool = True, add: Optional[dict] = None) -> None:
     """Assigns a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin) to the
-    model, every name and shape checked first, in the model's dtype (int8 quantized); add as restore's."""
+    model, every name and shape checked first, in the model's dtype (int8 quantized); strict and add as
+    restore's."""
     from .checkpoint import variable_shapes, verify
     from .precision import assign, stored
 
     hparams = model.hparams
-    tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir)
+    tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir, strict=strict)
     verify(variable_shapes(hparams), {name: value.shape for name, value in tensors.items()}, hparams=hparams,
-           source=model_dir, settings='config.json')
+           source=model_dir, strict=strict, settings='config.json')
     variables = model.variables_by_name()
     for name in stored(variables):
         value = tensors.pop(name)

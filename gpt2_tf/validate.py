@@ -7,6 +7,7 @@ loading it.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
@@ -21,6 +22,17 @@ class GPT2Error(ValueError):
     Every check here raises it, and so do the checkpoint, HF and download
     modules (through subclasses); the command line prints it and exits 2.
     """
+
+
+def save_folder(path) -> str:
+    """The folder a save writes into, created with its parents; a file at that path is refused in one line."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise GPT2Error(f'{path} is a file, not a folder: save into a folder')
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 MAX_TEMPERATURE = 2.0  # the accepted range is [0, MAX_TEMPERATURE]; 0 is greedy
 
 

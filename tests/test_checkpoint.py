@@ -1,6 +1,7 @@
 """Checkpoint I/O: verification before assignment, clear errors, and saving in the original format."""
 
 import os
+import pathlib
 import shutil
 
 import numpy as np
@@ -10,12 +11,14 @@ import tensorflow as tf
 import gpt2_tf
 from gpt2_tf import CheckpointError, HParams
 from gpt2_tf.checkpoint import checkpoint_shapes, find_checkpoint
+from gpt2_tf.loading import resolve
 from gpt2_tf.tf1_reference import Reference
 from support import write_random_checkpoint
 
 from conftest import FIXTURES, assert_close
 
 TINY = FIXTURES / 'tf1-tiny'
+BUNDLED = pathlib.Path(resolve('test').path)
 
 
 @pytest.fixture
@@ -123,6 +126,53 @@ def test_missing_and_extra_variables(tiny_copy, tmp_path):
         gpt2_tf.load_model(tiny_copy)
     model = gpt2_tf.load_model(tiny_copy, strict=False)
     assert model.hparams.n_layer == 1
+
+
+def write_with(folder, add=None, drop=(), source=TINY):
+    """source's checkpoint written again at folder with tensors added ({name: array}) or dropped."""
+    model = gpt2_tf.load_model(source)
+    tensors = {n: v.read_value() for n, v in model.variables_by_name().items() if n not in drop}
+    folder.mkdir()
+    gpt2_tf.checkpoint.write_tensors(str(folder / 'model.ckpt'), {**tensors, **(add or {})})
+    (folder / 'checkpoint').write_text('model_checkpoint_path: "model.ckpt"\n')
+    shutil.copy(source / 'hparams.json', folder)
+    return model
+
+
+def test_a_variable_missing_at_the_right_size_is_not_blamed_on_the_size(tmp_path):
+    write_with(tmp_path / 'short', drop=['model/h1/ln_2/g'])
+    with pytest.raises(CheckpointError) as error:
+        gpt2_tf.load_model(tmp_path / 'short')
+    first, *rest = str(error.value).splitlines()
+    assert first.endswith('does not match the model: 1 of its variable(s) are missing from the checkpoint '
+                          '(model/h1/ln_2/g); it is incomplete or not a GPT-2 checkpoint: copy or download it again.')
+    assert rest == ['  model/h1/ln_2/g: missing from the checkpoint (expected shape [32])']
+    assert 'another model size' not in str(error.value)
+
+
+def test_optimizer_slots_name_strict_false_on_the_first_line(tmp_path, capsys):
+    slots = {'beta1_power': tf.constant(0.9), 'model/h0/attn/c_attn/w/Adam': tf.zeros([1, 16, 48]),
+             'model/h0/attn/c_attn/w/Adam_1': tf.zeros([1, 16, 48])}
+    model = write_with(tmp_path / 'adam', add=slots, source=BUNDLED)  # GPT-2's vocabulary, for the command line
+    with pytest.raises(CheckpointError) as error:
+        gpt2_tf.load_model(tmp_path / 'adam')
+    first = str(error.value).splitlines()[0]
+    assert ('the checkpoint holds 3 variable(s) the model does not have (beta1_power, model/h0/attn/c_attn/w/Adam, '
+            'model/h0/attn/c_attn/w/Adam_1); if they are optimizer slots or other training state, load with '
+            'strict=False (--no_strict on the command line) to ignore them.') in first
+    assert 'another model size' not in str(error.value)
+    loaded = gpt2_tf.load_model(tmp_path / 'adam', strict=False)
+    for name, variable in model.variables_by_name().items():
+        np.testing.assert_array_equal(loaded.variables_by_name()[name].numpy(), variable.numpy(), name)
+    # The command line shows that first line, and takes --no_strict.
+    from gpt2_tf.cli import main
+
+    argv = ['sample', '--model_dir', str(tmp_path / 'adam'), '--length', '3', '--nsamples', '1', '--seed', '1',
+            '--mode', 'eager']
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith('(--no_strict on the command line) to ignore them.')
+    assert main(argv + ['--no_strict']) == 0
+    assert capsys.readouterr().out.count('SAMPLE 1') == 1
 
 
 def test_nothing_assigned_when_a_read_fails(tiny_copy):

@@ -264,3 +264,89 @@ def test_an_unreadable_weights_file_is_named(hf_folder, tmp_path, damage):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1].startswith(f'gpt2-tf: error: {weights}: cannot be read'), done.stderr
+
+
+# --- saving over a folder, and what it refuses -----------------------------------------------------------
+
+def test_save_hf_refuses_a_folder_holding_an_original_checkpoint(tmp_path):
+    folder = tmp_path / 'tiny'
+    shutil.copytree(FIXTURES / 'tf1-tiny', folder)
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    with pytest.raises(hf.HFFormatError, match=r'tiny holds a model in the original layout \(hparams.json\).*'
+                                               r'save the HF folder to another folder'):
+        gpt2_tf.save_hf(gpt2_tf.load_model('test'), folder)
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+
+
+def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys):
+    import safetensors
+
+    folder = tmp_path / 'hf'
+    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder)
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, 'wb') as f:
+            f.write(b'\0' * 100)  # a part written, then the disk is full
+        raise safetensors.SafetensorError('Error while serializing: IoError(No space left on device)')
+
+    monkeypatch.setattr(safetensors_numpy, 'save_file', full_disk)
+    with pytest.raises(hf.HFFormatError, match=r'model.safetensors cannot be written \(Error while serializing: '
+                                               r'IoError\(No space left on device\)\); nothing in .*hf was changed'):
+        gpt2_tf.save_hf(gpt2_tf.load_model('test'), folder)  # another size: its config.json would not fit the weights
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    # The command line says it in one line.
+    from gpt2_tf.cli import main
+
+    assert main(['convert', 'test', str(tmp_path / 'new'), '--to', 'hf']) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith('free some space or save elsewhere')
+    assert os.listdir(tmp_path / 'new') == []
+
+
+def test_saving_to_a_file_is_refused_in_one_line(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    (tmp_path / 'file').write_text('mine')
+    for save in (gpt2_tf.save_hf, gpt2_tf.save_checkpoint):
+        with pytest.raises(ValueError, match=r'file is a file, not a folder: save into a folder$'):
+            save(model, tmp_path / 'file')
+    assert (tmp_path / 'file').read_text() == 'mine'
+
+
+@pytest.mark.parametrize('index, message', [
+    ({'weight_map': []}, 'no "weight_map" object of tensor names to shard files'),
+    ({'metadata': {}}, 'no "weight_map" object'),
+    ({'weight_map': {'transformer.wte.weight': 3}}, 'no "weight_map" object'),
+    ({'weight_map': {}}, r'shard\(s\) missing: the index lists none'),
+])
+def test_a_broken_shard_index_is_named(tmp_path, index, message):
+    (tmp_path / 'config.json').write_text(json.dumps(HF_CONFIG))
+    (tmp_path / 'model.safetensors.index.json').write_text(json.dumps(index))
+    with pytest.raises(hf.HFFormatError, match='model.safetensors.index.json: ' + message):
+        gpt2_tf.load_model(tmp_path)
+
+
+def test_n_ctx_without_n_positions_names_the_missing_field(tmp_path, state):
+    config = {k: v for k, v in HF_CONFIG.items() if k != 'n_positions'}
+    write_tensors(tmp_path / 'old', state)
+    (tmp_path / 'old' / 'config.json').write_text(json.dumps({**config, 'n_ctx': 40}))
+    with pytest.raises(hf.HFFormatError, match=r"config.json: missing \['n_positions'\]"):
+        gpt2_tf.load_model(tmp_path / 'old')
+
+
+def test_strict_false_loads_an_hf_folder_with_tensors_gpt2_does_not_have(tmp_path, state, hf_folder):
+    extra = {**state, 'transformer.h.0.attn.c_attn.lora_A': np.zeros((4, 32), np.float32),
+             'transformer.h.2.ln_1.weight': np.ones(32, np.float32)}  # a block past n_layer
+    write_tensors(tmp_path / 'extra', extra)
+    with pytest.raises(hf.HFFormatError, match=r'1 tensor\(s\) GPT-2 does not have: transformer.h.0.attn.c_attn.lora_A; '
+                                               r'load with strict=False \(--no_strict on the command line\)'):
+        gpt2_tf.load_model(tmp_path / 'extra')
+    del extra['transformer.h.0.attn.c_attn.lora_A']
+    write_tensors(tmp_path / 'extra', extra)
+    with pytest.raises(gpt2_tf.CheckpointError, match=r'n_layer=3\). Likely cause: config.json describes another '
+                                                      r'model size .*\n.*does not have: model/h2/ln_1/g$'):
+        gpt2_tf.load_model(tmp_path / 'extra')
+    extra['transformer.h.0.attn.c_attn.lora_A'] = np.zeros((4, 32), np.float32)
+    write_tensors(tmp_path / 'extra', extra)
+    tokens = np.arange(12, dtype=np.int32)[None]
+    assert_close(gpt2_tf.load_model(tmp_path / 'extra', strict=False)(tokens)['logits'],
+                 torch_logits(hf_folder[1], tokens), 'strict=False')

@@ -79,7 +79,8 @@ def open_model(args, folder: ModelFolder, *, device: str = None, decodes: bool =
                            f'(finetune --lora_rank) or a PEFT LoRA folder')
     from ..loading import load_model
 
-    return load_model(folder, device=device, dtype=getattr(args, 'dtype', 'float32'), adapter=adapter)
+    return load_model(folder, device=device, dtype=getattr(args, 'dtype', 'float32'), adapter=adapter,
+                      strict=not getattr(args, 'no_strict', False))
 
 
 # --- the parser's pieces -----------------------------------------------------------------------
@@ -98,19 +99,30 @@ def add_model_arguments(parser, *, device: bool = True) -> None:
         parser.add_argument('--device', default=None,
                             help="pin a device, e.g. '/GPU:0' or '/CPU:0' (default: TensorFlow's choice)")
         add_adapter(parser)
+        add_strict(parser)
 
 
-def add_model_folder(parser) -> None:
+def add_model_folder(parser, *, loads: bool = True) -> None:
+    """MODEL_DIR; with --adapter and --no_strict where the command loads the model (loads=False: it reads only
+    shapes, or the TF1 graph reads the folder)."""
     parser.add_argument('model_dir', metavar='MODEL_DIR',
                         help=f'a model folder (original, run or Hugging Face), or a name: {DEFAULT_MODEL} '
                              f'(under {DEFAULT_MODELS_DIR}/) or {BUNDLED} (the bundled test checkpoint)')
-    add_adapter(parser)
+    if loads:
+        add_adapter(parser)
+        add_strict(parser)
 
 
 def add_adapter(parser) -> None:
     parser.add_argument('--adapter', metavar='RUN', default=None,
                         help='a LoRA adapter folder (a run folder of finetune --lora_rank, or PEFT\'s) to merge into '
                              'the model (default: none)')
+
+
+def add_strict(parser) -> None:
+    parser.add_argument('--no_strict', '--no-strict', action='store_true',
+                        help="load a checkpoint that also holds variables the model does not have (optimizer "
+                             "slots), ignoring them (default: off, such a checkpoint is refused)")
 
 
 def add_dtype(parser) -> None:

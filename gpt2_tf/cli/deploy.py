@@ -7,8 +7,8 @@ import shutil
 
 LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
 
-from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_verbose,
-                     model_folder, open_model)
+from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_strict,
+                     add_verbose, model_folder, open_model)
 
 
 def new_folder(path: str) -> None:
@@ -148,6 +148,7 @@ def add_convert(commands) -> None:
     convert.add_argument('--to', choices=['hf', 'original'], required=True,
                          help='the layout to write (required: no default)')
     add_adapter(convert)  # merged into the weights written
+    add_strict(convert)  # a checkpoint with optimizer slots converts without them
     add_verbose(convert)
     convert.set_defaults(run=cmd_convert)
 

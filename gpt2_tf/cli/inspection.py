@@ -78,13 +78,13 @@ def add_commands(commands) -> None:
 
 def add_inspect_and_compare(commands) -> None:
     inspect = commands.add_parser('inspect', help='parameter accounting of a model folder')
-    add_model_folder(inspect)
+    add_model_folder(inspect, loads=False)
     inspect.add_argument('--json', action='store_true', help='machine-readable output (default: off, a table)')
     add_verbose(inspect)
     inspect.set_defaults(run=cmd_inspect)
 
     compare = commands.add_parser('compare', help='max |diff| per block and state against the TF1 graph')
-    add_model_folder(compare)
+    add_model_folder(compare, loads=False)
     compare.add_argument('--tokens', required=True,
                          help='token ids, e.g. "464 2068 7586" (required: no default)')
     add_verbose(compare)
