@@ -134,8 +134,8 @@ def check_length(length, n_ctx: int) -> None:
 def per_row(value, batch: int, name: str) -> np.ndarray:
     """A scalar option repeated for each row, or one value per row given as a sequence."""
     array = np.asarray(value)
-    if array.ndim == 0:
-        return np.full([batch], array.item())
+    if array.ndim == 0:  # its own dtype: an integer past int64 stays a Python int (object), to be refused or capped
+        return np.full([batch], array.item(), dtype=array.dtype)
     if array.shape != (batch,):
         raise GPT2Error(f'{name} must be a number or one value per row ({batch}), got shape {array.shape}')
     return array
@@ -156,8 +156,8 @@ def check_sampling(temperature, top_k, top_p, batch: int) -> tuple:
     for p in top_p:
         if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.number)) or not 0 <= p <= 1:
             raise GPT2Error(f'top_p must be in [0, 1] (1: no truncation), got {shown(p)}')
-    top_k = np.minimum(top_k.astype(np.int64), np.iinfo(np.int32).max)
-    return temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32)
+    top_k = np.array([min(int(k), np.iinfo(np.int32).max) for k in top_k], np.int32)  # past n_vocab: no truncation
+    return temperature.astype(np.float32), top_k, top_p.astype(np.float32)
 
 
 def check_seed(seed, batch: int) -> None:

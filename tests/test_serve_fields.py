@@ -39,6 +39,7 @@ def complete(served, **fields):
     ({'logit_bias': {'x': 5}}, 'logit_bias', "'x' is not a token id"),
     ({'logit_bias': {'50257': 5}}, 'logit_bias', "'50257' is not a token id: use ids in [0, 50256]"),
     ({'logit_bias': {'-1': 5}}, 'logit_bias', "'-1' is not a token id"),
+    ({'logit_bias': {'²': 5}}, 'logit_bias', "'²' is not a token id"),  # a digit to str.isdigit, not to int()
     ({'logit_bias': {'13': 101}}, 'logit_bias', 'the bias of token 13 is 101.0; use values in [-100, 100]'),
     ({'presence_penalty': 2.5}, 'presence_penalty', 'must be in [-2, 2], got 2.5'),
     ({'frequency_penalty': -2.01}, 'frequency_penalty', 'must be in [-2, 2], got -2.01'),
@@ -112,3 +113,69 @@ def test_best_of_with_logprobs_returns_the_chosen_ones_logprobs(served):
     chosen = every.choices[int(np.argmax(means))]
     assert best.choices[0].text == chosen.text
     np.testing.assert_allclose(best.choices[0].logprobs.token_logprobs, chosen.logprobs.token_logprobs, atol=1e-6)
+
+
+# --- OpenAI's nulls, large numbers, usage and streamed logprobs ---------------------------------------
+
+def test_null_fields_take_their_defaults(served):
+    nulls = dict(max_tokens=None, temperature=None, top_p=None, n=None, echo=None, stream=None,
+                 presence_penalty=None, frequency_penalty=None, logprobs=None, stop=None, best_of=None, user=None)
+    status, body = post(served[0], json.dumps({'prompt': 'Hello there', 'seed': 4, **nulls}).encode())
+    assert status == 200, body
+    plain = served[1].completions.create(model='test', prompt='Hello there', seed=4)
+    assert body['choices'][0]['text'] == plain.choices[0].text
+    assert body['usage'] == plain.usage.model_dump(exclude_none=True)
+
+
+def test_a_top_k_past_any_integer_type_means_no_truncation(served):
+    huge = complete(served, max_tokens=8, n=3, seed=6, extra_body={'top_k': 10 ** 23})
+    plain = complete(served, max_tokens=8, n=3, seed=6, extra_body={'top_k': 0})
+    assert [c.text for c in huge.choices] == [c.text for c in plain.choices]
+
+
+def test_usage_counts_the_tokens_up_to_the_stop_string(served):
+    whole = complete(served, max_tokens=24, temperature=0, logprobs=0, logit_bias={str(END): -100}).choices[0]
+    offsets, text = whole.logprobs.text_offset, whole.text
+    cut = next((k for k in range(2, 7) if text.find(text[offsets[k]:offsets[k] + 3]) == offsets[k]), None)
+    if cut is None:
+        pytest.skip('no token-aligned stop string in the greedy text')
+    stop = text[offsets[cut]:offsets[cut] + 3]
+    done = complete(served, max_tokens=24, temperature=0, logprobs=0, logit_bias={str(END): -100}, stop=[stop])
+    assert done.choices[0].text == text[:offsets[cut]] and done.choices[0].finish_reason == 'stop'
+    assert done.usage.completion_tokens == cut == len(done.choices[0].logprobs.tokens)  # not the chunk's 8
+
+
+def test_a_streamed_chunk_carries_the_logprobs_of_its_own_tokens(served):
+    fields = dict(max_tokens=24, temperature=0, logprobs=1, logit_bias={str(END): -100}, prompt='One two three')
+    whole = complete(served, **fields).choices[0]
+    sent, entries, carrying = '', {'tokens': [], 'token_logprobs': [], 'text_offset': []}, 0
+    for chunk in served[1].completions.create(model='test', stream=True, **fields):
+        choice = chunk.choices[0]
+        for offset in choice.logprobs.text_offset:  # each token starts in this chunk's text
+            assert len(sent) <= offset < len(sent) + len(choice.text), (sent, choice.text, offset)
+        for name in entries:
+            entries[name] += getattr(choice.logprobs, name)
+        carrying += bool(choice.logprobs.tokens)
+        sent += choice.text
+    assert sent == whole.text and carrying >= 3  # 24 tokens come in 8-token chunks
+    assert entries == {name: getattr(whole.logprobs, name) for name in entries}
+
+
+def test_an_empty_prompt_echoes_as_nothing(served):
+    done = complete(served, prompt=['', 'A'], max_tokens=0, echo=True)
+    assert [c.text for c in done.choices] == ['', 'A']
+    assert done.usage.prompt_tokens == 1  # the prompts as sent: 'A'
+    drawn = complete(served, prompt=[[]], max_tokens=2, echo=True, temperature=0)
+    assert not drawn.choices[0].text.startswith('<|endoftext|>')
+
+
+def test_an_unexpected_failure_is_a_500_in_the_openai_shape(served, monkeypatch):
+    from gpt2_tf.serve import protocol
+
+    def broken(*args, **kwargs):
+        raise RuntimeError('a bug')
+
+    monkeypatch.setattr(protocol.CompletionRequest, 'biases', broken)
+    status, body = post(served[0], json.dumps({'prompt': 'Hi', 'max_tokens': 2}).encode())
+    assert status == 500 and set(body) == {'error'} and body['error']['type'] == 'server_error', body
+    assert 'RuntimeError' in body['error']['message']

@@ -234,6 +234,39 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(model, monkeypatch):
         assert drip.delivered < 3000
 
 
+def test_a_client_that_leaves_before_a_whole_response_frees_its_rows(model, monkeypatch):
+    log = io.StringIO()
+    app = make_app(model, access_log=log)
+    drip = Dripping()
+    monkeypatch.setattr(app.state.batcher, 'submit', drip)
+    with running(app) as port:
+        with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
+            body = json.dumps({'prompt': 'Hi', 'max_tokens': 120, 'n': 3}).encode()  # not streamed
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                         b'Content-Length: %d\r\n\r\n%s' % (len(body), body))
+            settled(lambda: drip.delivered, lambda delivered: delivered >= 3)  # decoding has begun
+        done = settled(lambda: [row.done for row in drip.rows], lambda done: len(done) == 3 and all(done))
+        assert done == [True] * 3, 'the rows still run after their client left'
+        assert drip.delivered < 3 * 120
+        got = settled(lambda: samples(port), lambda got: any(name == 'gpt2_tf_requests_total' for name, _ in got))
+    assert got[('gpt2_tf_requests_total', frozenset({'code': '499', 'outcome': 'disconnected'}.items()))] == 1
+    assert re.fullmatch(r'gpt2-tf: POST /v1/completions 499 prompt_tokens=3 completion_tokens=\d+ latency_ms=\d+',
+                        log.getvalue().strip()), log.getvalue()
+
+
+def test_time_per_output_token_is_per_decode_step():
+    from gpt2_tf.serve.metrics import Metrics
+    from gpt2_tf.serve.protocol import Usage
+
+    metrics = Metrics(types.SimpleNamespace(running=0, waiting=0))
+    four_choices = types.SimpleNamespace(  # 4 choices of 11 tokens each, decoded side by side in 1 s
+        complete=True, started=0.0, first_token=0.5, last_token=1.5, longest=lambda: 11,
+        usage=lambda: Usage(prompt_tokens=2, completion_tokens=44, total_tokens=46))
+    metrics.record(200, four_choices)
+    text = metrics.scrape().decode()
+    assert 'gpt2_tf_time_per_output_token_seconds_sum 0.1' in text, text  # 1 s over 10 steps, not over 43 tokens
+
+
 # --- metrics --------------------------------------------------------------------------------------------
 
 def samples(port) -> dict:

@@ -9,6 +9,7 @@ counts and logs each request.
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations, and Request is imported
 # inside create_app (the package imports without the server extra), so they must be objects, not names.
+import asyncio
 import contextlib
 import secrets
 import time
@@ -19,7 +20,7 @@ from ..runtime import Model
 from ..validate import GPT2Error
 from .batcher import Batcher
 from .completion import Completion
-from .metrics import Metrics, log_access
+from .metrics import CLIENT_GONE, Metrics, log_access
 from .protocol import (APIError, CompletionRequest, CompletionResponse, Health, ModelCard, ModelList, check_model,
                        invalid, invalid_request)
 
@@ -73,9 +74,23 @@ def create_app(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequen
         http.state.completion = completion  # for Gate's metrics and access log
         if request.stream:
             return StreamingResponse(completion.stream(), media_type='text/event-stream')
-        return await completion.response()
+        return await answered(completion, http)
 
     return app
+
+
+async def answered(completion: Completion, http, *, every: float = 0.25):
+    """The whole response; or, once the client has gone (looked for every `every` seconds), 499 and the
+    completion cancelled, so that its rows leave their slots at the next chunk as a stream's do."""
+    task = asyncio.ensure_future(completion.response())
+    while not (await asyncio.wait({task}, timeout=every))[0]:
+        if await http.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return error_response(APIError(CLIENT_GONE, 'the client closed the connection before the response',
+                                           code='client_closed_request'))
+    return task.result()
 
 
 def error_response(error: APIError):
@@ -104,6 +119,11 @@ def _answer_errors(app) -> None:
     @app.exception_handler(HTTPException)
     async def routing(request, error: HTTPException):
         return error_response(http_error(request.method, request.url.path, error))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_, error: Exception):  # a bug: still OpenAI's shape (and the traceback in the log)
+        return error_response(APIError(500, f'the server failed on this request ({type(error).__name__}); '
+                                            f'its log has the details', kind='server_error'))
 
 
 def http_error(method: str, path: str, error) -> APIError:

@@ -33,6 +33,8 @@ class Choice:
         self.sent = 0  # characters of text already handed out
         self.prefix = prefix  # the echoed prompt
         self.finish_reason: Optional[str] = None
+        self.cut: Optional[int] = None  # where a stop string cut the text, if one did
+        self.handed = 0  # logprobs entries already handed out (a stream's chunks)
         self.drawn: List[float] = []  # the log-prob of each token drawn, the end of text included (for best_of)
         self.entries = prefix_logprobs or {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
 
@@ -53,11 +55,7 @@ class Choice:
                 top = {self.encoder.decode([int(t)]): float(p) for t, p in
                        zip(log_probs['top_ids'][i][:self.logprobs], log_probs['top_log_probs'][i][:self.logprobs])}
                 self._entry(piece, float(log_probs['log_probs'][i]), top, offset)
-        text = self.encoder.decode(self.tokens)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                text, self.finish_reason = text[:at], 'stop'
+        text = self.stopped(self.encoder.decode(self.tokens))
         if not self.finish_reason:
             text = text.rstrip('\ufffd')  # a token may end inside a UTF-8 character: wait for the rest
             hold = max((len(s) - 1 for s in self.stops), default=0)  # a stop may be forming at the end
@@ -68,14 +66,24 @@ class Choice:
 
     def finish(self, reason: str = 'length') -> str:
         self.finish_reason = self.finish_reason or reason
-        text = self.encoder.decode(self.tokens)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                text, self.finish_reason = text[:at], 'stop'
+        text = self.stopped(self.encoder.decode(self.tokens))
         new = text[self.sent:]
         self.sent = len(text)
         return new
+
+    def stopped(self, text: str) -> str:
+        """The text up to the first stop string in it (which finishes the choice), or all of it."""
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                text, self.finish_reason, self.cut = text[:at], 'stop', at
+        return text
+
+    def kept(self) -> int:
+        """The tokens behind the text returned: those that start before a stop string's cut (usage counts these)."""
+        if self.cut is None:
+            return len(self.tokens)
+        return sum(1 for i in range(len(self.tokens)) if len(self.encoder.decode(self.tokens[:i])) < self.cut)
 
     def _entry(self, piece, log_prob, top, offset):
         self.entries['tokens'].append(piece)
@@ -88,13 +96,25 @@ class Choice:
         return sum(self.drawn) / len(self.drawn) if self.drawn else 0.0
 
     def logprobs_object(self) -> Optional[dict]:
+        """The logprobs of the whole text: the echoed prompt's, then each token's behind the text returned."""
         if self.logprobs is None:
             return None
-        kept = len(self.entries['tokens'])
-        if self.finish_reason == 'stop' and self.stops:  # drop the entries past a stop string
-            limit = len(self.prefix) + self.sent
-            kept = sum(1 for offset in self.entries['text_offset'] if offset < limit)
-        return {name: values[:kept] for name, values in self.entries.items()}
+        return {name: values[:self._entries_sent()] for name, values in self.entries.items()}
+
+    def new_logprobs(self) -> Optional[dict]:
+        """A stream chunk's logprobs: the entries of the tokens whose text starts in what was handed out since
+        the last call (all that remain once the choice has finished)."""
+        if self.logprobs is None:
+            return None
+        start, self.handed = self.handed, max(self.handed, self._entries_sent())
+        return {name: values[start:self.handed] for name, values in self.entries.items()}
+
+    def _entries_sent(self) -> int:
+        """Entries whose token starts in the text handed out so far (echoed prompt included)."""
+        if self.finish_reason and self.cut is None:
+            return len(self.entries['tokens'])
+        limit = len(self.prefix) + self.sent
+        return sum(1 for offset in self.entries['text_offset'] if offset < limit)
 
 
 def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dict:
@@ -145,11 +165,11 @@ class Completion:
         """Makes the choices (an echo's log-probs are scored off the event loop) and queues their rows."""
         request, best_of = self.request, self.sampling.best_of
         ranked = best_of > request.n and request.logprobs is None  # the ranking needs each token's log-prob
-        for i, prompt in enumerate(self.sampling.prompts):
-            prefix = self.encoder.decode(prompt) if request.echo and request.prompted else ''
+        for i, (prompt, given) in enumerate(zip(self.sampling.prompts, self.sampling.given)):
+            prefix = self.encoder.decode(given) if request.echo else ''  # an empty prompt echoes as ''
             echoed = None
-            if prefix and request.logprobs is not None:
-                echoed = await asyncio.to_thread(echo_logprobs, model, self.encoder, prompt, request.logprobs)
+            if given and request.echo and request.logprobs is not None:
+                echoed = await asyncio.to_thread(echo_logprobs, model, self.encoder, given, request.logprobs)
             for j in range(best_of):
                 index = i * best_of + j
                 self.choices.append(Choice(index, self.encoder, request.stop or [], request.logprobs, prefix,
@@ -197,10 +217,15 @@ class Completion:
                 yield choice, text, False
 
     def usage(self) -> Usage:
-        """Prompt tokens once per returned choice; completion tokens of every choice drawn (best_of of them)."""
-        prompt = sum(len(p) for p in self.sampling.prompts) * self.request.n
-        completion = sum(len(c.tokens) for c in self.choices)
+        """Prompt tokens (as sent) once per returned choice; completion tokens of every choice drawn (best_of of
+        them), each up to its stop string."""
+        prompt = sum(len(p) for p in self.sampling.given) * self.request.n
+        completion = sum(c.kept() for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def longest(self) -> int:
+        """The most tokens one choice drew: the decode steps the request took."""
+        return max((len(c.tokens) for c in self.choices), default=0)
 
     def chunk(self, choices: List[CompletionChoice], usage: Optional[Usage] = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -233,8 +258,7 @@ class Completion:
         """Server-sent events: a chunk per new text, the usage when asked for, then [DONE]."""
         try:
             async for choice, text, finished in self.events():
-                part = CompletionChoice(text=text, index=choice.index,
-                                        logprobs=choice.logprobs_object() if finished else None,
+                part = CompletionChoice(text=text, index=choice.index, logprobs=choice.new_logprobs(),
                                         finish_reason=choice.finish_reason if finished else None)
                 yield f'data: {self.chunk([part]).model_dump_json()}\n\n'
             if (self.request.stream_options or {}).get('include_usage'):

@@ -12,7 +12,8 @@ import time
 from typing import Optional, TextIO
 
 NAMESPACE = 'gpt2_tf'
-OUTCOMES = ('completed', 'refused', 'failed', 'disconnected')  # 2xx, 4xx, 5xx, a stream its client left
+OUTCOMES = ('completed', 'refused', 'failed', 'disconnected')  # 2xx, 4xx, 5xx, a request its client left
+CLIENT_GONE = 499  # the status an access line gives a response whose client left first (nginx's)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
 
@@ -21,6 +22,8 @@ def outcome(status: int, completion=None) -> str:
     """One of OUTCOMES: how a request ended, from its status code and its completion (if it made one)."""
     if status >= 500:
         return 'failed'
+    if status == CLIENT_GONE:
+        return 'disconnected'
     if status >= 400:
         return 'refused'
     return 'disconnected' if completion is not None and not completion.complete else 'completed'
@@ -48,7 +51,8 @@ class Metrics:
         self.first_token = Histogram('time_to_first_token_seconds', 'From a request\'s arrival to its first token',
                                      namespace=NAMESPACE, registry=registry, buckets=FIRST_TOKEN_BUCKETS)
         self.per_token = Histogram('time_per_output_token_seconds',
-                                   'A request\'s time from its first token to its last, per token after the first',
+                                   'A request\'s time from its first token to its last, per token after the first '
+                                   'of its longest choice',
                                    namespace=NAMESPACE, registry=registry, buckets=PER_TOKEN_BUCKETS)
         self.requests = Counter('requests', 'Requests answered, by status code and outcome', ['code', 'outcome'],
                                 namespace=NAMESPACE, registry=registry)
@@ -63,8 +67,9 @@ class Metrics:
         self.generation_tokens.inc(usage.completion_tokens)
         if completion.first_token is not None:
             self.first_token.observe(completion.first_token - completion.started)
-            if usage.completion_tokens > 1:
-                self.per_token.observe((completion.last_token - completion.first_token) / (usage.completion_tokens - 1))
+            longest = completion.longest()  # the choices decode side by side: the time per token of one
+            if longest > 1:
+                self.per_token.observe((completion.last_token - completion.first_token) / (longest - 1))
 
     def scrape(self) -> bytes:
         from prometheus_client import generate_latest

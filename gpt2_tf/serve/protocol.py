@@ -7,6 +7,7 @@ token rows and sampling options; every check it makes is validate.py's.
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -75,10 +76,11 @@ Prompt = Union[str, List[str], List[int], List[List[int]], None]
 class Sampling:
     """A request as the engine takes it: checked token rows and per-row options."""
 
-    prompts: List[List[int]]  # one row per prompt; n choices of each are drawn
+    prompts: List[List[int]]  # one row per prompt, <|endoftext|> for an empty one; n choices of each are drawn
     options: dict  # temperature, top_k, top_p, logit_bias, presence_penalty, frequency_penalty: the library's names
     seed: int  # row i of the request draws with the key (seed, i)
     best_of: int  # rows drawn per prompt; the n of them with the highest mean token log-prob are returned
+    given: List[List[int]]  # the prompts as sent ([] for an empty one): what echo returns and usage counts
 
 
 class CompletionRequest(BaseModel):
@@ -105,6 +107,14 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = 0.0  # logit -= count * frequency_penalty + (count > 0) * presence_penalty,
     frequency_penalty: float = 0.0  # counting the tokens this choice has generated so far
     suffix: Optional[str] = None  # accepted so that clients sending the default work; anything else is refused
+
+    @model_validator(mode='before')
+    @classmethod
+    def _nulls(cls, data):
+        """null for a field is its default, as OpenAI's nullable fields (max_tokens, temperature, n, ...) take it."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        return data
 
     @field_validator('stop')
     @classmethod
@@ -147,7 +157,8 @@ class CompletionRequest(BaseModel):
     def to_sampling(self, encoder: Encoder, hparams: HParams) -> Sampling:
         """The request's rows and options, after validate.py's checks; raises APIError 400."""
         best_of = self.choices()
-        prompts = self.prompts(encoder, hparams.n_vocab)
+        given = self.prompts(encoder, hparams.n_vocab)
+        prompts = [row or [encoder.encoder[END_OF_TEXT]] for row in given]  # an empty prompt: after <|endoftext|>
         for i, prompt in enumerate(prompts):
             try:
                 if self.max_tokens:
@@ -171,7 +182,7 @@ class CompletionRequest(BaseModel):
         options = dict(temperature=float(temperature[0]), top_k=int(top_k[0]), top_p=float(top_p[0]),
                        logit_bias=self.biases(hparams.n_vocab), presence_penalty=float(self.presence_penalty),
                        frequency_penalty=float(self.frequency_penalty))
-        return Sampling(prompts, options, seed, best_of)
+        return Sampling(prompts, options, seed, best_of, given)
 
     def biases(self, n_vocab: int) -> Optional[Dict[int, float]]:
         """logit_bias with int token ids, each checked to be in the vocabulary, each bias in [-100, 100]."""
@@ -179,7 +190,7 @@ class CompletionRequest(BaseModel):
             return None
         biases = {}
         for key, bias in self.logit_bias.items():
-            token = int(key) if key.strip().lstrip('-').isdigit() else None
+            token = int(key) if re.fullmatch(r'\s*-?[0-9]+\s*', key) else None  # ASCII digits: '²' is no id
             if token is None or not 0 <= token < n_vocab:
                 raise APIError(400, f'logit_bias: {key!r} is not a token id: use ids in [0, {n_vocab - 1}] '
                                f'as strings, such as "50256"', param='logit_bias')
@@ -190,11 +201,10 @@ class CompletionRequest(BaseModel):
         return biases
 
     def prompts(self, encoder: Encoder, n_vocab: int) -> List[List[int]]:
-        """The prompts as checked lists of token ids; an omitted or empty prompt is <|endoftext|>."""
-        start = [encoder.encoder[END_OF_TEXT]]
+        """The prompts as checked lists of token ids, as sent: [] for an omitted or empty one."""
         prompt = self.prompt
         if not self.prompted:
-            return [start]
+            return [[]]
         if isinstance(prompt, str):
             rows = [encoder.encode(prompt)]
         elif all(isinstance(p, str) for p in prompt):
@@ -208,7 +218,7 @@ class CompletionRequest(BaseModel):
                 check_token_ids(row, n_vocab, name=f'prompt {i}: token')
             except GPT2Error as e:
                 raise invalid(e, 'prompt') from None
-        return [row or start for row in rows]
+        return rows
 
 
 # --- the responses ------------------------------------------------------------------------------
