@@ -175,6 +175,9 @@ def test_a_request_that_can_never_fit_the_window_is_400(served):
     ({'logprobs': 6}, 'logprobs', 'less than or equal to 5'),
     ({'seed': -2 ** 63 - 1}, 'seed', 'out of range'),
     ({'seed': 2 ** 63}, 'seed', 'out of range'),
+    ({'prompt': [True, 5]}, 'prompt', 'must be a string, a list of strings, a list of token ids (integers)'),
+    ({'prompt': [[1, 2.0]]}, 'prompt', 'a list of token ids (integers) or a list of such lists'),
+    ({'stream_options': {'include_usage': True}}, 'stream_options', 'only allowed with stream=true'),
 ])
 def test_refusals_that_stay_name_their_field(served, fields, param, message):
     status, body = post(served.port, json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())

@@ -11,7 +11,7 @@ import re
 import secrets
 from typing import Dict, List, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from ..encoder import END_OF_TEXT, Encoder
 from ..hparams import HParams
@@ -56,6 +56,8 @@ def invalid_request(errors: Sequence[dict]) -> APIError:
     message = first.get('msg', 'invalid request').removeprefix('Value error, ')
     if first.get('type') == 'extra_forbidden':
         message = f'unknown field {param!r}'
+    elif param == 'prompt':  # the first of the union's failures says little
+        message = 'must be a string, a list of strings, a list of token ids (integers) or a list of such lists'
     return APIError(400, f'{param}: {message}' if param else message, param=param)
 
 
@@ -69,7 +71,7 @@ def check_model(requested: Optional[str], served: Sequence[str]) -> None:
 
 # --- the request --------------------------------------------------------------------------------
 
-Prompt = Union[str, List[str], List[int], List[List[int]], None]
+Prompt = Union[str, List[str], List[StrictInt], List[List[StrictInt]], None]  # strict: true is not token 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,13 @@ class CompletionRequest(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError('stop takes up to 4 non-empty strings')
         return stops
+
+    @field_validator('stream_options')
+    @classmethod
+    def _streamed(cls, value, info):
+        if value is not None and not info.data.get('stream'):
+            raise ValueError('only allowed with stream=true')
+        return value
 
     @field_validator('presence_penalty', 'frequency_penalty')
     @classmethod
