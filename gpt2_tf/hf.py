@@ -138,7 +138,8 @@ def _read_safetensors(files: list) -> dict:
     return tensors
 
 
-def _read_torch(file: str) -> dict:
+def read_torch(file: str) -> dict:
+    """{name: array} of a PyTorch state dict file, loaded with weights_only=True (no code runs)."""
     try:
         import torch
     except ImportError:
@@ -170,7 +171,7 @@ def read_tensors(path) -> dict:
             raise HFFormatError(f'{index}: shard(s) missing: {missing or "the index lists none"}')
         return _read_safetensors([os.path.join(path, s) for s in shards])
     if os.path.isfile(os.path.join(path, TORCH_BIN)):
-        return _read_torch(os.path.join(path, TORCH_BIN))
+        return read_torch(os.path.join(path, TORCH_BIN))
     raise HFFormatError(f'{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} beside {CONFIG}')
 
 

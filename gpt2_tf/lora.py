@@ -19,6 +19,7 @@ import collections.abc
 import contextlib
 import json
 import os
+import re
 from typing import Optional
 
 import numpy as np
@@ -29,8 +30,13 @@ from .validate import GPT2Error
 
 CONFIG, WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.transformer.'
-UNSUPPORTED = {'use_rslora': False, 'use_dora': False, 'bias': 'none', 'modules_to_save': None,
-               'rank_pattern': {}, 'alpha_pattern': {}, 'layers_to_transform': None}  # PEFT's options we do not do
+UNSUPPORTED = {'use_rslora': False, 'use_dora': False, 'bias': 'none', 'lora_bias': False, 'modules_to_save': None,
+               'rank_pattern': {}, 'alpha_pattern': {}, 'layers_to_transform': None, 'layers_pattern': None,
+               'exclude_modules': None, 'trainable_token_indices': None, 'layer_replication': None,
+               'alora_invocation_tokens': None}  # PEFT's options that change the math, which we do not do
+PLAIN_INIT = (True, False, 'gaussian')  # init_lora_weights that start from the base as it is; PiSSA, OLoRA, CorDA
+# and LoftQ change the base weights themselves (PEFT saves the adapter against that changed base)
+BIN = 'adapter_model.bin'  # PEFT's PyTorch file (save_pretrained(safe_serialization=False))
 
 
 class AdapterError(GPT2Error):
@@ -221,8 +227,12 @@ def read_config(folder: str) -> dict:
                            f'only LORA adapters load here')
     for key, plain in UNSUPPORTED.items():
         value = config.get(key, plain)
-        if value != plain and not (plain in (None, {}) and not value):
+        if value != plain and not (plain in (None, {}) and value in (None, {}, [])):  # 0 is layer 0, not unset
             raise AdapterError(f'{path}: {key}={value!r} is not supported here (plain LoRA only: {key}={plain!r})')
+    init = config.get('init_lora_weights', True)
+    if not any(init is plain or init == plain and isinstance(init, str) for plain in PLAIN_INIT):
+        raise AdapterError(f'{path}: init_lora_weights={init!r} adapts a changed base model, not this one; merge it '
+                           f'with PEFT (merge_and_unload, save_pretrained) and load the merged model')
     for key in ('r', 'lora_alpha'):
         if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
             raise AdapterError(f'{path}: {key} must be a positive number, got {config.get(key)!r}')
@@ -237,13 +247,20 @@ def read(folder, model) -> tuple:
     folder = os.fspath(folder)
     config = read_config(folder)
     path, rank = os.path.join(folder, WEIGHTS), int(config['r'])
-    try:
-        with safe_open(path, framework='numpy') as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-            metadata = f.metadata() or {}
-    except Exception as e:  # a missing, truncated or foreign file
-        raise AdapterError(f'cannot read {path}: {str(e).strip().splitlines()[0] if str(e) else type(e).__name__}') from None
-    targets = _targets(config, path)
+    if not os.path.exists(path) and os.path.isfile(os.path.join(folder, BIN)):
+        from .hf import read_torch
+
+        path, metadata = os.path.join(folder, BIN), {}
+        tensors = read_torch(path)
+    else:
+        try:
+            with safe_open(path, framework='numpy') as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                metadata = f.metadata() or {}
+        except Exception as e:  # a missing, truncated or foreign file
+            reason = str(e).strip().splitlines()[0] if str(e) else type(e).__name__
+            raise AdapterError(f'cannot read {path}: {reason}') from None
+    targets = _targets(config, path, model.hparams.n_layer)
     found, pairs = convs(model, targets), {}
     for name, conv in found.items():
         nx, nf = conv.w.shape[-2], conv.w.shape[-1]
@@ -258,19 +275,38 @@ def read(folder, model) -> tuple:
     return config, pairs, int(step) if step and step.isdigit() else None
 
 
-def _targets(config: dict, path: str) -> tuple:
+def _targets(config: dict, path: str, n_layer: int) -> tuple:
+    """The products an adapter adapts, matched as PEFT matches target_modules against module names
+    (transformer.h.N.attn.c_attn): a string is a regular expression of the whole name ('all-linear': every
+    product); a list holds names or their last parts (c_proj: attn.c_proj and mlp.c_proj). Every block must be
+    adapted alike: adapters on some blocks only are refused."""
     modules = config.get('target_modules')
+    names = {(n, t): f'transformer.h.{n}.{module_name(t)}' for n in range(n_layer) for t in TARGETS}
+    if modules == 'all-linear':
+        modules = '.*'
     if isinstance(modules, str):
-        modules = [modules]
-    if not isinstance(modules, list) or not modules:
-        raise AdapterError(f'{path}: target_modules must be a list of module names, got {modules!r}')
-    targets = []
-    for m in modules:  # PEFT matches a suffix: c_proj names both attn.c_proj and mlp.c_proj
-        matched = [t for t in TARGETS if module_name(t) == m or module_name(t).endswith('.' + m)]
-        if not matched:
-            raise AdapterError(f'{path}: target module {m!r} is not a conv1d of a GPT-2 block '
-                               f'({", ".join(module_name(t) for t in TARGETS)})')
-        targets += matched
+        try:
+            matched = {key for key, name in names.items() if re.fullmatch(modules, name)}
+        except re.error as e:
+            raise AdapterError(f'{path}: target_modules {modules!r} is not a regular expression ({e})') from None
+    elif isinstance(modules, list) and modules and all(isinstance(m, str) for m in modules):
+        matched = set()
+        for m in modules:
+            hits = {key for key, name in names.items() if name == m or name.endswith('.' + m)}
+            if not hits:
+                raise AdapterError(f'{path}: target module {m!r} is not a conv1d of a GPT-2 block '
+                                   f'({", ".join(module_name(t) for t in TARGETS)})')
+            matched |= hits
+    else:
+        raise AdapterError(f'{path}: target_modules must be a list of module names or a regular expression, '
+                           f'got {modules!r}')
+    targets = [t for t in TARGETS if any((n, t) in matched for n in range(n_layer))]
+    partial = [module_name(t) for t in targets if not all((n, t) in matched for n in range(n_layer))]
+    if not targets:
+        raise AdapterError(f'{path}: target_modules {modules!r} matches no conv1d of a GPT-2 block')
+    if partial:
+        raise AdapterError(f'{path}: target_modules adapts {", ".join(partial)} in some blocks only; adapters here '
+                           f'cover every block (merge it with PEFT and load the merged model)')
     return check_targets(targets)
 
 
@@ -326,8 +362,14 @@ def apply(model, folder) -> dict:
 
 
 def check_fits(adapters: dict, config: dict, pairs: dict, folder) -> None:
-    """A saved adapter (read()) that the attached adapters can resume: the same rank and products."""
-    rank = next(iter(adapters.values())).A.shape[-1]
+    """A saved adapter (read()) that the attached adapters can resume: the same rank, products, alpha and dropout
+    (alpha scales what was trained; dropout is part of the run)."""
+    first = next(iter(adapters.values()))
+    rank = first.A.shape[-1]
+    if float(config['lora_alpha']) / rank != first.scale or float(config.get('lora_dropout', 0.0)) != first.dropout:
+        raise AdapterError(f'{os.path.join(os.fspath(folder), CONFIG)}: lora_alpha {config["lora_alpha"]}, lora_dropout '
+                           f'{config.get("lora_dropout", 0.0)}; this run has lora_alpha {first.scale * rank:g}, '
+                           f'lora_dropout {first.dropout:g}: resume with the same lora options')
     if int(config['r']) != rank or set(pairs) != set(adapters):
         raise AdapterError(f'{os.path.join(os.fspath(folder), CONFIG)}: rank {config["r"]} on '
                            f'{config.get("target_modules")}; this run trains rank {rank} on '

@@ -25,6 +25,7 @@ from . import checkpoint
 from .assets import bundled_vocabulary
 from .checkpoint import CheckpointError
 from .hparams import HParams
+from .validate import GPT2Error
 
 COUNTER = 'counter'
 
@@ -146,6 +147,17 @@ def read_slots(prefix: str, expected: dict) -> dict:
 
 def is_adapter_run(run_dir: str) -> bool:
     return os.path.isfile(os.path.join(run_dir, 'adapter_config.json'))
+
+
+def check_mode(run_dir: str, *, lora: bool) -> None:
+    """Refuses to start afresh over a run folder of the other kind (LoRA adapters or full fine-tuning): a new
+    run would overwrite its counter and drop its optimizer state."""
+    if lora and has_checkpoint(run_dir):
+        raise GPT2Error(f'{run_dir} holds a full fine-tuning run; resume it without --lora_rank, or train the '
+                        f'adapters under another --run_name')
+    if not lora and is_adapter_run(run_dir):
+        raise GPT2Error(f'{run_dir} holds a LoRA run; resume it with its --lora_rank (and lora options), or '
+                        f'fine-tune under another --run_name')
 
 
 def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict, step: int, *,

@@ -81,7 +81,7 @@ class Trainer:
                  jit_compile: bool = False, lora_rank: int = FinetuneConfig.lora_rank,
                  lora_alpha: Optional[float] = FinetuneConfig.lora_alpha,
                  lora_targets: str = FinetuneConfig.lora_targets, lora_dropout: float = FinetuneConfig.lora_dropout,
-                 base_model: str = ''):
+                 base_model: str = '', seed: Optional[int] = None):
         check_optimizer(learning_rate, optimizer, accumulate_gradients)
         if model.dtype != 'float32' and not lora_rank:  # LoRA reads the frozen base only, in any dtype
             raise GPT2Error(f'full fine-tuning needs float32 weights; this model holds {model.dtype} (load it '
@@ -92,7 +92,7 @@ class Trainer:
         self.accumulate = accumulate_gradients
         self.recompute = recompute
         self.adapters = lora.attach(model, rank=lora_rank, alpha=lora_alpha, targets=lora_targets,
-                                    dropout=lora_dropout) if lora_rank else {}
+                                    dropout=lora_dropout, seed=seed) if lora_rank else {}  # seed: A's draw
         self.lora_config = lora_rank and lora.peft_config(
             rank=lora_rank, alpha=2 * lora_rank if lora_alpha is None else lora_alpha, targets=lora_targets,
             dropout=lora_dropout, base=base_model)
@@ -263,7 +263,8 @@ def adafactor_update(names: list, variables: list, grads: list, slots: dict, lr)
             vr, vc = slots[f'{name}/Adafactor_vr'], slots[f'{name}/Adafactor_vc']
             r = vr.assign(decay * vr + (1 - decay) * tf.reduce_mean(g2, axis=-1))  # [..., nx]
             c = vc.assign(decay * vc + (1 - decay) * tf.reduce_mean(g2, axis=-2))  # [..., nf]
-            second = r[..., :, None] * c[..., None, :] / tf.reduce_mean(r, axis=-1, keepdims=True)[..., None]
+            # r / mean(r) first: r·c of an all-zero gradient (LoRA's first A) is 1e-60, 0 in float32, and 0/0 NaN.
+            second = (r / tf.reduce_mean(r, axis=-1, keepdims=True))[..., :, None] * c[..., None, :]
         u = g * tf.math.rsqrt(second)
         u = u / tf.maximum(1.0, tf.sqrt(tf.reduce_mean(tf.square(u))) / CLIP)
         v.assign_sub(lr * u)
@@ -304,6 +305,8 @@ class Run:
         self.log = log if self.chief else (lambda line: None)  # the chief speaks for the cluster
         saved = runfolder.is_adapter_run if config.lora_rank else runfolder.has_checkpoint
         resume = config.restore_from == 'latest' and saved(self.run_dir)
+        if not resume:  # a new run here must not mix with a run of the other kind
+            runfolder.check_mode(self.run_dir, lora=bool(config.lora_rank))
         self.model = loading.load_model(model_dir, strategy=strategy, dtype=config.dtype)
         if resume and runfolder.run_hparams(self.run_dir) != self.model.hparams:
             raise CheckpointError(f'{self.run_dir} holds a run of another model size '
@@ -314,7 +317,8 @@ class Run:
         self.trainer = Trainer(self.model, config.learning_rate, config.optimizer, config.accumulate_gradients,
                                config.recompute, config.only_train_transformer_layers, lora_rank=config.lora_rank,
                                lora_alpha=config.lora_alpha, lora_targets=config.lora_targets,
-                               lora_dropout=config.lora_dropout, base_model=str(getattr(model_dir, 'path', model_dir)))
+                               lora_dropout=config.lora_dropout, base_model=str(getattr(model_dir, 'path', model_dir)),
+                               seed=config.seed)
         if resume:
             self.trainer.restore(self.run_dir)
             found = self.run_dir if config.lora_rank else checkpoint.find_checkpoint(self.run_dir)

@@ -239,9 +239,86 @@ KEY = 'base_model.model.transformer.h.1.mlp.c_fc.lora_A.weight'
     (dict(tensors=lambda t: t | {KEY.replace('h.1', 'h.2'): t[KEY]}), r'h\.2\.mlp.* has no place in this model'),
     (dict(config=lambda c: c | {'target_modules': ['q_proj']}), "target module 'q_proj' is not a conv1d"),
     (dict(config=lambda c: c | {'use_dora': True}), 'use_dora=True is not supported'),
+    (dict(config=lambda c: c | {'layers_to_transform': 0}), 'layers_to_transform=0 is not supported'),
+    (dict(config=lambda c: c | {'lora_bias': True}), 'lora_bias=True is not supported'),
+    (dict(config=lambda c: c | {'alora_invocation_tokens': [50256]}), r'alora_invocation_tokens=\[50256\] is not'),
+    (dict(config=lambda c: c | {'init_lora_weights': 'pissa'}), "init_lora_weights='pissa' adapts a changed base"),
+    (dict(config=lambda c: c | {'target_modules': ['transformer.h.0.attn.c_attn']}),
+     'adapts attn.c_attn in some blocks only'),
+    (dict(config=lambda c: c | {'target_modules': '(attn'}), r"target_modules '\(attn' is not a regular expression"),
 ])
 def test_an_adapter_that_does_not_fit_is_refused_naming_the_tensor(peft_setup, tmp_path, change, message):
     folder, _ = peft_setup
     rewrite(folder / 'run', tmp_path / 'bad', **change)
     with pytest.raises(lora.AdapterError, match=message):
         load_model(TINY, adapter=tmp_path / 'bad')
+
+
+@pytest.mark.parametrize('targets', [
+    ['transformer.h.0.attn.c_attn', 'transformer.h.1.attn.c_attn', 'transformer.h.0.attn.c_proj',
+     'transformer.h.1.attn.c_proj', 'transformer.h.0.mlp.c_fc', 'transformer.h.1.mlp.c_fc',
+     'transformer.h.0.mlp.c_proj', 'transformer.h.1.mlp.c_proj'],  # how PEFT saves target_modules='all-linear'
+    'all-linear',
+    r'.*\.(c_attn|c_proj|c_fc)',  # a string is a regular expression of the whole name
+    ['c_attn', 'c_proj', 'h.0.mlp.c_fc', 'h.1.mlp.c_fc'],  # names or their last parts
+])
+def test_target_modules_match_as_peft_matches_them(peft_setup, tmp_path, targets):
+    folder, _ = peft_setup
+    rewrite(folder / 'run', tmp_path / 'named', config=lambda c: c | {'target_modules': targets})
+    tokens = batch(2, 16, seed=8)
+    np.testing.assert_array_equal(load_model(TINY, adapter=tmp_path / 'named')(tokens)['logits'],
+                                  load_model(TINY, adapter=folder / 'run')(tokens)['logits'])
+
+
+def test_an_adapter_model_bin_loads_as_the_safetensors_does(peft_setup, tmp_path):
+    torch = require('torch')
+    from safetensors.numpy import load_file
+
+    folder, _ = peft_setup
+    (tmp_path / 'bin').mkdir()
+    (tmp_path / 'bin' / lora.CONFIG).write_bytes((folder / 'run' / lora.CONFIG).read_bytes())
+    tensors = load_file(folder / 'run' / lora.WEIGHTS)
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, tmp_path / 'bin' / 'adapter_model.bin')
+    tokens = batch(2, 16, seed=9)
+    np.testing.assert_array_equal(load_model(TINY, adapter=tmp_path / 'bin')(tokens)['logits'],
+                                  load_model(TINY, adapter=folder / 'run')(tokens)['logits'])
+
+
+# --- training runs ------------------------------------------------------------------------------------
+
+def test_lora_with_adafactor_stays_finite():
+    trainer = Trainer(load_model(TINY), 1e-2, 'adafactor', 1, False, lora_rank=2)
+    adapter = trainer.adapters['h.0.attn.c_attn']
+    a0 = adapter.A.numpy().copy()
+    losses = [trainer.step(batch(seed=step)) for step in range(3)]
+    assert np.isfinite(losses).all(), losses
+    assert all(np.isfinite(v.numpy()).all() for v in trainer.variables)
+    assert np.abs(adapter.A.numpy() - a0).max() > 0  # A moves once B has (its first gradient is zero)
+
+
+def test_the_seed_draws_the_adapters(tmp_path):
+    draws = [Trainer(load_model(TINY), 1e-2, 'adam', 1, False, lora_rank=2, seed=seed).adapters['h.1.attn.c_attn']
+             for seed in (3, 3, 4)]
+    np.testing.assert_array_equal(draws[0].A.numpy(), draws[1].A.numpy())
+    assert np.abs(draws[0].A.numpy() - draws[2].A.numpy()).max() > 0
+    options = dict(steps=2, lora_rank=2, lora_dropout=0.2, checkpoint_dir=str(tmp_path), sample_every=0,
+                   print_every=0, seed=1, log=lambda line: None)
+    runs = [finetune(str(TINY), [np.arange(300) % 512], run_name=name, **options) for name in ('a', 'b')]
+    for name in runs[0].adapters:
+        np.testing.assert_array_equal(runs[0].adapters[name].B.numpy(), runs[1].adapters[name].B.numpy(), name)
+
+
+def test_a_run_folder_of_the_other_kind_is_refused_not_overwritten(tmp_path):
+    options = dict(steps=2, checkpoint_dir=str(tmp_path), sample_every=0, print_every=0, seed=0, log=lambda line: None)
+    chunks = [np.arange(300) % 512]
+    finetune(str(TINY), chunks, run_name='full', **options)
+    finetune(str(TINY), chunks, run_name='adapters', lora_rank=2, lora_alpha=4.0, **options)
+    with pytest.raises(GPT2Error, match=r'full holds a full fine-tuning run; resume it without --lora_rank'):
+        finetune(str(TINY), chunks, run_name='full', lora_rank=2, **options)
+    with pytest.raises(GPT2Error, match=r'adapters holds a LoRA run; resume it with its --lora_rank'):
+        finetune(str(TINY), chunks, run_name='adapters', **options)
+    assert (tmp_path / 'full' / 'counter').read_text().strip() == '2'
+    assert (tmp_path / 'adapters' / 'counter').read_text().strip() == '2'
+    with pytest.raises(lora.AdapterError, match='lora_alpha 4.0, lora_dropout 0.0; this run has lora_alpha 16, '
+                                                'lora_dropout 0: resume with the same lora options'):
+        finetune(str(TINY), chunks, run_name='adapters', lora_rank=2, lora_alpha=16.0, **options)
