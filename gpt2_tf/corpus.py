@@ -44,10 +44,11 @@ PIECE = 1 << 20  # characters read and encoded at a time
 SIDECAR = '.json'  # train.bin -> train.bin.json
 
 # A position where every encoding of the text has a token boundary: after a letter before a non-letter, or after
-# a digit before a non-digit, neither of them whitespace. No alternative of encoder.PATTERN crosses such a
-# point (letter and digit runs stop there, punctuation runs hold neither, contractions start with ' and stay
-# within letters), and none looks ahead across it, so the two sides encode as they do within the whole text.
-CUT = regex.compile(r'(?<=\p{L})(?=[^\s\p{L}])|(?<=\p{N})(?=[^\s\p{N}])')
+# a digit before a non-digit (whitespace included). No alternative of encoder.PATTERN crosses such a point
+# (letter and digit runs stop there, punctuation runs hold neither letters, digits nor whitespace, whitespace
+# runs hold only whitespace, contractions start with ' and stay within letters), and none looks ahead across
+# it, so the two sides encode as they do within the whole text. Text of letters and spaces alone cuts too.
+CUT = regex.compile(r'(?<=\p{L})(?=\P{L})|(?<=\p{N})(?=\P{N})')
 TAILS = (256, 4096)  # characters searched, from the end, for the last cut before the whole piece is
 
 
@@ -324,24 +325,47 @@ def split_documents(tokens: np.ndarray, fraction: float, *, end: int) -> tuple:
                     f'a validation split by document needs at least two documents')
 
 
+def check_ids(path: str, dtype: np.dtype, n_vocab: int, *, block: int = 1 << 22) -> None:
+    """Refuses a token file holding an id outside [0, n_vocab), naming the first; read in blocks through a
+    plain file (not the memory map), so the check holds one block at a time."""
+    with open(path, 'rb') as f:
+        done = 0
+        while True:
+            ids = np.fromfile(f, dtype=dtype, count=block)
+            if not ids.size:
+                return
+            outside = np.flatnonzero(ids >= n_vocab)
+            if outside.size:
+                at = int(outside[0])
+                raise GPT2Error(f'{path} holds token id {int(ids[at])} at token {done + at:,}, outside the model\'s '
+                                f'vocabulary [0, {n_vocab}): encode it with this model\'s vocabulary')
+            done += ids.size
+
+
+def skip(rng: np.random.Generator, high: int, batches: int, batch: int) -> None:
+    """Advances rng as `batches` draws of `batch` window starts in [0, high) advance it (a resumed run)."""
+    for _ in range(batches):
+        rng.integers(0, high, size=batch)
+
+
 class Windows:
     """Training windows of exactly `length` tokens at random offsets within given ranges of a token file,
-    read in place (memory does not grow with the file) and reproducible from a seed.
-
-    n_vocab, when given, is checked on every window drawn (a file without a
-    sidecar says nothing of its ids, and reading it all to check would map it
-    all into memory)."""
+    read in place (memory does not grow with the file) and reproducible from a seed."""
 
     def __init__(self, tokens: np.ndarray, length: int, *, ranges: Optional[Sequence[tuple]] = None,
-                 seed: Optional[int] = None, n_vocab: Optional[int] = None, name: str = 'the token file'):
+                 seed: Optional[int] = None, name: str = 'the token file'):
         ranges = [tuple(r) for r in (ranges or [(0, len(tokens))]) if r[1] - r[0] >= length]
         if not ranges:
             raise GPT2Error(f'{name} is shorter than one training window of {length} tokens '
                             f'(n_ctx): give more text')
-        self.tokens, self.length, self.ranges, self.n_vocab, self.name = tokens, length, ranges, n_vocab, name
+        self.tokens, self.length, self.ranges, self.name = tokens, length, ranges, name
         # A window starts at any of the stop - start - length + 1 offsets of a range, each equally likely.
         self.starts = np.cumsum([stop - start - length + 1 for start, stop in ranges])
         self.rng = np.random.default_rng(seed)
+
+    def skip(self, batches: int, batch: int) -> None:
+        """Draws as `batches` calls of sample(batch) draw, reading nothing: where a resumed run goes on."""
+        skip(self.rng, self.starts[-1], batches, batch)
 
     def sample(self, batch: int) -> np.ndarray:  # -> int32 [batch, length]
         picks = self.rng.integers(0, self.starts[-1], size=batch)
@@ -350,8 +374,4 @@ class Windows:
             i = int(np.searchsorted(self.starts, pick, side='right'))
             offset = self.ranges[i][0] + pick - (self.starts[i - 1] if i else 0)
             rows.append(np.asarray(self.tokens[offset:offset + self.length], np.int32))
-            if self.n_vocab is not None and int(rows[-1].max()) >= self.n_vocab:
-                raise GPT2Error(f'{self.name} holds token id {int(rows[-1].max())} (near token {offset:,}), '
-                                f'outside the model\'s vocabulary [0, {self.n_vocab}): encode it with this '
-                                f'model\'s vocabulary')
         return np.stack(rows)

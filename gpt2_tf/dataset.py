@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import glob
 import os
+import re
 from typing import Callable, Optional
 
 import numpy as np
@@ -36,6 +37,9 @@ def _files(path: str) -> list:
     return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
 
 
+SEPARATOR = re.compile(rf'^{re.escape(END_OF_TEXT)}$', re.MULTILINE)  # a line that is exactly <|endoftext|>
+
+
 def _documents(file: str) -> list:
     """A text file's documents: split at lines that are exactly <|endoftext|>, blank ones dropped."""
     try:
@@ -43,7 +47,7 @@ def _documents(file: str) -> list:
             text = f.read()
     except UnicodeDecodeError:
         raise GPT2Error(f'{file}: not UTF-8 text; datasets are text files or an .npz of tokens') from None
-    documents = [d.strip('\n') for d in text.split(f'\n{END_OF_TEXT}\n')]
+    documents = [d.strip('\n') for d in SEPARATOR.split(text)]
     return [d for d in documents if d.strip()]
 
 
@@ -167,14 +171,14 @@ def token_windows(path: str, length: int, *, n_vocab: int, model_dir: Optional[s
     val_fraction > 0 holds out the file's last documents, about that fraction of its tokens."""
     tokens = corpus.read_tokens(path)
     info = check_token_file(path, n_vocab, model_dir)
-    check = None if 'n_vocab' in info else n_vocab  # a file without a sidecar: its windows are checked as drawn
+    if 'n_vocab' not in info:  # a file without a sidecar says nothing of its ids: read them all once, in blocks
+        corpus.check_ids(path, tokens.dtype, n_vocab)
     train, held_out = (0, len(tokens)), None
     if val_fraction:
         train, held_out = corpus.split_documents(tokens, val_fraction,
                                                  end=info.get('end_of_text', END_OF_TEXT_ID))
-        held_out = corpus.Windows(tokens, length, ranges=[held_out], seed=val_seed, n_vocab=check,
-                                  name=f'the validation part of {path}')
-    return corpus.Windows(tokens, length, ranges=[train], seed=seed, n_vocab=check, name=str(path)), held_out
+        held_out = corpus.Windows(tokens, length, ranges=[held_out], seed=val_seed)
+    return corpus.Windows(tokens, length, ranges=[train], seed=seed, name=str(path)), held_out
 
 
 class Sampler:
@@ -190,6 +194,10 @@ class Sampler:
         # A window starts at any of the len - length + 1 offsets of a chunk, each equally likely.
         self.starts = np.cumsum([len(c) - length + 1 for c in self.chunks])
         self.rng = np.random.default_rng(seed)
+
+    def skip(self, batches: int, batch: int) -> None:
+        """Draws as `batches` calls of sample(batch) draw, reading nothing: where a resumed run goes on."""
+        corpus.skip(self.rng, self.starts[-1], batches, batch)
 
     def sample(self, batch: int) -> np.ndarray:  # -> int32 [batch, length]
         rows = []

@@ -321,6 +321,8 @@ class Run:
                                seed=config.seed)
         if resume:
             self.trainer.restore(self.run_dir)
+            # The windows go on where the run stopped: step k draws what it would have drawn uninterrupted.
+            self.sampler.skip(self.trainer.steps, config.batch_size * config.accumulate_gradients)
             found = self.run_dir if config.lora_rank else checkpoint.find_checkpoint(self.run_dir)
             self.log(f'Loading checkpoint {found} (step {self.trainer.steps})')
         files = [os.path.join(model_dir, f) for f in ('encoder.json', 'vocab.bpe')]

@@ -80,6 +80,30 @@ def test_pieces_end_at_cuts_and_join_to_the_text():
     assert sum((pretokens(p) for p in parts), []) == pretokens(MIXED * 10)
 
 
+def test_text_of_letters_and_spaces_alone_is_cut_into_pieces():
+    import io
+
+    text = 'the quick brown fox jumps over the lazy dog ' * 200  # no punctuation, no digits (text8's kind)
+    parts = list(corpus.pieces(io.StringIO(text), size=256))
+    assert len(parts) > 20 and max(map(len, parts)) < 2 * 256  # the carry stays bounded
+    assert ''.join(parts) == text
+    assert sum((pretokens(p) for p in parts), []) == pretokens(text)
+
+
+def test_ids_outside_the_vocabulary_are_refused_before_any_window(tmp_path):
+    from gpt2_tf.dataset import token_windows
+
+    ids = np.arange(300_000, dtype='<u2') % 50257
+    ids[123_456] = 60000
+    ids.tofile(tmp_path / 'no-sidecar.bin')
+    with pytest.raises(GPT2Error, match=r"no-sidecar.bin holds token id 60000 at token 123,456, outside the model's "
+                                        r"vocabulary \[0, 50257\)"):
+        token_windows(str(tmp_path / 'no-sidecar.bin'), 128, n_vocab=50257)
+    ids[123_456] = 7
+    ids.tofile(tmp_path / 'no-sidecar.bin')
+    assert token_windows(str(tmp_path / 'no-sidecar.bin'), 128, n_vocab=50257)[0].sample(4).shape == (4, 128)
+
+
 def test_folders_follow_the_glob_and_sorted_order(tmp_path):
     (tmp_path / 'b.txt').write_text('second')
     (tmp_path / 'a.md').write_text('first')

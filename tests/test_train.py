@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -129,6 +130,18 @@ def test_text_datasets_join_documents_with_the_end_of_text_token(tmp_path):
     assert [c.tolist() for c in several][0] == encoder.encode('First document.') + [50256]
 
 
+@pytest.mark.parametrize('text', [
+    '<|endoftext|>\nFirst.\n<|endoftext|>\nSecond.',  # a separator on the first line
+    'First.\n<|endoftext|>\nSecond.\n<|endoftext|>',  # on the last, without a newline after it
+    'First.\n<|endoftext|>\n<|endoftext|>\nSecond.\n',  # two in a row
+])
+def test_every_separator_line_splits_documents(tmp_path, text):
+    encoder = get_encoder()
+    (tmp_path / 'a.txt').write_text(text)
+    chunks = load_dataset(str(tmp_path / 'a.txt'), encoder, combine=10**9)
+    assert [c.tolist() for c in chunks] == [encoder.encode('First.') + [50256] + encoder.encode('Second.') + [50256]]
+
+
 def test_an_npz_of_tokens_loads_unchanged_and_encode_writes_one(tmp_path):
     arrays = [np.arange(300, dtype=np.int32), np.arange(50, 120, dtype=np.int32)]
     np.savez_compressed(tmp_path / 'gpt2-simple.npz', *arrays)  # gpt-2-simple's encode_dataset format
@@ -185,6 +198,21 @@ def test_save_restore_resumes_exactly(tmp_path):
     ref = Reference(HPARAMS, str(tmp_path / 'run' / 'model-4'))
     tokens = data[0][:1]
     assert np.abs(model(tokens)['logits'].numpy() - ref(tokens)['logits']).max() <= tolerance(ref(tokens)['logits'])
+
+
+def test_a_resumed_run_draws_the_windows_an_uninterrupted_one_draws(tmp_path):
+    chunks = [np.random.default_rng(1).integers(0, HPARAMS.n_vocab, 900).astype(np.int32)]
+    options = dict(checkpoint_dir=str(tmp_path), sample_every=0, print_every=1, seed=7, batch_size=2,
+                   accumulate_gradients=1)
+
+    def losses(run_name, steps, **more):
+        lines = []
+        finetune(str(HOT), chunks, steps=steps, run_name=run_name, log=lines.append, **options, **more)
+        return [float(m.group(1)) for m in map(re.compile(r'loss=([\d.]+)').search, lines) if m]
+
+    straight = losses('straight', 4)
+    resumed = losses('parts', 2) + losses('parts', 2, restore_from='latest')
+    assert len(straight) == 4 and resumed == straight
 
 
 def test_a_gpt2_simple_run_folder_loads_and_training_continues(tmp_path):
