@@ -77,10 +77,21 @@ def _encode_texts(files: list, encoder: Encoder, combine: int, progress: Optiona
     return chunks
 
 
+def _npz_chunks(file: str) -> list:
+    """The token arrays of an .npz (gpt-2-simple's encode_dataset output)."""
+    try:
+        with np.load(file) as npz:
+            return [np.asarray(npz[name]) for name in npz.files]
+    except Exception as e:  # a damaged zip, object arrays (no pickles are loaded), ...
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise GPT2Error(f'{file}: not an .npz of token arrays ({reason}); encode the text again') from None
+
+
 def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress: Optional[Callable] = None) -> list:
     """Token chunks (int32 arrays) from a text file, a folder or glob of files, or an .npz of token arrays.
 
-    An .npz (gpt-2-simple's encode_dataset output) loads as is. Text files are
+    An .npz (gpt-2-simple's encode_dataset output) loads as is, alone or among the files of a folder or
+    glob, as gpt-2-simple reads them. Text files are
     split into documents at lines that are exactly <|endoftext|>, and every
     document is followed by the end-of-text token 50256, as GPT-2 was trained
     (gpt-2-simple instead encoded that line as seven ordinary tokens).
@@ -91,11 +102,9 @@ def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress:
     files = _files(path)
     if not files:
         raise FileNotFoundError(f'no dataset at {path}: give a text file, a folder, a glob, or an .npz')
-    if len(files) == 1 and files[0].endswith('.npz'):
-        with np.load(files[0]) as npz:
-            chunks = [np.asarray(npz[name]) for name in npz.files]
-    else:
-        chunks = _encode_texts(files, encoder, combine, progress)
+    texts = [f for f in files if not f.endswith('.npz')]
+    chunks = [chunk for f in files if f.endswith('.npz') for chunk in _npz_chunks(f)]  # as gpt-2-simple reads them
+    chunks += _encode_texts(texts, encoder, combine, progress) if texts else []
     chunks = [c for c in chunks if c.size]
     if not chunks:
         raise GPT2Error(f'the dataset at {path} is empty: no tokens in it')

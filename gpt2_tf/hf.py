@@ -25,6 +25,7 @@ import numpy as np
 
 from .encoder import END_OF_TEXT_ID
 from .hparams import HParams
+from .tensorfiles import read_torch, unreadable
 from .validate import GPT2Error, save_folder
 
 CONFIG = 'config.json'
@@ -115,12 +116,6 @@ def _read_json(path: str):
         raise HFFormatError(f'{path}: cannot be read ({e.strerror})') from None
 
 
-def _unreadable(file: str, e: Exception) -> HFFormatError:
-    """A read failure of a weights file, as one line that names the file."""
-    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return HFFormatError(f'{file}: cannot be read ({reason}); is the file complete? Copy or download it again')
-
-
 def _read_safetensors(files: list) -> dict:
     try:
         from safetensors import safe_open
@@ -134,23 +129,8 @@ def _read_safetensors(files: list) -> dict:
                 for name in f.keys():
                     tensors[name] = f.get_tensor(name)
         except Exception as e:  # safetensors' own error type, OSError, or a broken header's ValueError
-            raise _unreadable(file, e) from None
+            raise unreadable(file, e, HFFormatError) from None
     return tensors
-
-
-def read_torch(file: str) -> dict:
-    """{name: array} of a PyTorch state dict file, loaded with weights_only=True (no code runs)."""
-    try:
-        import torch
-    except ImportError:
-        raise HFFormatError(f'{file} is a PyTorch file and reading it needs torch (pip install torch==2.13.0); '
-                            f'a model.safetensors needs only the safetensors package') from None
-    try:
-        state = torch.load(file, map_location='cpu', weights_only=True)
-    except Exception as e:  # a truncated zip, an unpickling error, ...
-        raise _unreadable(file, e) from None
-    return {name: value.float().numpy() if value.is_floating_point() else value.numpy()
-            for name, value in state.items()}
 
 
 def read_tensors(path) -> dict:
@@ -171,7 +151,7 @@ def read_tensors(path) -> dict:
             raise HFFormatError(f'{index}: shard(s) missing: {missing or "the index lists none"}')
         return _read_safetensors([os.path.join(path, s) for s in shards])
     if os.path.isfile(os.path.join(path, TORCH_BIN)):
-        return read_torch(os.path.join(path, TORCH_BIN))
+        return read_torch(os.path.join(path, TORCH_BIN), HFFormatError)
     raise HFFormatError(f'{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} beside {CONFIG}')
 
 

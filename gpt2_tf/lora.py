@@ -248,10 +248,10 @@ def read(folder, model) -> tuple:
     config = read_config(folder)
     path, rank = os.path.join(folder, WEIGHTS), int(config['r'])
     if not os.path.exists(path) and os.path.isfile(os.path.join(folder, BIN)):
-        from .hf import read_torch
+        from .tensorfiles import read_torch
 
         path, metadata = os.path.join(folder, BIN), {}
-        tensors = read_torch(path)
+        tensors = read_torch(path, AdapterError)
     else:
         try:
             with safe_open(path, framework='numpy') as f:

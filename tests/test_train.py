@@ -153,6 +153,18 @@ def test_an_npz_of_tokens_loads_unchanged_and_encode_writes_one(tmp_path):
     assert sum(c.size for c in again) == count == len(get_encoder().encode('Hello there. ' * 50)) + 1
 
 
+def test_npz_files_in_a_folder_or_glob_load_as_tokens(tmp_path):
+    arrays = [np.arange(300, dtype=np.int32), np.arange(50, 120, dtype=np.int32)]
+    (tmp_path / 'data').mkdir()
+    np.savez_compressed(tmp_path / 'data' / 'part1.npz', arrays[0])
+    np.savez_compressed(tmp_path / 'data' / 'part2.npz', arrays[1])
+    for path in (tmp_path / 'data', tmp_path / 'data' / '*.npz'):
+        assert [c.tolist() for c in load_dataset(str(path), get_encoder())] == [a.tolist() for a in arrays]
+    (tmp_path / 'data' / 'part3.npz').write_bytes(b'PK not a zip')
+    with pytest.raises(GPT2Error, match=r'part3.npz: not an .npz of token arrays'):
+        load_dataset(str(tmp_path / 'data'), get_encoder())
+
+
 @pytest.mark.parametrize('setup, message', [
     (lambda p: None, 'no dataset at'),
     (lambda p: (p / 'data.txt').write_text('  \n'), 'is empty: no tokens'),

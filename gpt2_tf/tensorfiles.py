@@ -1,0 +1,32 @@
+"""PyTorch's tensor files (pytorch_model.bin, adapter_model.bin), read without running their code.
+
+Shared by the HF folders (hf) and the LoRA adapters (lora), each passing its own error type.
+"""
+
+from __future__ import annotations
+
+from typing import Type
+
+from .validate import GPT2Error
+
+
+def unreadable(file: str, e: Exception, error: Type[GPT2Error] = GPT2Error) -> GPT2Error:
+    """A read failure of a weights file, as one line that names the file."""
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return error(f'{file}: cannot be read ({reason}); is the file complete? Copy or download it again')
+
+
+def read_torch(file: str, error: Type[GPT2Error] = GPT2Error) -> dict:
+    """{name: numpy array} of a PyTorch state dict file, loaded with weights_only=True (no pickled code runs);
+    floating tensors as float32."""
+    try:
+        import torch
+    except ImportError:
+        raise error(f'{file} is a PyTorch file and reading it needs torch (pip install torch==2.13.0); '
+                    f'its safetensors form needs only the safetensors package') from None
+    try:
+        state = torch.load(file, map_location='cpu', weights_only=True)
+    except Exception as e:  # a truncated zip, an unpickling error, ...
+        raise unreadable(file, e, error) from None
+    return {name: value.float().numpy() if value.is_floating_point() else value.numpy()
+            for name, value in state.items()}
