@@ -9,6 +9,7 @@ server-sent events.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import copy
 import functools
 import secrets
@@ -83,7 +84,9 @@ class Choice:
         """The tokens behind the text returned: those that start before a stop string's cut (usage counts these)."""
         if self.cut is None:
             return len(self.tokens)
-        return sum(1 for i in range(len(self.tokens)) if len(self.encoder.decode(self.tokens[:i])) < self.cut)
+        # The first i whose text reaches the cut, by bisection: a prefix's text grows with it, so log n decodes.
+        return bisect.bisect_left(range(len(self.tokens) + 1), self.cut,
+                                  key=lambda i: len(self.encoder.decode(self.tokens[:i])))
 
     def _entry(self, piece, log_prob, top, offset):
         self.entries['tokens'].append(piece)
