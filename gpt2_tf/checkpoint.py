@@ -14,6 +14,7 @@ import glob
 import ntpath
 import os
 import re
+import shutil
 import sys
 import tempfile
 from typing import Optional
@@ -336,24 +337,29 @@ def replace_atomically(path: str, text: str) -> None:
     os.replace(temporary, path)
 
 
+@contextlib.contextmanager
+def staged(folder: str):
+    """A fresh staging folder inside folder, removed afterwards with whatever is left in it. Files are written
+    there, then moved into place by os.replace (the same file system): each appears whole or not at all."""
+    staging = tempfile.mkdtemp(prefix='.saving-', dir=folder)
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def write_tensors(prefix: str, tensors: dict) -> None:
     """Writes {name: tensor} as a TF name-based checkpoint at prefix (.index and .data-00000-of-00001).
 
     The files are written in a staging folder beside them and moved into place data
     first, so a reader never finds an index whose data is missing.
     """
-    folder = os.path.dirname(prefix) or '.'
-    staging = tempfile.mkdtemp(prefix='.saving-', dir=folder)
-    try:
+    with staged(os.path.dirname(prefix) or '.') as staging:
         names = sorted(tensors)
         tf.raw_ops.SaveV2(prefix=os.path.join(staging, 'bundle'), tensor_names=names,
                           shape_and_slices=[''] * len(names), tensors=[tensors[n] for n in names])
         for suffix in ('.data-00000-of-00001', '.index'):
             os.replace(os.path.join(staging, 'bundle' + suffix), prefix + suffix)
-    finally:
-        for leftover in os.listdir(staging):
-            os.remove(os.path.join(staging, leftover))
-        os.rmdir(staging)
 
 
 def remove_bundle(prefix: str) -> None:

@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 import warnings
 
 import numpy as np
@@ -257,7 +256,7 @@ def save_hf(model, path, *, vocabulary=None) -> str:
         raise HFFormatError("writing an HF folder needs the safetensors and tokenizers packages: "
                             "pip install -e '.[hf]'") from None
     from .assets import bundled_vocabulary
-    from .checkpoint import stored_weights
+    from .checkpoint import staged, stored_weights
 
     if model.dtype == 'int8':
         raise HFFormatError('an int8 model cannot be saved as an HF folder: it holds float weights, and int8 ones '
@@ -268,13 +267,10 @@ def save_hf(model, path, *, vocabulary=None) -> str:
                             f'that loads from there; save the HF folder to another folder')
     tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
     files = vocabulary or bundled_vocabulary()
-    staging = tempfile.mkdtemp(prefix='.saving-', dir=path)
-    try:  # every file is written beside the folder's own first, then moved in, config.json last
+    with staged(path) as staging:  # every file is written beside the folder's own first, then moved in, config last
         _write_hf_files(staging, model.hparams, tensors, files, destination=path)
         for name in (SAFETENSORS, *TOKENIZER_FILES, TOKENIZER_JSON, CONFIG):
             os.replace(os.path.join(staging, name), os.path.join(path, name))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return path
 
 
