@@ -59,10 +59,27 @@ def convs(model, targets) -> dict:
 
 
 class Counter:
-    """The updates applied, as the dropout's seed; a plain object, so no module lists it among the weights."""
+    """The dropout's seed: the updates applied, and the part of the step being traced (a micro-batch on a
+    replica, set by `part`); a plain object, so no module lists it among the weights."""
 
     def __init__(self):
         self.value = tf.Variable(0, dtype=tf.int64, trainable=False, name='lora_counter')
+        self.part = 0  # an int or a traced int32 scalar
+
+
+@contextlib.contextmanager
+def part(adapters: dict, index):
+    """The masks drawn inside (forward and recomputed backward) are those of part `index` of the step: each
+    micro-batch of an accumulated step and each replica draws its own."""
+    if not adapters:
+        yield
+        return
+    counter = next(iter(adapters.values())).counter  # attach's one, shared by every adapter
+    before, counter.part = counter.part, index
+    try:
+        yield
+    finally:
+        counter.part = before
 
 
 @contextlib.contextmanager
@@ -79,7 +96,8 @@ def training(adapters: dict):
 
 class Adapter(tf.Module):
     """x [rows, nx] -> dropout(x)·A·B·scale [rows, nf]. Dropout only while `training` (set by the Trainer);
-    its mask is stateless, seeded by the step and the adapter's index, so a recomputed block draws it again."""
+    its mask is stateless, seeded by the step, the part of the step and the adapter's index, so a recomputed
+    block draws it again."""
 
     def __init__(self, nx: int, nf: int, scope: str, *, rank: int, alpha: float, dropout: float = 0.0,
                  index: int = 0, rng: Optional[np.random.Generator] = None):
@@ -97,6 +115,7 @@ class Adapter(tf.Module):
     def __call__(self, x):  # [rows, nx] -> [rows, nf]
         if self.training and self.dropout:
             seed = tf.stack([self.counter.value, tf.constant(self.index, tf.int64)])
+            seed = tf.random.experimental.stateless_fold_in(seed, self.counter.part)
             keep = tf.random.stateless_uniform(tf.shape(x), seed) >= self.dropout
             x = tf.where(keep, x / (1 - self.dropout), tf.zeros_like(x))
         return tf.matmul(tf.matmul(x, self.A), self.B) * self.scale

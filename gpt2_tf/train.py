@@ -126,20 +126,23 @@ class Trainer:
             fresh = {'beta1_power': BETA1, 'beta2_power': BETA2, 'adafactor_step': 0.0}.get(name)
             variable.assign(tf.zeros_like(variable) if fresh is None else fresh)
 
-    def _gradients(self, tokens):
-        """tokens [batch, T] -> (mean loss, mean gradients) over `accumulate` micro-batches, one at a time."""
+    def _gradients(self, tokens, replica=0):
+        """tokens [batch, T] -> (mean loss, mean gradients) over `accumulate` micro-batches, one at a time;
+        micro-batch i of replica r is part r·accumulate + i of the step (its own dropout masks)."""
         wrap = recomputed if self.recompute else None
         k = self.accumulate
         if k == 1:
-            with self._tape() as tape:
-                loss = mean_loss(self.model, tokens, wrap=wrap, wte_trained=self.wte_trained)
-            return loss, tape.gradient(loss, self.variables)
+            with lora.part(self.adapters, replica):
+                with self._tape() as tape:
+                    loss = mean_loss(self.model, tokens, wrap=wrap, wte_trained=self.wte_trained)
+                return loss, tape.gradient(loss, self.variables)
         micro = tf.reshape(tokens, [k, -1, tf.shape(tokens)[1]])  # [k, batch / k, T]
 
         def one(i, loss, grads):
-            with self._tape() as tape:
-                part = mean_loss(self.model, micro[i], wrap=wrap, wte_trained=self.wte_trained)
-            new = tape.gradient(part, self.variables)
+            with lora.part(self.adapters, replica * k + i):
+                with self._tape() as tape:
+                    part = mean_loss(self.model, micro[i], wrap=wrap, wte_trained=self.wte_trained)
+                new = tape.gradient(part, self.variables)
             return i + 1, loss + part, [g + n for g, n in zip(grads, new)]
 
         zeros = [tf.zeros_like(v) for v in self.variables]
@@ -183,8 +186,8 @@ class Trainer:
         def replica(tokens):  # every replica sees the global batch and takes its own slice of it
             context = tf.distribute.get_replica_context()
             rows = tf.shape(tokens)[0] // context.num_replicas_in_sync
-            start = tf.cast(context.replica_id_in_sync_group, tf.int32) * rows
-            loss, grads = self._gradients(tokens[start:start + rows])
+            replica_id = tf.cast(context.replica_id_in_sync_group, tf.int32)
+            loss, grads = self._gradients(tokens[replica_id * rows:(replica_id + 1) * rows], replica_id)
             reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [loss] + grads)  # equal slices: the batch's mean
             self._apply(reduced[1:])
             return reduced[0]

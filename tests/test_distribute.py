@@ -60,7 +60,9 @@ batches, held_out = np.load(data)['batches'][:3], np.load(data)['held_out']
 results = {}
 for name, strategy in (('two', make_strategy('mirrored')), ('one', None)):
     model = gpt2_tf.load_model(folder, strategy=strategy)
-    trainer = Trainer(model, 1e-1, 'sgd', 2, True, lora_rank=2, lora_targets='c_attn,mlp.c_fc')
+    # micro-batch i of replica r draws part 2r + i's dropout masks: one device's micro-batch 2r + i of 4
+    trainer = Trainer(model, 1e-1, 'sgd', 2 if strategy else 4, True, lora_rank=2, lora_targets='c_attn,mlp.c_fc',
+                      lora_dropout=0.2)
     rng = np.random.default_rng(0)  # the same start on both sides
     for adapter in trainer.adapters.values():
         adapter.A.assign(rng.uniform(-0.1, 0.1, adapter.A.shape).astype(np.float32))
@@ -126,7 +128,7 @@ def test_mirrored_over_two_devices_equals_one_device(tmp_path, optimizer):
 @pytest.mark.slow  # about 25 s: two strategies' worth of tracing
 def test_lora_mirrored_over_two_devices_equals_one_device(tmp_path):
     # SGD, so that the adapters themselves can be compared (Adam's update is the full-weight test's kernel);
-    # accumulated and recomputed, the base frozen on every device.
+    # accumulated and recomputed, with dropout, the base frozen on every device.
     done = subprocess.run([sys.executable, '-c', LORA, str(HOT), str(data(tmp_path))],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

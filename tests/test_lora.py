@@ -308,6 +308,21 @@ def test_the_seed_draws_the_adapters(tmp_path):
         np.testing.assert_array_equal(runs[0].adapters[name].B.numpy(), runs[1].adapters[name].B.numpy(), name)
 
 
+@pytest.mark.parametrize('recompute', [False, True])
+def test_each_micro_batch_draws_its_own_dropout_mask(recompute):
+    # Two equal rows as two micro-batches: with one mask for both, the step is the one-row step exactly.
+    # SGD from B = 0: B's first update is -lr·mean over micro-batches of (dropout(x)·A)ᵀ·dy.
+    row = batch(rows=1)
+    options = dict(lora_rank=2, lora_dropout=0.5, seed=0)
+    steps = {}
+    for rows, k, again in ((1, 1, False), (2, 2, False), (2, 2, recompute)):
+        trainer = Trainer(load_model(TINY), 1e-1, 'sgd', k, again, **options)
+        trainer.step(np.repeat(row, rows, axis=0))
+        steps[rows, again] = trainer.adapters['h.0.attn.c_attn'].B.numpy()
+    assert np.abs(steps[2, False] - steps[1, False]).max() > 1e-4
+    np.testing.assert_allclose(steps[2, recompute], steps[2, False], rtol=1e-5, atol=1e-7)  # recomputed: the same masks
+
+
 def test_a_run_folder_of_the_other_kind_is_refused_not_overwritten(tmp_path):
     options = dict(steps=2, checkpoint_dir=str(tmp_path), sample_every=0, print_every=0, seed=0, log=lambda line: None)
     chunks = [np.arange(300) % 512]
