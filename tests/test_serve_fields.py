@@ -105,6 +105,15 @@ def test_best_of_returns_the_n_likeliest_of_its_draws_and_counts_them_all(served
     assert best.usage.prompt_tokens == every.usage.prompt_tokens // 2  # once per returned choice
 
 
+@pytest.mark.parametrize('seed', range(4))
+def test_best_of_ranks_by_the_tokens_returned_not_those_past_a_stop(served, seed):
+    fields = dict(prompt='Hello there', max_tokens=10, seed=seed, logit_bias={str(END): -100}, stop=['e', 'a'])
+    every = complete(served, n=4, logprobs=1, **fields)  # each choice's logprobs: the tokens returned
+    best = complete(served, n=1, best_of=4, **fields)
+    means = [float(np.mean(c.logprobs.token_logprobs)) if c.logprobs.tokens else 0.0 for c in every.choices]
+    assert best.choices[0].text == every.choices[int(np.argmax(means))].text
+
+
 def test_best_of_with_logprobs_returns_the_chosen_ones_logprobs(served):
     fields = dict(max_tokens=5, seed=2, logit_bias={str(END): -100}, logprobs=2)
     every = complete(served, n=3, **fields)

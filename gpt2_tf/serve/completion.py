@@ -95,8 +95,10 @@ class Choice:
         self.entries['text_offset'].append(offset)
 
     def mean_logprob(self) -> float:
-        """best_of's ranking: the mean log-prob of the tokens this choice drew (0 for none)."""
-        return sum(self.drawn) / len(self.drawn) if self.drawn else 0.0
+        """best_of's ranking: the mean log-prob of the tokens behind the text returned (those past a stop string
+        left out; the end of text counted when it ended the choice), 0 for none."""
+        drawn = self.drawn if self.cut is None else self.drawn[:self.kept()]
+        return sum(drawn) / len(drawn) if drawn else 0.0
 
     def logprobs_object(self) -> Optional[dict]:
         """The logprobs of the whole text: the echoed prompt's, then each token's behind the text returned."""
