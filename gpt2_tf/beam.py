@@ -232,7 +232,8 @@ def text_files(inputs: Sequence[str], glob: str = '*.txt') -> list:
 
 
 class EncodeFile(beam.DoFn):
-    """(index, path) -> (index, shard, tokens): the file's ids and <|endoftext|>, written to shards/index."""
+    """(index, path) -> (index, shard, tokens, documents): the ids of the file's documents, each followed by
+    <|endoftext|> (corpus.pieces), written to shards/index."""
 
     def __init__(self, model_dir: Optional[str], shards: str, piece: int):
         self.model_dir, self.shards, self.piece = model_dir, shards, piece
@@ -248,20 +249,20 @@ class EncodeFile(beam.DoFn):
         from apache_beam.io.filesystems import FileSystems
 
         index, path = element
-        shard, tokens = f'{self.shards}/{index:09d}.bin', 0
+        shard, tokens, documents = f'{self.shards}/{index:09d}.bin', 0, 0
+        end = np.asarray([self.encoder.encoder['<|endoftext|>']], self.dtype)
         raw = CompressionTypes.UNCOMPRESSED
         with FileSystems.open(path, compression_type=raw) as f, FileSystems.create(shard, compression_type=raw) as out:
             text = io.TextIOWrapper(f, encoding='utf-8', newline='')  # the text as it is, as encode_corpus reads it
             try:
                 for piece in corpus.pieces(text, self.piece):
-                    ids = np.asarray(self.encoder.encode(piece), self.dtype)
+                    ids = end if piece is None else corpus.ids_of(self.encoder, piece)
                     out.write(ids.tobytes())
-                    tokens += ids.size
+                    tokens, documents = tokens + ids.size, documents + (piece is None)
             except UnicodeDecodeError as e:
                 raise validate.GPT2Error(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); '
                                          f'convert it to UTF-8 or leave it out') from None
-            out.write(np.asarray([self.encoder.encoder['<|endoftext|>']], self.dtype).tobytes())
-        yield index, shard, tokens + 1
+        yield index, shard, tokens, documents
 
 
 def join_shards(shards: list, *, output: str, model_dir: Optional[str]) -> dict:
@@ -273,17 +274,17 @@ def join_shards(shards: list, *, output: str, model_dir: Optional[str]) -> dict:
     shards = sorted(shards)
     partial = output + '.partial'
     with FileSystems.create(partial) as out:
-        for _, shard, _ in shards:
+        for _, shard, _, _ in shards:
             with FileSystems.open(shard) as f:
                 while block := f.read(1 << 24):
                     out.write(block)
     sidecar = {'dtype': corpus.dtype_for(encoder.n_vocab).name, 'n_vocab': encoder.n_vocab,
-               'vocab_sha256': corpus.vocabulary_sha256(encoder), 'tokens': sum(t for _, _, t in shards),
-               'documents': len(shards), 'end_of_text': encoder.encoder['<|endoftext|>']}
+               'vocab_sha256': corpus.vocabulary_sha256(encoder), 'tokens': sum(t for _, _, t, _ in shards),
+               'documents': sum(d for _, _, _, d in shards), 'end_of_text': encoder.encoder['<|endoftext|>']}
     with FileSystems.create(output + corpus.SIDECAR + '.partial') as f:
         f.write((json.dumps(sidecar, indent=2) + '\n').encode('utf-8'))
     FileSystems.rename([partial, output + corpus.SIDECAR + '.partial'], [output, output + corpus.SIDECAR])
-    FileSystems.delete([shard for _, shard, _ in shards])
+    FileSystems.delete([shard for _, shard, _, _ in shards])
     return sidecar
 
 

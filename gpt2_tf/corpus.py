@@ -7,9 +7,9 @@ The file holds the ids little-endian with no header, uint16 for vocabularies of
 up to 65,536 ids (GPT-2's 50,257) and uint32 above, as nanoGPT's train.bin; a
 small JSON sidecar beside it (train.bin.json) records the dtype, the
 vocabulary's sha256, and the token and document counts. A .bin without a
-sidecar reads as uint16. Each document (one file, or standard input) is its
-text's ids followed by <|endoftext|>; the text is the file's own, line endings
-included.
+sidecar reads as uint16. Each document (a file or standard input, or each part
+of one between lines that are exactly <|endoftext|>) is its text's ids followed
+by <|endoftext|>; the text is the file's own, line endings included.
 
 Text is read and encoded in pieces of about a million characters, cut only
 where the pre-tokenizer always cuts (see `cut`), so the ids equal those of
@@ -29,6 +29,7 @@ import collections
 import concurrent.futures
 import glob as globbing
 import hashlib
+import io
 import json
 import os
 import sys
@@ -63,25 +64,60 @@ def cut(text: str) -> int:
     return 0
 
 
-def pieces(readable, size: int = PIECE) -> Iterator[str]:
-    """A text stream in pieces of about `size` characters, each ending at a cut (the last at the end)."""
-    carry = ''
-    while True:
-        block = readable.read(size)
-        if not block:
-            break
-        text = carry + block
-        if len(block) < size:  # short: the stream's end, as a rule (a whole small file): no cut to look for
-            carry = text
+def lines(readable, size: int = PIECE) -> Iterator[Optional[str]]:
+    """A text stream in blocks of about `size` characters, None for each line that is exactly <|endoftext|> (a
+    separator: the line breaks next to it, blank lines included, go with it). Blocks holding no <|endoftext|>
+    pass whole; only those that do are read line by line."""
+    pending, breaks, line_start = '', '', True  # breaks: those read last, held until what follows is known
+    while text := pending + (block := readable.read(size)):
+        last = text[max(text.rfind('\n'), text.rfind('\r')) + 1:]
+        pending = last if block and (END_OF_TEXT + '\r').startswith(last) else ''  # a separator may be forming
+        ready = text[:len(text) - len(pending)]
+        for line in io.StringIO(ready, newline='') if END_OF_TEXT in ready else [ready]:
+            if line_start and line.rstrip('\r\n') == END_OF_TEXT:
+                breaks = None  # those after it go with it too
+                yield None
+                continue
+            line = line if breaks is not None else line.lstrip('\r\n')
+            body = line.rstrip('\r\n')
+            line_start = len(body) < len(line) or (not line and line_start)
+            if body:
+                yield (breaks or '') + body
+                breaks = ''
+            if breaks is not None:
+                breaks += line[len(body):]
+    if breaks:
+        yield breaks
+
+
+def pieces(readable, size: int = PIECE) -> Iterator[Optional[str]]:
+    """A text stream's documents in pieces of about `size` characters, each ending at a cut (the last at the
+    document's end), and None after each document. Documents are the parts between separator lines (see
+    `lines`); empty ones are left out, but a stream without a separator is one document, even empty."""
+    buffer, length, started, separated = [], 0, False, False
+    for block in lines(readable, size):
+        if block is not None:
+            buffer.append(block)
+            length += len(block)
+            if length < size:
+                continue
+            text = ''.join(buffer)
+            at = cut(text)
+            if at == 0:  # no cut in it (a run of spaces, say): keep reading
+                buffer, length = [text], len(text)
+                continue
+            yield text[:at]
+            started, buffer, length = True, [text[at:]], len(text) - at
             continue
-        at = cut(text)
-        if at == 0:  # no cut in it (a run of spaces, say): keep reading
-            carry = text
-            continue
-        yield text[:at]
-        carry = text[at:]
-    if carry:
-        yield carry
+        if buffer or started:
+            if buffer:
+                yield ''.join(buffer)
+            yield None
+        buffer, length, started, separated = [], 0, False, True
+    if buffer or started or not separated:
+        if buffer:
+            yield ''.join(buffer)
+        yield None
 
 
 def dtype_for(n_vocab: int) -> np.dtype:
@@ -141,7 +177,7 @@ def _start_worker(encoder_files) -> None:
 
 
 def _document_pieces(files: Iterable[str], size: int) -> Iterator[tuple]:
-    """(file, piece) for every piece of every file, then (file, None) at the end of each file."""
+    """(file, piece) for every piece of every file, and (file, None) at the end of each of its documents."""
     for path in files:
         try:
             with _open(path) as f:
@@ -150,7 +186,6 @@ def _document_pieces(files: Iterable[str], size: int) -> Iterator[tuple]:
         except UnicodeDecodeError as e:
             raise GPT2Error(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); '
                             f'convert it to UTF-8 or leave it out') from None
-        yield path, None
 
 
 class _Writer:

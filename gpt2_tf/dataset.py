@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import glob
 import os
-import re
 from typing import Callable, Optional
 
 import numpy as np
@@ -37,17 +36,20 @@ def _files(path: str) -> list:
     return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
 
 
-SEPARATOR = re.compile(rf'^{re.escape(END_OF_TEXT)}$', re.MULTILINE)  # a line that is exactly <|endoftext|>
-
-
 def _documents(file: str) -> list:
-    """A text file's documents: split at lines that are exactly <|endoftext|>, blank ones dropped."""
+    """A text file's documents: its parts between lines that are exactly <|endoftext|> (corpus.pieces), each
+    without line breaks at its ends, blank ones dropped."""
+    documents, parts = [], []
     try:
         with open(file, encoding='utf-8') as f:
-            text = f.read()
+            for piece in corpus.pieces(f):
+                if piece is None:
+                    documents.append(''.join(parts).strip('\n'))
+                    parts = []
+                else:
+                    parts.append(piece)
     except UnicodeDecodeError:
         raise GPT2Error(f'{file}: not UTF-8 text; datasets are text files or an .npz of tokens') from None
-    documents = [d.strip('\n') for d in SEPARATOR.split(text)]
     return [d for d in documents if d.strip()]
 
 

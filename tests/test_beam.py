@@ -129,9 +129,9 @@ def test_batches_pad_to_powers_of_two_rows():
 
 def test_encode_pipeline_writes_encode_corpus_s_token_file_byte_for_byte(tmp_path):
     from gpt2_tf import corpus
-    from test_corpus import texts, write_folder
+    from test_corpus import SEPARATED, texts, write_folder
 
-    write_folder(tmp_path / 'in', texts() + ['line one\r\nline two\r\n', '', 'x' * 3000])
+    write_folder(tmp_path / 'in', texts() + ['line one\r\nline two\r\n', '', 'x' * 3000, SEPARATED])
     (tmp_path / 'in' / 'skipped.md').write_text('not matched by the glob')
     expected = corpus.encode_corpus([tmp_path / 'in'], tmp_path / 'expected.bin')
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.beam', 'encode', '--input', str(tmp_path / 'in'),

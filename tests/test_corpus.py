@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import regex
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from gpt2_tf import corpus
 from gpt2_tf.encoder import PATTERN, get_encoder
@@ -62,6 +62,50 @@ def pretokens(text: str) -> list:
     return regex.findall(PATTERN, text)
 
 
+SEPARATED = ('<|endoftext|>\nFirst doc.\n<|endoftext|>\nSecond, doc two.\n\n<|endoftext|>\n\nThird <|endoftext|> inline.'
+             '\r\n<|endoftext|>\r\n' + 'Fourth ' * 300 + '\n<|endoftext|>\n<|endoftext|>')
+DOCUMENTS = ['First doc.', 'Second, doc two.', 'Third <|endoftext|> inline.', 'Fourth ' * 300]  # by hand
+
+
+@pytest.mark.parametrize('processes, piece', [(1, 5), (1, 1 << 20), (2, 64)])
+def test_lines_that_are_exactly_end_of_text_split_documents(tmp_path, processes, piece):
+    # Each line <|endoftext|> ends a document (its line breaks and blank lines next to it go with it, empty
+    # documents are left out); inside a line it is text. Small pieces put a separator across a read.
+    encoder = get_encoder()
+    (tmp_path / 'a.txt').write_text(SEPARATED, encoding='utf-8', newline='')
+    (tmp_path / 'b.txt').write_text('No separator.\n', encoding='utf-8', newline='')
+    info = corpus.encode_corpus([tmp_path / 'a.txt', tmp_path / 'b.txt'], tmp_path / 'out.bin', processes=processes,
+                                piece=piece)
+    ids = sum((encoder._tiktoken.encode_ordinary(d) + [END] for d in DOCUMENTS + ['No separator.\n']), [])
+    assert np.asarray(corpus.read_tokens(tmp_path / 'out.bin')).tolist() == ids
+    assert info['documents'] == 5
+
+
+def documents_by_hand(text: str) -> list:
+    """The rule, on the whole text at once: split at lines that are exactly <|endoftext|>, with the line
+    breaks next to them; empty parts dropped, but a text without a separator is one document."""
+    parts = regex.split(r'[\r\n]*(?<![^\r\n])<\|endoftext\|>(?=\r\n|\n|\r|\Z)[\r\n]*', text)
+    return parts if len(parts) == 1 else [p for p in parts if p]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(['ab', ' ', '.', '\n', '\r\n', '\r', '<|endoftext|>', '<|end', 'oftext|>', 'x<']),
+                max_size=30), st.integers(1, 20))
+@example(['<|endoftext|>', '\n', '\n', 'ab'], 14)  # blank lines after a separator, in the next read
+def test_streamed_documents_follow_the_separator_rule(words, size):
+    import io
+
+    text = ''.join(words)
+    documents, parts = [], []
+    for piece in corpus.pieces(io.StringIO(text, newline=''), size=size):
+        if piece is None:
+            documents.append(''.join(parts))
+            parts = []
+        else:
+            parts.append(piece)
+    assert documents == documents_by_hand(text), text
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.text(alphabet="ab1 2'\n\t.,sdmlltrve\u00e9\u65e5\u00a0-_", max_size=40))
 def test_every_cut_is_a_boundary_of_the_pretokenizer(text):
@@ -74,8 +118,8 @@ def test_every_cut_is_a_boundary_of_the_pretokenizer(text):
 def test_pieces_end_at_cuts_and_join_to_the_text():
     import io
 
-    parts = list(corpus.pieces(io.StringIO(MIXED * 10), size=7))
-    assert ''.join(parts) == MIXED * 10
+    *parts, end = corpus.pieces(io.StringIO(MIXED * 10), size=7)
+    assert end is None and ''.join(parts) == MIXED * 10  # one document
     assert len(parts) > 50
     assert sum((pretokens(p) for p in parts), []) == pretokens(MIXED * 10)
 
@@ -84,8 +128,8 @@ def test_text_of_letters_and_spaces_alone_is_cut_into_pieces():
     import io
 
     text = 'the quick brown fox jumps over the lazy dog ' * 200  # no punctuation, no digits (text8's kind)
-    parts = list(corpus.pieces(io.StringIO(text), size=256))
-    assert len(parts) > 20 and max(map(len, parts)) < 2 * 256  # the carry stays bounded
+    *parts, end = corpus.pieces(io.StringIO(text), size=256)
+    assert end is None and len(parts) > 20 and max(map(len, parts)) < 2 * 256  # the carry stays bounded
     assert ''.join(parts) == text
     assert sum((pretokens(p) for p in parts), []) == pretokens(text)
 
@@ -185,6 +229,9 @@ def test_short_reads_before_the_end_lose_nothing():
         def read(self, size=-1):
             return super().read(min(size, 5))
 
-    parts = list(corpus.pieces(Trickle(MIXED * 10), size=64))
-    assert ''.join(parts) == MIXED * 10
+        def readline(self, size=-1):
+            return super().readline(min(size, 5))
+
+    *parts, end = corpus.pieces(Trickle(MIXED * 10), size=64)
+    assert end is None and ''.join(parts) == MIXED * 10
     assert sum((pretokens(p) for p in parts), []) == pretokens(MIXED * 10)
