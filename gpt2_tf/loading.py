@@ -126,8 +126,10 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
         raise ModelNotFound(f'--models_dir {models_dir} is not a folder; give the folder that holds the model '
                             f'folders (default: {DEFAULT_MODELS_DIR})')
     name = model_name or DEFAULT_MODEL
+    if name in OLD_NAMES and not os.path.isdir(os.path.join(chosen, name)):
+        name = OLD_NAMES[name]  # download_model.py 117M saves 124M (a folder of the old name is taken as it is)
     path = os.path.join(chosen, name)
-    published = OLD_NAMES.get(name, name) in PUBLISHED
+    published = name in PUBLISHED
     resume = f'python download_model.py {name}' + (f' --models_dir {models_dir}' if models_dir else '')
     if os.path.isdir(path):
         if published and _incomplete(path):
