@@ -177,7 +177,7 @@ def test_bad_input_fails_before_any_compute(hot, monkeypatch, call, message):
 
 def test_score_command_on_a_file_and_on_stdin(tmp_path):
     text = tmp_path / 'text.txt'
-    text.write_text('The quick brown fox jumps over the lazy dog. ' * 10)
+    text.write_bytes(b'The quick brown fox jumps over the lazy dog.\r\n' * 10)  # \r\n scored as it is
     cmd = [sys.executable, '-m', 'gpt2_tf.cli', 'score', str(text), '-', '--stride', '50', '--json']
     done = subprocess.run(cmd, input='Hello there, world.', capture_output=True, text=True, cwd=tmp_path,
                           timeout=300)
@@ -185,7 +185,7 @@ def test_score_command_on_a_file_and_on_stdin(tmp_path):
     reports = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r['file'] for r in reports] == [str(text), '-']
     model = gpt2_tf.load_model(bundled_checkpoint())
-    ids = gpt2_tf.encode(text.read_text())
+    ids = gpt2_tf.encode(text.read_bytes().decode('utf-8'))
     direct = gpt2_tf.perplexity(model, ids, stride=50)
     assert reports[0]['tokens'] == direct['tokens'] == len(ids) - 1
     assert reports[0]['nll'] == pytest.approx(direct['nll'], rel=1e-5)

@@ -142,11 +142,11 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
 # --- scoring ------------------------------------------------------------------------------------
 
 def read_text(path: str) -> str:
-    """A file's text, or stdin's for '-', as strict UTF-8 either way."""
+    """A file's text, or stdin's for '-', as strict UTF-8 either way, line breaks as they are (as encode reads)."""
     try:
         if path == '-':
             return sys.stdin.buffer.read().decode('utf-8')
-        with open(path, encoding='utf-8') as f:
+        with open(path, encoding='utf-8', newline='') as f:
             return f.read()
     except FileNotFoundError:
         raise CommandError(f'{path}: no such file; check the path') from None
