@@ -156,6 +156,7 @@ def score(model: Model, tokens, *, top: int = 0, mode: Optional[str] = None):
     rows = _rows(tokens, hp.n_vocab, hp.n_ctx)
     if not validate.is_int(top) or not 0 <= top <= 50:
         raise validate.GPT2Error(f'top must be an integer in [0, 50], got {validate.shown(top)}')
+    top = int(top)  # a Python int: it picks the compiled variant (a NumPy integer would reach the graph)
     length = compiled.bucket(max(len(row) for row in rows), hp.n_ctx)
     padded = np.zeros([len(rows), length], np.int32)
     for i, row in enumerate(rows):
@@ -208,14 +209,14 @@ def window_log_probs(model: Model, ids, *, stride: Optional[int] = None, bos: bo
     if ids.ndim != 1:
         raise ValueError(f'ids must be one sequence of token ids, got shape {list(ids.shape)}')
     validate.check_token_ids(ids, hp.n_vocab)
+    if len(ids) < 2 - bool(bos):
+        raise validate.GPT2Error(f'the text has {len(ids)} token(s): scoring needs at least '
+                                 + ('1 with bos=True' if bos else '2 (or 1 with bos=True)'))
     if bos:
         if not validate.is_int(end_of_text):
             raise validate.GPT2Error(f'end_of_text must be a token id, an integer, got {validate.shown(end_of_text)}')
         validate.check_token_ids([end_of_text], hp.n_vocab, name='end_of_text')
         ids = np.concatenate([[end_of_text], ids]).astype(np.int64)
-    if len(ids) < 2:
-        raise ValueError(f'the text has {len(ids)} token(s): scoring needs at least 2 '
-                         f'(or 1 with bos=True)')
     stride = default_stride(hp) if stride is None else stride
     if not validate.is_int(stride) or not 1 <= stride <= hp.n_ctx - 1:
         raise validate.GPT2Error(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {validate.shown(stride)}')

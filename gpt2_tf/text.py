@@ -35,6 +35,9 @@ def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[in
         raise GPT2Error(f'nsamples ({nsamples!r}) must be a positive multiple of batch_size ({batch_size}), '
                         'or None for no end')
     if prompt is None:
+        if END_OF_TEXT not in encoder.encoder:
+            raise GPT2Error('unconditional samples start from <|endoftext|>, which this vocabulary does not have: '
+                            'give a prompt')
         request = dict(start_token=encoder.encoder[END_OF_TEXT], batch_size=batch_size)
     else:
         context = encoder.encode(prompt)

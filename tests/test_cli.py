@@ -3,6 +3,7 @@
 
 import fcntl
 import io
+import json
 import os
 import pathlib
 import pty
@@ -87,6 +88,8 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     (['generate', 'x', '--nsamples', '3', '--batch_size', '2'], r'--nsamples \(3\) must be a multiple of --batch_size \(2\)'),
     (['generate', 'x', '--seed', '99999999999999999999'], 'seed 99999999999999999999 is out of range'),
     (['sample', '--length', '200'], 'length 200 is longer than the window: at most n_ctx = 128'),
+    (['sample', '--model_dir', str(FIXTURES / 'tf1-tiny')], r"unconditional samples start from <\|endoftext\|>, "
+     r"which is token 50256, outside the model's vocabulary \[0, 512\): give a prompt with generate"),
     (['inspect', str(ROOT / 'README.md')], 'README.md is a file: give a model folder'),
     (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '99999'], r'token id 99999 is outside the vocabulary \[0, 512\)'),
     (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '-1 5'], 'token id -1 is outside'),
@@ -100,6 +103,22 @@ def test_errors_are_one_line_and_come_before_tensorflow_loads(capsys, monkeypatc
     assert code == 2
     assert len(err.strip().splitlines()) == 1, err
     assert re.search(message, err.strip())
+
+
+def test_a_vocabulary_without_end_of_text_refuses_what_needs_it_in_one_line(capsys, monkeypatch, tmp_path):
+    from gpt2_tf.encoder import bytes_to_unicode
+
+    folder = tmp_path / 'model'
+    shutil.copytree(FIXTURES / 'tf1-tiny', folder)
+    (folder / 'encoder.json').write_text(json.dumps({c: i for i, c in enumerate(bytes_to_unicode().values())}))
+    (folder / 'vocab.bpe').write_text('#version: 0.2\n')
+    (tmp_path / 'text.txt').write_text('Hello there')
+    monkeypatch.setattr(quiet, 'tensorflow', lambda **_: pytest.fail('TensorFlow loaded before the check'))
+    for argv, message in ((['sample', '--model_dir', str(folder)], 'which this vocabulary does not have'),
+                          (['score', str(tmp_path / 'text.txt'), '--bos', '--model_dir', str(folder)],
+                           '--bos puts <|endoftext|> before the text, and this vocabulary has none')):
+        code, _, err = run(capsys, monkeypatch, tmp_path, *argv, '--quiet')
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
 def test_a_missing_gpu_is_an_error(capsys, monkeypatch, tmp_path):

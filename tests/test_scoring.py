@@ -59,6 +59,13 @@ def test_score_and_top_match_tf1_on_random_checkpoints(random_checkpoint, hparam
     assert full.shape == lp.shape
 
 
+def test_numpy_integers_are_taken_as_ints(hot):
+    model, _ = hot
+    lp, ids, top_lp = gpt2_tf.score(model, [[1, 2, 3]], top=np.int64(3))
+    assert ids.shape == (1, 2, 3)
+    np.testing.assert_array_equal(gpt2_tf.score(model, [[1, 2, 3]], top=np.int64(0)), lp)
+
+
 def test_a_padded_batch_equals_rows_scored_alone(hot):
     model, _ = hot
     tokens = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens']
@@ -157,6 +164,8 @@ def test_new_lengths_in_a_bucket_do_not_retrace(hot):
     (lambda m: gpt2_tf.score(m, [[1, 2]], top=51), r'top must be an integer in \[0, 50\]'),
     (lambda m: gpt2_tf.perplexity(m, [7]), 'the text has 1 token'),
     (lambda m: gpt2_tf.perplexity(m, []), 'the text has 0 token'),
+    (lambda m: gpt2_tf.perplexity(m, [], bos=True, end_of_text=3),
+     r'the text has 0 token\(s\): scoring needs at least 1 with bos=True$'),
     (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=64), r'stride must be an integer in \[1, 63\]'),
     (lambda m: gpt2_tf.perplexity(m, [1, 2, 3], stride=0), r'stride must be an integer in \[1, 63\]'),
     (lambda m: gpt2_tf.perplexity(m, [1, 2, -3]), 'token id -3 is outside'),

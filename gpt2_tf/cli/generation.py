@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Optional
 
+from ..encoder import END_OF_TEXT
 from .common import (BANNER, CommandError, add_dtype, add_mode, add_model_arguments, add_quiet, add_verbose,
                      model_folder, open_model)
 
@@ -56,7 +57,14 @@ def prepare(args, conditional: bool):
     check_logit_bias(args.logit_bias, 1, hparams.n_vocab)
     length = args.length if args.length is not None else default_length(hparams.n_ctx, conditional)
     check_length(length, hparams.n_ctx)
-    return folder, hparams, folder.encoder(), length
+    encoder = folder.encoder()
+    start = encoder.encoder.get(END_OF_TEXT)
+    if not conditional and (start is None or start >= hparams.n_vocab):
+        raise CommandError(f'unconditional samples start from <|endoftext|>, which '
+                           + ('this vocabulary does not have' if start is None else
+                              f'is token {start}, outside the model\'s vocabulary [0, {hparams.n_vocab})')
+                           + ': give a prompt with generate')
+    return folder, hparams, encoder, length
 
 
 def check_prompt(text: str, encoder, hparams, length: int) -> None:
@@ -179,6 +187,9 @@ def cmd_score(args):
     if args.stride is not None and not 1 <= args.stride <= hparams.n_ctx - 1:  # before any file is read
         raise CommandError(f'--stride must be an integer in [1, {hparams.n_ctx - 1}] (n_ctx - 1), got {args.stride}')
     encoder = folder.encoder()
+    if args.bos and END_OF_TEXT not in encoder.encoder:
+        raise CommandError('--bos puts <|endoftext|> before the text, and this vocabulary has none: '
+                           'score without --bos')
     encoded = encoded_files(args, encoder, hparams)
     model = open_model(args, folder)
     from tqdm import tqdm
@@ -191,7 +202,7 @@ def cmd_score(args):
         with tqdm(total=count, desc=f'scoring {path}', unit='window', file=sys.stderr, leave=False, mininterval=0,
                   disable=args.quiet or not sys.stderr.isatty()) as bar:
             options = dict(stride=stride, bos=args.bos, progress=bar.update,
-                           end_of_text=encoder.encoder.get('<|endoftext|>', 0))
+                           end_of_text=encoder.encoder[END_OF_TEXT])
             lp = window_log_probs(model, ids, **options)
         result = summary(lp)
         if args.json:
