@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import time
+import urllib.parse
 from typing import Optional
 
 from .hparams import OLD_NAMES, PUBLISHED
@@ -30,6 +31,7 @@ KNOWN_SHA256 = {
     'vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
 }
 CHUNK = 1 << 16  # a dropped connection loses at most the chunk being read
+IDENTITY = {'Accept-Encoding': 'identity'}  # the bytes as stored: sizes, ranges and hashes are of those
 
 
 class DownloadError(GPT2Error):
@@ -77,6 +79,13 @@ def _validator(response) -> Optional[str]:
     return response.headers.get('Last-Modified')
 
 
+def _discard(part: str) -> None:
+    """Removes a partial file and what identified its version."""
+    for path in (part, part + '.validator'):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
 def _read_validator(part: str) -> Optional[str]:
     try:
         with open(part + '.validator', encoding='utf-8') as f:
@@ -105,7 +114,7 @@ def _is_complete(session, url: str, path: str, sha256: Optional[str], timeout: f
     if sha256 is not None:
         return _sha256(path) == sha256
     try:
-        response = session.head(url, timeout=timeout, allow_redirects=True)
+        response = session.head(url, headers=IDENTITY, timeout=timeout, allow_redirects=True)
     except requests.RequestException:
         return True
     size = response.headers.get('Content-Length')
@@ -128,7 +137,7 @@ def _attempt(session, url: str, part: str, *, timeout: float, progress, announce
         # Bytes from an earlier run that nothing identifies, and no hash to check them with:
         # resuming could splice two versions of the file, so start over.
         have = 0
-    headers = {}
+    headers = dict(IDENTITY)
     if have:
         headers['Range'] = f'bytes={have}-'
         if validator:
@@ -140,16 +149,16 @@ def _attempt(session, url: str, part: str, *, timeout: float, progress, announce
                 match = re.match(r'bytes \*/(\d+)', response.headers.get('Content-Range', ''))
                 if match and int(match.group(1)) == have:
                     return have
-                os.remove(part)
+                _discard(part)
                 raise _Retry(f'{url}: the partial file does not fit the server\'s; starting over')
             total = _total_size(response)
             first = announced.setdefault('total', total)
             if None not in (first, total) and first != total:
-                os.remove(part)
+                _discard(part)
                 raise DownloadError(f'{url}: size mismatch: the server announced {first:,} bytes, '
                                     f'then {total:,} (the file changed?); run again to start over')
             if response.status_code == 206 and _range_start(response) != have:
-                os.remove(part)
+                _discard(part)
                 raise _Retry(f'{url}: the server resumed at byte {_range_start(response)}, not {have}; '
                              f'starting over')
             mode = 'ab' if response.status_code == 206 else 'wb'  # 200: Range ignored or file changed
@@ -168,6 +177,8 @@ def _attempt(session, url: str, part: str, *, timeout: float, progress, announce
             if total is not None and size < total:  # the connection ended early without an error
                 raise _Retry(f'{url}: got {size:,} of {total:,} bytes')
             return total
+    except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema):
+        raise DownloadError(f'{url} is not a valid http(s) URL: check --base-url (or ${BASE_URL_ENV})') from None
     except requests.RequestException as e:
         raise _Retry(f'{url}: {type(e).__name__}: {e}') from None
 
@@ -208,17 +219,16 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
             break
     size = os.path.getsize(part)
     if total is not None and size != total:
-        os.remove(part)
+        _discard(part)
         raise DownloadError(f'{url}: size mismatch: got {size:,} bytes, the server announced {total:,}')
     if sha256 is not None:
         actual = _sha256(part)
         if actual != sha256:
-            os.remove(part)
+            _discard(part)
             raise DownloadError(f'{name}: sha256 mismatch: expected {sha256}, got {actual} '
                                 f'(a corrupt download or a wrong mirror)')
     os.replace(part, path)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(part + '.validator')
+    _discard(part)  # its validator
     return True
 
 
@@ -243,6 +253,9 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
     model = model_name(model)
     base_url = base_url or os.environ.get(BASE_URL_ENV) or BASE_URL
     base_url = base_url if base_url.endswith('/') else base_url + '/'
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme not in ('http', 'https') or not parts.netloc:
+        raise DownloadError(f'{base_url} is not a valid http(s) URL: check --base-url (or ${BASE_URL_ENV})')
     final = os.path.join(models_dir, model)
     # A folder left complete by an earlier run is checked in place; otherwise work in the .partial one.
     folder = final if os.path.isdir(final) else partial_folder(final)
