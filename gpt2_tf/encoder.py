@@ -136,7 +136,7 @@ class Encoder:
         if self._tiktoken is not None:
             return self._tiktoken.encode_ordinary(text)  # the same ids; no scan for special tokens
         ids = []
-        for piece in self.pat.findall(text):
+        for piece in self.pat.findall(well_formed(text)):
             piece = ''.join(self.byte_encoder[b] for b in piece.encode('utf-8'))
             ids.extend(self.encoder[symbol] for symbol in self.bpe(piece).split(' '))
         return ids
@@ -205,6 +205,15 @@ def _read_files(encoder_path: str, bpe_path: str):
 def _cached_encoder(encoder_path: str, bpe_path: str, fast: Optional[bool]) -> Encoder:
     encoder, merges = _read_files(encoder_path, bpe_path)
     return Encoder(encoder, merges, fast=fast)
+
+
+def well_formed(text: str) -> str:
+    """text with each lone surrogate (what undecodable bytes become in a str) as U+FFFD, as tiktoken takes it."""
+    try:
+        text.encode('utf-8')
+        return text
+    except UnicodeEncodeError:
+        return text.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')
 
 
 def get_encoder(model_dir: Optional[str | os.PathLike] = None, *, fast: Optional[bool] = None) -> Encoder:

@@ -30,6 +30,14 @@ def test_backends():
     assert PATHS['python'].n_vocab == 50257
 
 
+@pytest.mark.parametrize('text', ['\udcff', 'caf\udce9 au lait', '\ud83d\ude00 paired', 'x\ud800'])
+def test_lone_surrogates_encode_as_the_replacement_character_on_both_paths(text):
+    replaced = text.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')
+    assert '\ufffd' in replaced or '\U0001f600' in replaced  # what tiktoken's own wrapper takes
+    expected = PATHS['tiktoken']._tiktoken.encode_ordinary(replaced)  # tiktoken's core, on the replaced text
+    assert PATHS['python'].encode(text) == PATHS['tiktoken'].encode(text) == expected
+
+
 @pytest.mark.parametrize('path', PATHS)
 @pytest.mark.parametrize('case', CASES, ids=lambda c: repr(c['text'][:20]))
 def test_reference_ids(path, case):
