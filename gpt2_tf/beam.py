@@ -131,22 +131,21 @@ class GPT2ModelHandler(ModelHandler):
         from .scoring import score, window_log_probs
 
         n_ctx = model.hparams.n_ctx
-        short = [element for element in batch if len(element['ids']) <= n_ctx]
+        short = [i for i, element in enumerate(batch) if len(element['ids']) <= n_ctx]  # by place: keys may repeat
         scored = {}
         if short:
-            rows = _padded([element['ids'] for element in short])
-            for element, lp in zip(short, score(model, rows)):
-                scored[element['key']] = lp
-        for element in batch:
-            if element['key'] not in scored:
-                scored[element['key']] = window_log_probs(model, element['ids'], stride=self.stride)
-        return [{'key': e['key'], 'log_probs': [float(x) for x in scored[e['key']]],
-                 'nll': float(-np.mean(scored[e['key']], dtype=np.float64)), 'tokens': int(len(scored[e['key']]))}
-                for e in batch]
+            scored.update(zip(short, score(model, _padded([batch[i]['ids'] for i in short]))))
+        for i, element in enumerate(batch):
+            if i not in scored:
+                scored[i] = window_log_probs(model, element['ids'], stride=self.stride)
+        return [{'key': e['key'], 'log_probs': [float(x) for x in scored[i]],
+                 'nll': float(-np.mean(scored[i], dtype=np.float64)), 'tokens': int(len(scored[i]))}
+                for i, e in enumerate(batch)]
 
 
 class Tokenize(beam.DoFn):
-    """(key, text) -> {'key', 'ids'}, or an error record (tagged 'errors') for what the model cannot take."""
+    """(key, text, error) -> {'key', 'ids'}, or an error record (tagged 'errors') for a line that could not be
+    read or what the model cannot take."""
 
     def __init__(self, model_dir: str, task: str, length: int):
         self.model_dir, self.task, self.length = model_dir, task, length
@@ -158,7 +157,10 @@ class Tokenize(beam.DoFn):
         self.hparams = resolve(self.model_dir).hparams()
 
     def process(self, element):
-        key, text = element
+        key, text, error = element
+        if error is not None:
+            yield beam.pvalue.TaggedOutput('errors', {'key': key, 'error': error})
+            return
         ids = self.encoder.encode(text)
         try:
             self.check(ids)
@@ -179,17 +181,37 @@ class Tokenize(beam.DoFn):
 
 
 def _lines(readable) -> Iterable:
-    """A matched file -> (key, text) per record: file:line for text, the `key` field for JSONL."""
+    """A matched file -> (key, text, error) per record: file:line for text, the `key` field for JSONL. Lines end
+    at \\n alone (a \\r before it dropped); a line that cannot be read (not UTF-8, not a JSON object with a
+    string `text`) has an error instead of a text."""
     path = readable.metadata.path
     jsonl = path.endswith(('.jsonl', '.json'))
-    for number, line in enumerate(readable.read_utf8().splitlines(), start=1):
-        if jsonl:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            yield str(record.get('key', f'{path}:{number}')), str(record.get('text', ''))
-        else:
-            yield f'{path}:{number}', line
+    lines = readable.read().split(b'\n')
+    for number, raw in enumerate(lines[:-1] if lines[-1] == b'' else lines, start=1):
+        key = f'{path}:{number}'
+        try:
+            line = raw.removesuffix(b'\r').decode('utf-8')
+        except UnicodeDecodeError as e:
+            yield key, None, f'not UTF-8 text ({e.reason} at byte {e.start} of the line)'
+            continue
+        if not jsonl:
+            yield key, line, None
+        elif line.strip():
+            yield _record(key, line)
+
+
+def _record(key: str, line: str) -> tuple:
+    """A JSONL line -> (key, text, error)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return key, None, f'not JSON: {e.msg} at column {e.colno}'
+    if not isinstance(record, dict):
+        return key, None, f'not a JSON object but {type(record).__name__}: give {{"key": ..., "text": ...}}'
+    key = key if record.get('key') is None else str(record['key'])
+    if not isinstance(record.get('text'), str):
+        return key, None, f'"text" must be a string, got {json.dumps(record.get("text"))}'
+    return key, record['text'], None
 
 
 def pipeline(p, *, task: str, model_dir: str, input_glob: str, output: str, handler: GPT2ModelHandler):

@@ -90,6 +90,30 @@ def test_jsonl_input_keeps_its_keys(tmp_path):
     assert sorted(by_key) == [f'doc-{i}' for i in range(5)]
 
 
+def test_bad_lines_become_error_records_and_keys_may_repeat(tmp_path, model):
+    folder = tmp_path / 'in'
+    folder.mkdir()
+    texts = ['Hello there friend', 'Completely other words', 'Para one.\u2028Para two.']
+    lines = [json.dumps({'key': key, 'text': text}, ensure_ascii=False) for key, text in zip(['dup', 'dup', 'ls'], texts)]
+    lines += ['{not json', '["x"]', '{"key": "null", "text": null}']
+    (folder / 'in.jsonl').write_text('\n'.join(lines) + '\n', encoding='utf-8')
+    (folder / 'in.txt').write_bytes(b'page one\x0cpage two\r\ncaf\xe9 bad\nlast line\n')
+    _, records = run('score', tmp_path, str(folder / '*'))
+    scored = lambda text: [float(x) for x in gpt2_tf.score(model, [gpt2_tf.encode(text)])[0]]  # noqa: E731
+    dup = sorted(r['log_probs'] for r in records if r['key'] == 'dup')
+    np.testing.assert_allclose(dup[0], sorted([scored(texts[0]), scored(texts[1])])[0], atol=1e-4)
+    np.testing.assert_allclose(dup[1], sorted([scored(texts[0]), scored(texts[1])])[1], atol=1e-4)
+    by_key = {r['key']: r for r in records if r['key'] != 'dup'}
+    assert by_key['ls']['tokens'] == len(gpt2_tf.encode(texts[2])) - 1  # U+2028 is text, not a line break
+    assert by_key[f'{folder}/in.jsonl:4']['error'].startswith('not JSON')
+    assert by_key[f'{folder}/in.jsonl:5']['error'].startswith('not a JSON object but list')
+    assert by_key['null']['error'] == '"text" must be a string, got null'
+    assert by_key[f'{folder}/in.txt:1']['tokens'] == len(gpt2_tf.encode('page one\x0cpage two')) - 1
+    assert by_key[f'{folder}/in.txt:2']['error'].startswith('not UTF-8 text')
+    assert by_key[f'{folder}/in.txt:3']['tokens'] == len(gpt2_tf.encode('last line')) - 1
+    assert len(records) == 9
+
+
 # --- the checks, without a pipeline ------------------------------------------------------------
 
 def test_tokenize_refuses_by_the_librarys_window_rule_at_its_exact_boundary():
