@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 import apache_beam as beam
 import numpy as np
 from apache_beam.io import fileio
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -85,6 +86,8 @@ class GPT2ModelHandler(ModelHandler):
         folder = resolve(model_dir)  # a folder or a model name, as every command takes
         if task == 'generate':
             validate.check_length(length, folder.hparams().n_ctx)
+        validate.check_seed(seed, 1)
+        validate.check_stride(stride, folder.hparams().n_ctx)
         self.model_dir, self.task, self.length, self.seed, self.stride = folder.path, task, length, seed, stride
         self.options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.max_batch_size = min(max_batch_size, BATCH_SIZES[-1])
@@ -237,8 +240,6 @@ def _encoder(model_dir: Optional[str]):
 def text_files(inputs: Sequence[str], glob: str = '*.txt') -> list:
     """The files, in encode_corpus's order: local files and folders as corpus.documents finds them,
     anything else (gs://..., a pattern) through Beam's file systems, sorted."""
-    from apache_beam.io.filesystems import FileSystems
-
     found = []
     for item in inputs:
         if item == '-':
@@ -268,7 +269,6 @@ class EncodeFile(beam.DoFn):
         import io
 
         from apache_beam.io.filesystem import CompressionTypes
-        from apache_beam.io.filesystems import FileSystems
 
         index, path = element
         shard, tokens, documents = f'{self.shards}/{index:09d}.bin', 0, 0
@@ -290,8 +290,6 @@ class EncodeFile(beam.DoFn):
 def join_shards(shards: list, *, output: str, model_dir: Optional[str]) -> dict:
     """Concatenates the shards in index order into output.partial, writes the sidecar, renames both into
     place (as encode_corpus does) and removes the shards; returns the sidecar."""
-    from apache_beam.io.filesystems import FileSystems
-
     encoder = _encoder(model_dir)
     shards = sorted(shards)
     partial = output + '.partial'
@@ -380,6 +378,8 @@ def main(argv=None) -> int:
             return encode_main(args, beam_args)
         if args.model_dir is None or len(args.input) != 1:
             raise validate.GPT2Error(f'{args.task} takes --model_dir and one --input (a file or glob)')
+        if not FileSystems.match([args.input[0]])[0].metadata_list:
+            raise validate.GPT2Error(f'{args.input[0]}: no files match it; give a file or glob')
         handler = GPT2ModelHandler(args.model_dir, args.task, length=args.length, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stride=args.stride,
                                    threads=local_threads(PipelineOptions(beam_args)))

@@ -217,9 +217,8 @@ def window_log_probs(model: Model, ids, *, stride: Optional[int] = None, bos: bo
             raise validate.GPT2Error(f'end_of_text must be a token id, an integer, got {validate.shown(end_of_text)}')
         validate.check_token_ids([end_of_text], hp.n_vocab, name='end_of_text')
         ids = np.concatenate([[end_of_text], ids]).astype(np.int64)
+    validate.check_stride(stride, hp.n_ctx)
     stride = default_stride(hp) if stride is None else stride
-    if not validate.is_int(stride) or not 1 <= stride <= hp.n_ctx - 1:
-        raise validate.GPT2Error(f'stride must be an integer in [1, {hp.n_ctx - 1}] (n_ctx - 1), got {validate.shown(stride)}')
     if not validate.is_int(batch_size) or batch_size < 1:
         raise validate.GPT2Error(f'batch_size must be a positive integer (windows a call), got {validate.shown(batch_size)}')
     stride = int(stride)  # a numpy integer would make the compiled call's count int64

@@ -160,6 +160,12 @@ def check_sampling(temperature, top_k, top_p, batch: int) -> tuple:
     return temperature.astype(np.float32), top_k, top_p.astype(np.float32)
 
 
+def check_stride(stride, n_ctx: int) -> None:
+    """A scoring window's stride: an integer in [1, n_ctx - 1], or None for the default."""
+    if stride is not None and (not is_int(stride) or not 1 <= stride <= n_ctx - 1):
+        raise GPT2Error(f'stride must be an integer in [1, {n_ctx - 1}] (n_ctx - 1), got {shown(stride)}')
+
+
 def check_seed(seed, batch: int) -> None:
     """A seed is an int, a pair of ints, or one pair per row ([batch, 2]); each within int64."""
     def fits(values: Sequence) -> bool:

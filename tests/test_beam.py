@@ -134,9 +134,16 @@ def test_bad_options_are_refused_when_the_handler_is_made(capsys):
         GPT2ModelHandler(bundled_checkpoint(), 'generate', top_p=1.5)
     with pytest.raises(GPT2Error, match='length 129 is longer than the window'):
         GPT2ModelHandler(bundled_checkpoint(), 'generate', length=129)
-    args = ['generate', '--model_dir', bundled_checkpoint(), '--input', 'x', '--output', 'y']
+    with pytest.raises(GPT2Error, match=r'stride must be an integer in \[1, 127\]'):
+        GPT2ModelHandler(bundled_checkpoint(), 'score', stride=0)
+    with pytest.raises(GPT2Error, match='seed 18446744073709551616 is out of range'):
+        GPT2ModelHandler(bundled_checkpoint(), 'generate', seed=2 ** 64)
+    args = ['generate', '--model_dir', bundled_checkpoint(), '--input', __file__, '--output', 'y']
     assert main(args + ['--top_k', '-1']) == 2  # before any pipeline is built
     assert 'top_k must be an integer >= 0' in capsys.readouterr().err
+    for missing in ('no-such-file.txt', 'no-such-*.txt'):
+        assert main(['score', '--model_dir', 'test', '--input', missing, '--output', 'y']) == 2
+        assert capsys.readouterr().err.strip() == f'gpt2_tf.beam: error: {missing}: no files match it; give a file or glob'
 
 
 def test_the_handler_takes_a_model_name_as_every_command_does():

@@ -182,10 +182,11 @@ def encoded_files(args, encoder, hparams) -> dict:
 
 def cmd_score(args):
     """Per file: tokens scored, mean NLL (nats/token) and perplexity; --json adds every token."""
+    from ..validate import check_stride
+
     folder = model_folder(args)
     hparams = folder.hparams()
-    if args.stride is not None and not 1 <= args.stride <= hparams.n_ctx - 1:  # before any file is read
-        raise CommandError(f'--stride must be an integer in [1, {hparams.n_ctx - 1}] (n_ctx - 1), got {args.stride}')
+    check_stride(args.stride, hparams.n_ctx)  # before any file is read
     encoder = folder.encoder()
     if args.bos and END_OF_TEXT not in encoder.encoder:
         raise CommandError('--bos puts <|endoftext|> before the text, and this vocabulary has none: '
