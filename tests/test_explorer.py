@@ -55,6 +55,22 @@ def test_residual_norms_and_attention_are_trace_s(fixture_dir):
     assert found['lens_ids'].shape == found['lens_probs'].shape == (hp.n_layer, 12, 5)
 
 
+def test_an_int8_model_shows_its_dequantized_embeddings_and_the_checkpoints_parameters(model, tmp_path):
+    tokens = gpt2_tf.encode(PROMPT)
+    int8 = gpt2_tf.load_model(bundled_checkpoint(), dtype='int8')
+    norms = [explore(m, tokens)['embedding_norms'][:, 0] for m in (model, int8)]  # |wte[token]|
+    np.testing.assert_allclose(norms[1], norms[0], rtol=0.02)  # one scale per row: within rounding
+    pages = [pathlib.Path(write_report(m, get_encoder(), PROMPT, str(tmp_path / f'{i}.html'))).read_text()
+             for i, m in enumerate((model, int8))]
+    totals = [re.search(r'id="total">([^<]*)<', page).group(1) for page in pages]
+    assert totals[0] == totals[1] == f'{sum(int(np.prod(v.shape)) for v in model.variables):,}'
+
+
+def test_a_prompt_from_undecodable_bytes_shows_the_replacement_character(model, tmp_path):
+    page = pathlib.Path(write_report(model, get_encoder(), 'caf\udce9 au lait', str(tmp_path / 'p.html')))
+    assert 'caf\ufffd au lait' in page.read_text(encoding='utf-8')
+
+
 def test_token_labels_show_spaces_and_stray_bytes():
     encoder = get_encoder()
     assert token_label(encoder, encoder.encode(' world')[0]) == '·world'

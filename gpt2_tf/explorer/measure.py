@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from ..diagnostics import trace
 from ..model import Graph, gelu
+from ..precision import gather
 from ..scoring import score
 from ..validate import GPT2Error
 
@@ -78,6 +79,6 @@ def mlp_inside(model: Graph, states: list) -> dict:
 
 def embedding_norms(model: Graph, tokens: np.ndarray, x0: np.ndarray) -> np.ndarray:
     """[T, 3]: |wte[token]|, |wpe[position]| and |x_0| = |wte[token] + wpe[position]| per token."""
-    wte = tf.gather(tf.convert_to_tensor(model.wte), tokens).numpy().astype(np.float32)
+    wte = gather(model.wte, model.wte_scale, tokens).numpy()  # int8 rows times their scales
     wpe = tf.convert_to_tensor(model.wpe)[:len(tokens)].numpy().astype(np.float32)
     return np.stack([np.linalg.norm(wte, axis=-1), np.linalg.norm(wpe, axis=-1), np.linalg.norm(x0, axis=-1)], -1)

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ..checkpoint import ORIGINAL_CODE
-from ..encoder import Encoder
+from ..encoder import Encoder, well_formed
 from ..model import Graph
 from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
@@ -296,7 +296,9 @@ def _prediction(encoder: Encoder, found: dict, labels: list) -> str:
 
 
 def write_report(model: Graph, encoder: Encoder, prompt: str, path: str, *, model_dir: Optional[str] = None) -> str:
-    """Renders the report for prompt and writes it to path (through a temporary file); returns path."""
+    """Renders the report for prompt and writes it to path (through a temporary file); returns path. Lone
+    surrogates in prompt (undecodable bytes) show as U+FFFD, as the encoder takes them."""
+    prompt = well_formed(prompt)
     tokens = encoder.encode(prompt)
     if not tokens:
         raise ValueError('the prompt is empty: give some text')

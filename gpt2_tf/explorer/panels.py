@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .. import loading, model as graph
+from ..checkpoint import variable_shapes
 from ..diagnostics import COMPONENTS, components, variable_name
 from ..hparams import HParams
 
@@ -163,7 +164,8 @@ def dims(shape) -> str:
 
 
 def stored_shapes(model_dir: Optional[str], model) -> tuple:
-    """({variable: shape} of the checkpoint's tensors, where they were read); the loaded model's without a file."""
+    """({variable: shape} of the checkpoint's tensors, where they were read); the model's own hparams' without a
+    file (its original-format variables, whatever its dtype)."""
     if model_dir:
         try:
             folder = loading.resolve(model_dir)
@@ -171,7 +173,7 @@ def stored_shapes(model_dir: Optional[str], model) -> tuple:
             return loading.stored_shapes(folder), f'the {kind} in {model_dir}'
         except (OSError, ValueError):
             pass
-    return {name: tuple(v.shape) for name, v in model.variables_by_name().items()}, 'the loaded model\'s tensors'
+    return variable_shapes(model.hparams), 'the variables of the model\'s original checkpoint'  # int8 scales not
 
 
 def accounting(hp: HParams, stored: dict) -> dict:
