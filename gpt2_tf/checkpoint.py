@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from .hparams import HParams
 from .precision import assign, stored
+from . import validate
 from .validate import GPT2Error, save_folder
 from .runtime import Model
 
@@ -344,6 +345,22 @@ def staged(folder: str):
     staging = tempfile.mkdtemp(prefix='.saving-', dir=folder)
     try:
         yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def whole_folder(path):
+    """A staging folder beside path (missing or empty, validate.check_new_folder) that becomes path when the
+    block ends without an error, and is removed otherwise: an export is there whole or not at all."""
+    path = validate.check_new_folder(os.path.abspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(path)}.partial-', dir=os.path.dirname(path))
+    try:
+        yield staging
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty
+        os.replace(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

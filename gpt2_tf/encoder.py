@@ -254,11 +254,16 @@ def encoder_for(model_dir: str | os.PathLike) -> Encoder:
 
 def vocabulary_files(model_dir: str | os.PathLike) -> Optional[tuple]:
     """A folder's (encoder.json, vocab.bpe), or HF's (vocab.json, merges.txt) when it has either of those
-    but not the first pair; None when it has neither."""
+    but not the first pair; None when it has neither. One file of a pair without the other is refused."""
     for names in (('encoder.json', 'vocab.bpe'), ('vocab.json', 'merges.txt')):
         paths = tuple(os.path.join(os.fspath(model_dir), name) for name in names)
-        if any(map(os.path.exists, paths)):
+        there = [os.path.exists(p) for p in paths]
+        if all(there):
             return paths
+        if any(there):
+            have, missing = (names[0], names[1]) if there[0] else (names[1], names[0])
+            raise VocabularyNotFound(f'{os.fspath(model_dir)} has {have} but not {missing}: copy both files of '
+                                     f'the vocabulary in (or neither, for the bundled GPT-2 one)')
     return None
 
 

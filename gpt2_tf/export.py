@@ -22,26 +22,53 @@ import os
 import tensorflow as tf
 
 from . import compiled, kernels, noise, sample, validate
+from .checkpoint import whole_folder
 from .runtime import Model
 from .scoring import hidden, log_probs
 
 
-def generate_checks(hp, tokens, length, temperature, top_k, top_p) -> list:
+def _in_range(x, low, high, message: str) -> list:
+    return [tf.debugging.assert_greater_equal(x, low, message=message),
+            tf.debugging.assert_less_equal(x, high, message=message)]
+
+
+def token_checks(hp, tokens) -> list:
+    """validate.py's rules for tokens [batch, T] to run the model on, as graph assertions: 1 <= T <= n_ctx,
+    every id in the vocabulary."""
+    length = tf.shape(tokens)[1]
+    return [tf.debugging.assert_positive(length, message='tokens must hold at least one token per row'),
+            tf.debugging.assert_less_equal(length, hp.n_ctx, message=f'tokens must hold at most n_ctx = {hp.n_ctx} '
+                                                                     f'per row'),
+            *_in_range(tokens, 0, hp.n_vocab - 1, f'token ids must be in the vocabulary [0, {hp.n_vocab})')]
+
+
+def generate_checks(hp, tokens, length, temperature, top_k, top_p, seed) -> list:
     """validate.py's rules for a generate request, as graph assertions: a signature's inputs are run-time values."""
     prompt = tf.shape(tokens)[1]
-    in_range = lambda x, low, high, message: [tf.debugging.assert_greater_equal(x, low, message=message),  # noqa: E731
-                                              tf.debugging.assert_less_equal(x, high, message=message)]
     return [
         tf.debugging.assert_positive(prompt, message='tokens must hold at least one token per row'),
-        *in_range(tokens, 0, hp.n_vocab - 1, f'token ids must be in the vocabulary [0, {hp.n_vocab})'),
+        *_in_range(tokens, 0, hp.n_vocab - 1, f'token ids must be in the vocabulary [0, {hp.n_vocab})'),
         tf.debugging.assert_positive(length, message='length must be >= 1'),
         tf.debugging.assert_less_equal(prompt, validate.room_for_prompt(length, hp.n_ctx),
                                        message=f'prompt + length - 1 must be <= n_ctx = {hp.n_ctx}'),
-        *in_range(temperature, 0.0, validate.MAX_TEMPERATURE,
-                  f'temperature must be in [0, {validate.MAX_TEMPERATURE:g}] (0 is greedy)'),
+        *_in_range(temperature, 0.0, validate.MAX_TEMPERATURE,
+                   f'temperature must be in [0, {validate.MAX_TEMPERATURE:g}] (0 is greedy)'),
         tf.debugging.assert_non_negative(top_k, message='top_k must be >= 0 (0: no truncation)'),
-        *in_range(top_p, 0.0, 1.0, 'top_p must be in [0, 1] (1: no truncation)'),
+        *_in_range(top_p, 0.0, 1.0, 'top_p must be in [0, 1] (1: no truncation)'),
     ]
+
+
+def signature(run, checks, hp, specs: list, *, xla: bool):
+    """A signature: the checks as graph assertions, then run (jit-compiled with xla) on the inputs they passed.
+    The assertions stay outside the compiled function: XLA drops them."""
+    compiled_run = tf.function(run, jit_compile=xla, autograph=False)
+
+    def checked(*inputs):
+        with tf.control_dependencies(checks(hp, *inputs)):
+            inputs = [tf.identity(x) for x in inputs]
+        return compiled_run(*inputs)
+
+    return tf.function(checked, input_signature=specs, autograph=False)
 
 
 class Servable(tf.Module):
@@ -50,13 +77,14 @@ class Servable(tf.Module):
     def __init__(self, model: Model, *, xla: bool = False):
         super().__init__(name='gpt2_tf')
         self.model = model
+        hp = model.hparams
         tokens = tf.TensorSpec([None, None], tf.int32, name='tokens')
         scalar = lambda dtype, name: tf.TensorSpec([], dtype, name=name)  # noqa: E731
-        self.serving_default = tf.function(self._logits, input_signature=[tokens], jit_compile=xla, autograph=False)
-        self.score = tf.function(self._score, input_signature=[tokens], jit_compile=xla, autograph=False)
-        self.generate = tf.function(self._generate, jit_compile=xla, autograph=False, input_signature=[
+        self.serving_default = signature(self._logits, token_checks, hp, [tokens], xla=xla)
+        self.score = signature(self._score, token_checks, hp, [tokens], xla=xla)
+        self.generate = signature(self._generate, generate_checks, hp, [
             tokens, scalar(tf.int32, 'length'), scalar(tf.float32, 'temperature'), scalar(tf.int32, 'top_k'),
-            scalar(tf.float32, 'top_p'), tf.TensorSpec([2], tf.int64, name='seed')])
+            scalar(tf.float32, 'top_p'), tf.TensorSpec([2], tf.int64, name='seed')], xla=xla)
 
     def _logits(self, tokens):
         return {'logits': self.model.forward(tokens)['logits']}
@@ -67,8 +95,7 @@ class Servable(tf.Module):
 
     def _generate(self, tokens, length, temperature, top_k, top_p, seed):
         batch, prompt = tf.shape(tokens)[0], tf.shape(tokens)[1]
-        with tf.control_dependencies(generate_checks(self.model.hparams, tokens, length, temperature, top_k, top_p)):
-            padded = compiled.bucket(prompt)
+        padded = compiled.bucket(prompt)
         pads = tf.fill([batch], padded - prompt)  # left padding, as sample_sequence pads
         context = tf.pad(tokens, [[0, 0], [padded - prompt, 0]])
         logits, caches = sample.begin(self.model, context, pads=pads, size=padded + compiled.bucket(length))
@@ -81,10 +108,12 @@ class Servable(tf.Module):
 
 
 def export_saved_model(model: Model, out_dir, *, xla: bool = False) -> str:
-    """Writes model as a SavedModel at out_dir with the three signatures above; returns out_dir."""
+    """Writes model as a SavedModel at out_dir (a new or empty folder, which appears only when complete) with
+    the three signatures above; returns out_dir."""
     out_dir = os.fspath(out_dir)
     servable = Servable(model, xla=xla)
-    with kernels.tensorflow_ops():  # an int8 model's products as TensorFlow ops: the SavedModel needs no op library
-        tf.saved_model.save(servable, out_dir, signatures={
+    # an int8 model's products as TensorFlow ops: the SavedModel needs no op library
+    with kernels.tensorflow_ops(), whole_folder(out_dir) as staging:
+        tf.saved_model.save(servable, staging, signatures={
             'serving_default': servable.serving_default, 'generate': servable.generate, 'score': servable.score})
     return out_dir

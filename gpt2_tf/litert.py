@@ -27,7 +27,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from . import kernels
+from . import kernels, validate
+from .checkpoint import whole_folder
 from .assets import bundled_vocabulary
 from .decoding import decode
 from .runtime import Model
@@ -109,11 +110,12 @@ def describe(model: Model, max_len: int, *, dtype: str) -> dict:
 
 def export_litert(model: Model, out_dir, *, dtype: Optional[str] = None, max_len: Optional[int] = None,
                   vocabulary: Optional[tuple] = None) -> dict:
-    """Writes out_dir/model.tflite, model.json and the vocabulary files; returns model.json's contents
-    plus the conversion's seconds. dtype defaults to the model's own ('float32' or 'int8')."""
+    """Writes out_dir/model.tflite, model.json and the vocabulary files into out_dir (a new or empty folder,
+    which appears only when complete); returns model.json's contents plus the conversion's seconds. dtype
+    defaults to the model's own ('float32' or 'int8')."""
     dtype = dtype or model.dtype
     max_len = check_options(model, dtype, max_len)
-    out_dir = os.fspath(out_dir)
+    out_dir = validate.check_new_folder(out_dir)
     start = time.perf_counter()
     signatures = Signatures(model, max_len)
     with kernels.tensorflow_ops():  # int8 as cast, scale and matmul: the converter keeps the weights int8
@@ -121,15 +123,13 @@ def export_litert(model: Model, out_dir, *, dtype: Optional[str] = None, max_len
     converter = tf.lite.TFLiteConverter.from_concrete_functions(functions, signatures)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # the plain runtime, no TF ops
     flatbuffer = converter.convert()
-    os.makedirs(out_dir, exist_ok=True)
-    partial = os.path.join(out_dir, MODEL_FILE + '.partial')
-    with open(partial, 'wb') as f:
-        f.write(flatbuffer)
-    os.replace(partial, os.path.join(out_dir, MODEL_FILE))
-    for source, name in zip(vocabulary or bundled_vocabulary(), ('encoder.json', 'vocab.bpe')):
-        shutil.copyfile(source, os.path.join(out_dir, name))
     description = describe(model, max_len, dtype=dtype)
-    with open(os.path.join(out_dir, DESCRIPTION), 'w', encoding='utf-8') as f:
-        json.dump(description, f, indent=2)
-        f.write('\n')
+    with whole_folder(out_dir) as staging:
+        with open(os.path.join(staging, MODEL_FILE), 'wb') as f:
+            f.write(flatbuffer)
+        for source, name in zip(vocabulary or bundled_vocabulary(), ('encoder.json', 'vocab.bpe')):
+            shutil.copyfile(source, os.path.join(staging, name))
+        with open(os.path.join(staging, DESCRIPTION), 'w', encoding='utf-8') as f:
+            json.dump(description, f, indent=2)
+            f.write('\n')
     return dict(description, seconds=time.perf_counter() - start, bytes=len(flatbuffer))

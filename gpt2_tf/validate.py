@@ -33,6 +33,16 @@ def save_folder(path) -> str:
     return path
 
 
+def check_new_folder(path) -> str:
+    """A folder an export creates: missing or empty (an export never mixes with other files)."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise GPT2Error(f'{path} is a file: give a new folder to write into')
+    if os.path.isdir(path) and os.listdir(path):
+        raise GPT2Error(f'{path} exists and is not empty: write into a new folder')
+    return path
+
+
 MAX_TEMPERATURE = 2.0  # the accepted range is [0, MAX_TEMPERATURE]; 0 is greedy
 
 

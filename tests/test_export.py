@@ -1,6 +1,7 @@
 """The SavedModel export, loaded in a fresh process that imports only TensorFlow and numpy."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import tensorflow as tf
 
 import gpt2_tf
 import gpt2_tf.export
+from gpt2_tf.validate import GPT2Error
 
 from conftest import FIXTURES
 
@@ -98,12 +100,33 @@ def test_export_refuses_a_folder_in_use(tmp_path):
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'export', str(HOT), str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and 'exists and is not empty' in done.stderr
+    with pytest.raises(GPT2Error, match='exists and is not empty: write into a new folder'):
+        gpt2_tf.export.export_saved_model(gpt2_tf.load_model(HOT), tmp_path)
 
 
-def test_the_signature_checks_by_the_librarys_rules_at_the_exact_boundary(tmp_path):
-    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')  # n_ctx = 32, n_vocab = 512
+def test_a_failed_export_leaves_nothing_and_a_retry_works(tmp_path, monkeypatch):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    real_save = tf.saved_model.save
+
+    def full_disk(obj, folder, **options):
+        real_save(obj, folder, **options)  # everything written, then the disk fills
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(tf.saved_model, 'save', full_disk)
+    with pytest.raises(OSError, match='No space left'):
+        gpt2_tf.export.export_saved_model(model, tmp_path / 'e')
+    assert os.listdir(tmp_path) == []  # neither the folder nor its staging
+    monkeypatch.setattr(tf.saved_model, 'save', real_save)
     gpt2_tf.export.export_saved_model(model, tmp_path / 'e')
-    generate = tf.saved_model.load(str(tmp_path / 'e')).signatures['generate']
+    assert 'saved_model.pb' in os.listdir(tmp_path / 'e')
+
+
+@pytest.mark.parametrize('xla', [False, True], ids=['plain', 'xla'])  # XLA drops assertions: they run outside it
+def test_the_signature_checks_by_the_librarys_rules_at_the_exact_boundary(tmp_path, xla):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')  # n_ctx = 32, n_vocab = 512
+    gpt2_tf.export.export_saved_model(model, tmp_path / 'e', xla=xla)
+    signatures = tf.saved_model.load(str(tmp_path / 'e')).signatures
+    generate = signatures['generate']
 
     def call(tokens, length, **options):
         options = {'temperature': 1.0, 'top_k': 0, 'top_p': 1.0, **options}
@@ -121,3 +144,10 @@ def test_the_signature_checks_by_the_librarys_rules_at_the_exact_boundary(tmp_pa
             ([[1]], 5, {'top_k': -1}, 'top_k must be >= 0')]:
         with pytest.raises(tf.errors.InvalidArgumentError, match=message):
             call(tokens, length, **options)
+    for name in ('serving_default', 'score'):
+        assert signatures[name](tokens=tf.ones([1, 32], tf.int32))  # n_ctx tokens: fits
+        for tokens, message in [(np.ones([1, 33]), 'tokens must hold at most n_ctx = 32 per row'),
+                                ([[1, 512]], r'token ids must be in the vocabulary \[0, 512\)'),
+                                (np.zeros([1, 0]), 'tokens must hold at least one token per row')]:
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                signatures[name](tokens=tf.constant(tokens, tf.int32))

@@ -12,6 +12,7 @@ import pytest
 
 import gpt2_tf
 from gpt2_tf import HParams
+from gpt2_tf.assets import bundled_vocabulary
 from gpt2_tf.litert import export_litert
 from gpt2_tf.validate import GPT2Error
 
@@ -110,6 +111,22 @@ def test_bad_options_are_refused_in_one_line(tmp_path):
             export_litert(model, tmp_path / 'out', **options)
         assert '\n' not in str(caught.value)
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(tmp_path, monkeypatch):
+    import shutil
+
+    half = tmp_path / 'half'
+    shutil.copytree(FIXTURES / 'tf1-tiny', half)
+    shutil.copyfile(bundled_vocabulary()[0], half / 'encoder.json')  # without vocab.bpe
+    done = cli('export', str(half), str(tmp_path / 'out'), '--format', 'litert')
+    assert done.returncode == 2 and done.stderr.strip().endswith('has encoder.json but not vocab.bpe: copy both '
+                                                                 'files of the vocabulary in (or neither, for the '
+                                                                 'bundled GPT-2 one)'), done.stderr
+    monkeypatch.setattr(shutil, 'copyfile', lambda *a: (_ for _ in ()).throw(OSError(28, 'No space left on device')))
+    with pytest.raises(OSError, match='No space left'):
+        export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'out', max_len=8)
+    assert sorted(os.listdir(tmp_path)) == ['half']  # neither out nor its staging
 
 
 @pytest.mark.slow

@@ -7,15 +7,10 @@ import shutil
 
 LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
 
+from ..encoder import vocabulary_files
+from ..validate import check_new_folder
 from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_strict,
                      add_verbose, model_folder, open_model)
-
-
-def new_folder(path: str) -> None:
-    if os.path.isfile(path):
-        raise CommandError(f'{path} is a file: give a new folder to write into')
-    if os.path.isdir(path) and os.listdir(path):
-        raise CommandError(f'{path} exists and is not empty: write into a new folder')
 
 
 def cmd_export(args):
@@ -26,7 +21,7 @@ def cmd_export(args):
         return export_litert(args, folder, hparams)
     if args.max_len is not None:
         raise CommandError('--max-len is for --format litert; a SavedModel takes any length up to n_ctx')
-    new_folder(args.out_dir)
+    check_new_folder(args.out_dir)
     model = open_model(args, folder, device='/CPU:0')
     from ..export import export_saved_model
 
@@ -43,12 +38,12 @@ def export_litert(args, folder, hparams) -> None:
         raise CommandError(f'--max-len must be an integer in [1, {hparams.n_ctx}] (n_ctx), got {args.max_len}')
     if args.xla:
         raise CommandError('--xla is for a SavedModel; a LiteRT model runs in the LiteRT interpreter')
-    new_folder(args.out_dir)
+    check_new_folder(args.out_dir)
+    vocabulary = vocabulary_files(folder.path)  # both files of a pair, or none
     model = open_model(args, folder, device='/CPU:0')
-    from ..encoder import vocabulary_files
     from ..litert import export_litert as write
 
-    info = write(model, args.out_dir, max_len=args.max_len, vocabulary=vocabulary_files(folder.path))
+    info = write(model, args.out_dir, max_len=args.max_len, vocabulary=vocabulary)
     print(f'{args.out_dir}: LiteRT model written ({info["bytes"] / 1e6:,.1f} MB, {args.dtype}, signatures prefill and '
           f'decode, cache of {info["max_len"]} positions; run it with: python -m gpt2_tf.litert_run {args.out_dir} '
           f'"Hello")')
@@ -80,25 +75,26 @@ def cmd_convert(args):
 
     source = model_folder(args)
     source.hparams()
-    new_folder(args.destination)
+    check_new_folder(args.destination)
     if args.to == 'hf' and source.layout == 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is already a Hugging Face folder (config.json); use --to original')
     if args.to == 'original' and source.layout != 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is not a Hugging Face folder (no config.json); use --to hf')
     model = open_model(args, source, device='/CPU:0')
     from ..assets import bundled_vocabulary
-    from ..checkpoint import save_checkpoint
+    from ..checkpoint import save_checkpoint, whole_folder
     from ..hf import save_hf
 
-    if args.to == 'hf':
-        own = [os.path.join(source.path, name) for name in TOKENIZER_FILES.values()]
-        save_hf(model, args.destination, vocabulary=own if all(map(os.path.exists, own)) else None)
-    else:
-        save_checkpoint(model, args.destination)
-        hf_names = [os.path.join(source.path, name) for name in TOKENIZER_FILES]
-        files = hf_names if all(map(os.path.exists, hf_names)) else bundled_vocabulary()
-        for original_name, path in zip(TOKENIZER_FILES.values(), files):
-            shutil.copyfile(path, os.path.join(args.destination, original_name))
+    with whole_folder(args.destination) as staging:  # the folder appears complete, or not at all
+        if args.to == 'hf':
+            own = [os.path.join(source.path, name) for name in TOKENIZER_FILES.values()]
+            save_hf(model, staging, vocabulary=own if all(map(os.path.exists, own)) else None)
+        else:
+            save_checkpoint(model, staging)
+            hf_names = [os.path.join(source.path, name) for name in TOKENIZER_FILES]
+            files = hf_names if all(map(os.path.exists, hf_names)) else bundled_vocabulary()
+            for original_name, path in zip(TOKENIZER_FILES.values(), files):
+                shutil.copyfile(path, os.path.join(staging, original_name))
     print(f'{args.destination}: written ({args.to})')
 
 
