@@ -19,7 +19,9 @@ import sys
 
 import numpy as np
 
+from . import validate
 from .encoder import get_encoder
+from .validate import GPT2Error
 
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64, as gpt2_tf.noise: the same bits for the same (key, step, token)
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -52,16 +54,29 @@ def choose(logits: np.ndarray, step: int, *, top_k: int, temperature: float, key
     return int(np.argmax(noisy))
 
 
+def cache_of(folder: str) -> list:
+    """The kv_cache shape of an export folder (its model.json); a folder that is not one is refused in one line."""
+    try:
+        with open(os.path.join(folder, 'model.json'), encoding='utf-8') as f:
+            shape = json.load(f)['signatures']['decode']['inputs']['kv_cache']['shape']
+    except (OSError, ValueError, KeyError, TypeError):
+        shape = None
+    if shape is None or not os.path.exists(os.path.join(folder, 'model.tflite')):
+        raise GPT2Error(f'{folder} is not a LiteRT export (model.tflite and its model.json): write one with '
+                        f'gpt2-tf export MODEL {folder} --format litert')
+    return shape
+
+
 def generate(folder: str, ids: list, length: int, *, top_k: int = 0, temperature: float = 1.0,
              seed=None, threads: int = 2) -> list:
     """length new token ids after the prompt ids, through the folder's model.tflite."""
     from ai_edge_litert.interpreter import Interpreter
 
-    with open(os.path.join(folder, 'model.json'), encoding='utf-8') as f:
-        cache_shape = json.load(f)['signatures']['decode']['inputs']['kv_cache']['shape']
-    if not ids or len(ids) + length - 1 > cache_shape[4]:
-        raise SystemExit(f'the prompt ({len(ids)} tokens) and --length {length} need 1 <= prompt + length - 1 '
-                         f'<= {cache_shape[4]}, the exported max_len')
+    cache_shape = cache_of(folder)
+    if not ids:
+        raise GPT2Error('the prompt is empty: give some text')
+    validate.check_length(length, cache_shape[4])
+    validate.check_window(len(ids), length, cache_shape[4], what='the prompt')
     interpreter = Interpreter(model_path=os.path.join(folder, 'model.tflite'), num_threads=threads)
     prefill, decode = interpreter.get_signature_runner('prefill'), interpreter.get_signature_runner('decode')
     key = None if seed is None else (seed, 0)
@@ -85,10 +100,16 @@ def main(argv=None) -> int:
     parser.add_argument('--temperature', type=float, default=1.0, help='for --top_k draws (default: 1.0)')
     parser.add_argument('--seed', type=int, default=0, help='for --top_k draws (default: 0)')
     args = parser.parse_args(argv)
-    encoder = get_encoder(args.folder)
-    ids = encoder.encode(args.prompt)
-    new = generate(args.folder, ids, args.length, top_k=args.top_k, temperature=args.temperature,
-                   seed=args.seed if args.top_k else None)
+    try:  # the library's rules, in one line each
+        cache_of(args.folder)
+        validate.check_sampling(args.temperature, args.top_k, 1.0, 1)
+        validate.check_seed(args.seed, 1)
+        encoder = get_encoder(args.folder)
+        ids = encoder.encode(args.prompt)
+        new = generate(args.folder, ids, args.length, top_k=args.top_k, temperature=args.temperature,
+                       seed=args.seed if args.top_k else None)
+    except GPT2Error as e:
+        parser.error(str(e))
     print(args.prompt + encoder.decode(new))
     return 0
 

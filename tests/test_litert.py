@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -127,6 +128,37 @@ def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(t
     with pytest.raises(OSError, match='No space left'):
         export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'out', max_len=8)
     assert sorted(os.listdir(tmp_path)) == ['half']  # neither out nor its staging
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['Hi', '--length', '0'], 'length must be a positive integer, got 0'),
+    (['Hi', '--length', '9'], 'length 9 is longer than the window'),
+    (['Hello there you', '--length', '7'], r'3 tokens \+ length 7 exceeds the window by 1'),
+    (['', '--length', '3'], 'the prompt is empty'),
+    (['Hi', '--length', '2', '--top_k', '-5'], 'top_k must be an integer >= 0'),
+    (['Hi', '--length', '2', '--top_k', '5', '--temperature', '-1'], r'temperature must be in \[0, 2\]'),
+    (['Hi', '--length', '2', '--seed', str(2 ** 64)], 'seed 18446744073709551616 is out of range'),
+])
+def test_the_runner_checks_its_arguments_by_the_librarys_rules(tmp_path, capsys, argv, message):
+    import shutil
+
+    from gpt2_tf import litert_run
+
+    folder = tmp_path / 'export'  # checked before the interpreter loads: model.json's cache of 8 positions
+    folder.mkdir()
+    (folder / 'model.tflite').write_bytes(b'')
+    (folder / 'model.json').write_text(json.dumps({'signatures': {'decode': {'inputs': {'kv_cache': {
+        'shape': [1, 2, 1, 2, 8, 4]}}}}}))
+    for path, name in zip(bundled_vocabulary(), ('encoder.json', 'vocab.bpe')):
+        shutil.copyfile(path, folder / name)
+    with pytest.raises(SystemExit):
+        litert_run.main([str(folder), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith('python -m gpt2_tf.litert_run: error: ') and re.search(message, err[-1]), err
+    assert not any('Traceback' in line for line in err)  # argparse's usage, then the one error
+    with pytest.raises(SystemExit):
+        litert_run.main([str(tmp_path), 'Hi'])
+    assert 'is not a LiteRT export (model.tflite and its model.json)' in capsys.readouterr().err
 
 
 @pytest.mark.slow
