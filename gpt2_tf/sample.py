@@ -67,22 +67,31 @@ def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: 
     Per row: temperature, top_p float32 [batch], top_k int32 [batch], keys int64
     [batch, 2]; step int64 []. A row with temperature 0 or top_k 1 takes the
     argmax (the lowest id among exact ties); greedy=True (static) says every row does.
-    among_top=True (static) says every other row has 0 < top_k <= kmax: the draw
+    among_top=True (static) says every other row has 0 < top_k < kmax: the draw
     then runs over tf.math.top_k's candidates only, each with the noise it has in
-    the full row, so it picks the same token for a fraction of the cost.
+    the full row, so it picks the same token for a fraction of the cost (over the
+    full row where exact ties at a row's k-th logit reach the last candidate).
     """
     best = first_argmax(logits)
     if greedy:
         return best
     is_greedy = tf.equal(temperature, 0) | tf.equal(top_k, 1)
     floor, z = floors(logits, tf.where(is_greedy, 1.0, temperature), top_k, top_p, kmax=kmax)
-    if among_top:
-        values, tokens = tf.math.top_k(logits, k=min(kmax, logits.shape[-1]))  # [batch, k]
-        z = tf.gather(z, tokens, batch_dims=1)
-    else:
-        values, tokens = logits, logits.shape[-1]
-    noisy = tf.where(order_keys(values) >= floor[:, None], z + gumbel(keys, step, tokens), -np.inf)
-    return tf.where(is_greedy, best, _first_best(noisy, tokens))
+
+    def draw(values, tokens, z):  # the noisiest kept token
+        noisy = tf.where(order_keys(values) >= floor[:, None], z + gumbel(keys, step, tokens), -np.inf)
+        return _first_best(noisy, tokens)
+
+    vocab = logits.shape[-1]
+    full = lambda: draw(logits, vocab, z)  # noqa: E731
+    if not among_top or kmax >= vocab:
+        return tf.where(is_greedy, best, full())
+    values, ids = tf.math.top_k(logits, k=kmax)  # [batch, kmax], kmax > every row's top_k (top_k_size)
+    # Exact ties at a row's k-th logit, all of which top_k keeps, can reach the last candidate and run past it:
+    # then every row draws over its full row (the same token wherever nothing was cut).
+    tied_past = tf.reduce_any(~is_greedy & (order_keys(tf.reduce_min(values, axis=-1)) >= floor))
+    chosen = tf.cond(tied_past, full, lambda: draw(values, ids, tf.gather(z, ids, batch_dims=1)))
+    return tf.where(is_greedy, best, chosen)
 
 
 # --- the compiled loop -----------------------------------------------------------------------
@@ -194,11 +203,12 @@ def advance(model, logits, caches, *, pads, prompt, done, length, options: Optio
 # --- requests --------------------------------------------------------------------------------
 
 def top_k_size(top_k: np.ndarray, vocab: int) -> int:
-    """The static k for tf.math.top_k that covers every row's top_k (0: no row truncates)."""
+    """The static k for tf.math.top_k past every row's top_k (0: no row truncates): its last candidate is kept
+    only where logits tie at a row's k-th (choose then draws over the full row)."""
     largest = int(max((k for k in top_k if 0 < k < vocab), default=0))
     if not largest:
         return 0
-    return next((size for size in _TOP_K_SIZES if size >= largest), vocab)
+    return next((size for size in _TOP_K_SIZES if size > largest), vocab)
 
 
 def truncating(temperature: np.ndarray, top_k: np.ndarray, vocab: int) -> bool:

@@ -139,6 +139,27 @@ def test_drawing_among_the_top_k_picks_what_the_full_row_picks(temperature, top_
         np.testing.assert_array_equal(top, full, err_msg=f'step {step}')
 
 
+@pytest.mark.parametrize('top_k', [20, 64])
+def test_ties_at_the_k_th_logit_past_the_candidates_are_drawn_as_the_full_row_draws_them(top_k):
+    # 10 logits at 5 and 70 at 4: top_k 20 or 64 keeps all 80 (ties with the k-th survive, as in the original),
+    # more than the 64 candidates top_k 20 alone would take; one row without ties shares the batch.
+    rows, vocab = 400, 300
+    row = np.full(vocab, -3.0, np.float32)
+    row[:10], row[10:80] = 5.0, 4.0
+    logits = np.tile(row, [rows, 1])
+    logits[-1] = np.random.default_rng(0).standard_normal(vocab).astype(np.float32)
+    options = [tf.fill([rows], np.float32(1.0)), tf.fill([rows], np.int32(top_k)), tf.fill([rows], np.float32(1.0)),
+               tf.constant(row_keys(3, rows))]
+    kmax = sample.top_k_size(np.array([top_k]), vocab)
+    drawn = set()
+    for step in range(5):
+        full, top = (_choose(tf.constant(logits), *options, tf.constant(step, tf.int64), kmax=kmax,
+                             among_top=flag).numpy() for flag in (False, True))
+        np.testing.assert_array_equal(top, full, err_msg=f'step {step}')
+        drawn |= set(full[:-1].tolist())
+    assert drawn == set(range(80))  # every kept token, none past them
+
+
 # --- goodness of fit ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('temperature, top_k, top_p', [
