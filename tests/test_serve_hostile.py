@@ -16,6 +16,7 @@ import types
 import pytest
 
 import gpt2_tf
+from gpt2_tf import HParams
 from gpt2_tf.assets import bundled_checkpoint
 
 from conftest import require
@@ -58,6 +59,21 @@ def post(port, body: bytes, path='/v1/completions', method='POST', headers=()):
     data = response.read()
     connection.close()
     return response.status, json.loads(data)
+
+
+def test_a_vocabulary_without_end_of_text_serves_text_and_refuses_an_empty_prompt(random_checkpoint):
+    from gpt2_tf.encoder import Encoder, bytes_to_unicode
+    from gpt2_tf.serve import create_app
+
+    encoder = Encoder({c: i for i, c in enumerate(bytes_to_unicode().values())}, [], fast=False)  # bytes alone
+    model = gpt2_tf.load_model(random_checkpoint(HParams(n_vocab=256, n_ctx=16, n_embd=16, n_head=2, n_layer=1)))
+    app = create_app(model, encoder, model_id='bytes', mode='eager', capacity=2, queue_size=4)
+    with running(app) as port:
+        status, body = post(port, json.dumps({'prompt': 'Hi', 'max_tokens': 3, 'seed': 1}).encode())
+        assert status == 200 and body['usage']['completion_tokens'] == 3, body
+        status, body = post(port, json.dumps({'prompt': ['Hi', ''], 'max_tokens': 3}).encode())
+        assert status == 400 and body['error']['param'] == 'prompt', body
+        assert "starts after <|endoftext|>, which this model's vocabulary does not have" in body['error']['message']
 
 
 def assert_openai_error(body, message=None):

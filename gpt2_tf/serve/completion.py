@@ -29,7 +29,7 @@ class Choice:
     def __init__(self, index: int, encoder: Encoder, stops: list, logprobs: Optional[int], prefix: str = '',
                  prefix_logprobs: Optional[dict] = None):
         self.index, self.encoder, self.stops, self.logprobs = index, encoder, stops, logprobs
-        self.end = encoder.encoder[END_OF_TEXT]
+        self.end = encoder.encoder.get(END_OF_TEXT)  # None: a vocabulary without it never ends a choice there
         self.tokens: List[int] = []
         self.sent = 0  # characters of text already handed out
         self.prefix = prefix  # the echoed prompt

@@ -167,7 +167,11 @@ class CompletionRequest(BaseModel):
         """The request's rows and options, after validate.py's checks; raises APIError 400."""
         best_of = self.choices()
         given = self.prompts(encoder, hparams.n_vocab)
-        prompts = [row or [encoder.encoder[END_OF_TEXT]] for row in given]  # an empty prompt: after <|endoftext|>
+        end = encoder.encoder.get(END_OF_TEXT)
+        if not all(given) and (end is None or end >= hparams.n_vocab):
+            raise APIError(400, "an empty prompt starts after <|endoftext|>, which this model's vocabulary does not "
+                                "have: send some text", param='prompt')
+        prompts = [row or [end] for row in given]  # an empty prompt: after <|endoftext|>
         for i, prompt in enumerate(prompts):
             try:
                 if self.max_tokens:
