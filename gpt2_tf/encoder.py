@@ -17,7 +17,7 @@ from typing import Iterable, Optional, Sequence
 import regex
 
 from .assets import bundled_vocabulary
-from .validate import GPT2Error
+from .validate import GPT2Error, is_int, shown
 
 END_OF_TEXT = '<|endoftext|>'
 END_OF_TEXT_ID = 50256  # its id in GPT-2's vocabulary: every document's end, and the context evaluations start from
@@ -156,6 +156,10 @@ class Encoder:
         return ids
 
     def decode(self, tokens: Iterable[int]) -> str:
+        tokens = list(tokens)
+        odd = [t for t in tokens if not is_int(t)]
+        if odd:
+            raise GPT2Error(f'token ids are integers, got {shown(odd[0])}')
         tokens = [int(t) for t in tokens]
         bad = [t for t in tokens if t not in self.decoder]
         if bad:

@@ -4,11 +4,13 @@ import hashlib
 import json
 import shutil
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpt2_tf.assets import bundled_vocabulary as bundled_files
 from gpt2_tf.encoder import END_OF_TEXT, Encoder, bytes_to_unicode, get_encoder
+from gpt2_tf.validate import GPT2Error
 
 from conftest import FIXTURES
 
@@ -28,6 +30,14 @@ def test_backends():
     assert PATHS['python'].backend == 'python' and PATHS['tiktoken'].backend == 'tiktoken'
     assert get_encoder().backend == 'tiktoken'  # the default when tiktoken is installed
     assert PATHS['python'].n_vocab == 50257
+
+
+@pytest.mark.parametrize('path', PATHS)
+def test_decode_takes_integer_ids_only(path):
+    assert PATHS[path].decode(np.array([15496, 995], np.int64)) == 'Hello world'
+    for odd in ([1.7], [True], ['5']):
+        with pytest.raises(GPT2Error, match='token ids are integers, got'):
+            PATHS[path].decode(odd)
 
 
 @pytest.mark.parametrize('text', ['\udcff', 'caf\udce9 au lait', '\ud83d\ude00 paired', 'x\ud800'])
