@@ -262,6 +262,9 @@ def test_a_mistyped_flag_shows_the_subcommands_usage_and_the_closest_flag(tmp_pa
     (['--temperature', '3'], 'temperature must be in [0, 2] (0 is greedy), got 3'),
     (['--top_p=1.50'], 'top_p must be in [0, 1] (1: no truncation), got 1.50'),
     (['--temperature', '-0.25'], 'temperature must be in [0, 2] (0 is greedy), got -0.25'),
+    (['--temperature', '1e400'], 'temperature must be in [0, 2] (0 is greedy), got 1e400'),  # inf to Python
+    (['--logit_bias', '5:500'], 'logit_bias for token 5 must be a number in [-100, 100] (-100 bans, 100 forces), '
+                                'got 500'),
 ])
 def test_numbers_in_messages_are_as_typed_and_range_errors_exit_2(tmp_path, argv, message):
     done = subprocess.run([*GPT2_TF, 'generate', 'Hello', *argv], cwd=tmp_path, capture_output=True, text=True,

@@ -53,7 +53,7 @@ def parser() -> Parser:
 def as_typed(message: str, argv: list) -> str:
     """A message's numbers (a numpy repr such as np.float64(3.0), or the 3.0 after 'got') as the command line had
     them (3)."""
-    typed = [a.split('=', 1)[-1] for a in argv]
+    typed = [part for a in argv for part in re.split(r'[=,:]', a)]  # --x=3, and the numbers of 5:500,7:-1
 
     def number(match):
         inner = match.group(1) or match.group(2)
@@ -65,7 +65,7 @@ def as_typed(message: str, argv: list) -> str:
                 continue
         return inner
 
-    return re.sub(r'np\.\w+\(([-+.\deE]+)\)|(?<=got )([-+]?\d[\d.]*(?:[eE][-+]?\d+)?)', number, message)
+    return re.sub(r'np\.\w+\(([-+.\deE]+)\)|(?<=got )(-?inf|[-+]?\d[\d.]*(?:[eE][-+]?\d+)?)', number, message)
 
 
 def main(argv=None) -> int:
