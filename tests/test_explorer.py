@@ -77,6 +77,7 @@ def test_token_labels_show_spaces_and_stray_bytes():
     stray = encoder.encoder[encoder.byte_encoder[0xe3]]  # the first byte of a three-byte character, alone
     assert token_label(encoder, stray) == '\\xe3'
     assert token_label(encoder, encoder.encode('<b>')[0]) == '<'  # HTML-escaped where the page writes it
+    assert [token_label(encoder, encoder.encode(c)[0]) for c in '\x00\r\n\t'] == ['\\x00', '\\x0d', '\\n', '\\t']
 
 
 @pytest.mark.parametrize('argv, message', [

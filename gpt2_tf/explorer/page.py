@@ -13,6 +13,7 @@ import base64
 import html
 import json
 import os
+import unicodedata
 from typing import Optional
 
 import numpy as np
@@ -143,13 +144,15 @@ SCRIPT = r'''(function () {
 
 
 def token_label(encoder: Encoder, token: int) -> str:
-    """A token as readable text: a leading space as ·, bytes that are not UTF-8 on their own as \\xNN."""
+    """A token as readable text: a leading space as ·, \\n and \\t as written, other control characters and bytes
+    that are not UTF-8 on their own as \\xNN."""
     raw = bytes(encoder.byte_decoder[c] for c in encoder.decoder[int(token)])
     try:
         text = raw.decode('utf-8')
     except UnicodeDecodeError:
         text = raw.decode('utf-8', errors='backslashreplace')
     text = text.replace('\n', '\\n').replace('\t', '\\t')
+    text = ''.join(f'\\x{ord(c):02x}' if unicodedata.category(c) == 'Cc' else c for c in text)
     return '·' + text[1:] if text.startswith(' ') else text
 
 
