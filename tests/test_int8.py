@@ -204,6 +204,9 @@ def test_int8_keeps_out_of_xla_where_its_persistent_cache_is_on(monkeypatch):
     assert compiled.default_mode(model) == 'function'
     with pytest.raises(GPT2Error, match="mode='xla' for an int8 model with XLA's persistent cache on"):
         compiled.shared(sample.begin, model, 'xla')
+    with pytest.raises(GPT2Error, match="jit_compile=True for an int8 model with XLA's persistent cache on"):
+        gpt2_tf.load_model(FIXTURES / 'tf1-tiny', dtype='int8', jit_compile=True)
+    assert gpt2_tf.load_model(FIXTURES / 'tf1-tiny', jit_compile=True).dtype == 'float32'  # no int8 kernel to call
 
 
 def test_the_command_line_decodes_int8_twice_over_its_xla_cache(tmp_path):
