@@ -133,20 +133,26 @@ def trace(model: Model, tokens, *, attention_weights: bool = False) -> list:
 
 
 def compare(model_dir: str | os.PathLike, tokens: Sequence, *, model: Optional[Model] = None,
-            scale: float = 1e-4) -> dict:
+            scale: float = 1e-4, strict: bool = True) -> dict:
     """Runs the TF1 reference graph and this port on the same tokens; max |diff| per block and state.
 
-    The tolerance for each state is scale x max(1, max |reference|). model, when given,
-    stands in for the port (say, one changed in memory); the reference always reads
-    the checkpoint in model_dir. first_divergence names the first state, in forward
-    order, past its tolerance.
+    model_dir: an original-layout folder or run folder, or a model name. The tolerance
+    for each state is scale x max(1, max |reference|). model, when given, stands in for
+    the port (say, one changed in memory); the reference always reads the checkpoint in
+    model_dir. strict=False loads a checkpoint that also holds variables the model does
+    not have (the reference ignores them too). first_divergence names the first state,
+    in forward order, past its tolerance.
     """
     from .tf1_reference import Reference
+    from .validate import GPT2Error
 
-    model_dir = os.fspath(model_dir)
-    model = model or load_model(model_dir)
+    folder = loading.resolve(model_dir)
+    if folder.layout == 'hf':
+        raise GPT2Error(f'{folder.path} is a Hugging Face folder; the TF1 graph reads the original layout: '
+                        f'convert it first (gpt2-tf convert {folder.path} DST --to original)')
+    model = model or load_model(folder.path, strict=strict)
     tokens = model.check_inputs(tokens).astype(np.int32)
-    reference = Reference(model.hparams, find_checkpoint(model_dir))
+    reference = Reference(model.hparams, find_checkpoint(folder.path))
     try:
         theirs = reference.trace(tokens)
         their_logits = reference(tokens)['logits']

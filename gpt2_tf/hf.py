@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import warnings
+from typing import Optional
 
 import numpy as np
 
@@ -154,10 +155,11 @@ def read_tensors(path) -> dict:
     raise HFFormatError(f'{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} beside {CONFIG}')
 
 
-def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = True) -> dict:
+def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = True,
+                dropped: Optional[list] = None) -> dict:
     """{HF name: array} -> {checkpoint name: float32 array}, every name and shape checked; strict=False drops
-    tensors GPT-2 does not have instead of refusing them."""
-    out, extra, upcast = {}, [], set()
+    tensors GPT-2 does not have instead of refusing them (their names appended to dropped, when given)."""
+    out, extra, upcast = {}, [] if dropped is None else dropped, set()
     block_names, top_names = names()
     for name, value in tensors.items():
         key = name[len('transformer.'):] if name.startswith('transformer.') else name

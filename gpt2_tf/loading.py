@@ -19,6 +19,8 @@ import os
 import warnings
 from typing import Optional
 
+import numpy as np
+
 from . import hf
 from .assets import bundled_checkpoint
 from .download import partial_folder
@@ -222,9 +224,10 @@ def stored_shapes(model_dir) -> dict:
     """{checkpoint name: shape} of the tensors a model folder holds, in either layout (HF names mapped to
     the original's), read without loading a model: what parameter accounting counts."""
     folder = model_dir if isinstance(model_dir, ModelFolder) else resolve(model_dir)
-    if folder.layout == 'hf':
-        tensors = hf.to_original(hf.read_tensors(folder.path), folder.hparams(), source=folder.path)
-        return {name: tuple(value.shape) for name, value in tensors.items()}
+    if folder.layout == 'hf':  # tensors GPT-2 does not have kept under their own names, for accounting to list
+        read, extra = hf.read_tensors(folder.path), []
+        tensors = hf.to_original(read, folder.hparams(), source=folder.path, strict=False, dropped=extra)
+        return {name: tuple(np.shape(value)) for name, value in {**tensors, **{n: read[n] for n in extra}}.items()}
     from .checkpoint import checkpoint_shapes, find_checkpoint
 
     return checkpoint_shapes(find_checkpoint(folder.path))

@@ -173,6 +173,14 @@ def test_optimizer_slots_name_strict_false_on_the_first_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith('(--no_strict on the command line) to ignore them.')
     assert main(argv + ['--no_strict']) == 0
     assert capsys.readouterr().out.count('SAMPLE 1') == 1
+    compare = ['compare', str(tmp_path / 'adam'), '--tokens', '1 2 3']  # the port loads it, the TF1 graph too
+    assert main(compare) == 2 and '--no_strict' in capsys.readouterr().err
+    assert main(compare + ['--no_strict']) == 0
+    assert 'all states within tolerance' in capsys.readouterr().out
+    assert main(['inspect', str(tmp_path / 'adam')]) == 2  # accounting lists them
+    assert capsys.readouterr().err.strip().endswith('1 problem(s) against hparams.json, the first: 3 checkpoint '
+                                                    'variable(s) outside the model: beta1_power, '
+                                                    'model/h0/attn/c_attn/w/Adam, model/h0/attn/c_attn/w/Adam_1')
 
 
 def test_nothing_assigned_when_a_read_fails(tiny_copy):

@@ -88,6 +88,14 @@ def test_compare_points_at_a_corrupted_variable(variable, block, state):
     assert report['first_divergence'] == {'block': block, 'state': state}
 
 
+def test_compare_takes_a_model_name_and_refuses_an_hf_folder(tmp_path):
+    tokens = [[464, 2068, 7586]]
+    assert compare('test', tokens)['first_divergence'] is None  # the bundled checkpoint, by name
+    gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path / 'hf')
+    with pytest.raises(ValueError, match='is a Hugging Face folder; the TF1 graph reads the original layout'):
+        compare(tmp_path / 'hf', tokens)
+
+
 def test_compare_cli(capsys):
     assert main(['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '1 2 3 4 5 6']) == 0
     out = capsys.readouterr().out

@@ -351,3 +351,12 @@ def test_strict_false_loads_an_hf_folder_with_tensors_gpt2_does_not_have(tmp_pat
     tokens = np.arange(12, dtype=np.int32)[None]
     assert_close(gpt2_tf.load_model(tmp_path / 'extra', strict=False)(tokens)['logits'],
                  torch_logits(hf_folder[1], tokens), 'strict=False')
+
+
+def test_inspect_lists_the_tensors_gpt2_does_not_have(tmp_path, state):
+    from gpt2_tf.diagnostics import parameter_table
+
+    write_tensors(tmp_path / 'extra', {**state, 'score.weight': np.zeros((2, 32), np.float32)})
+    table = parameter_table(tmp_path / 'extra')
+    assert table['mismatches'] == ['1 checkpoint variable(s) outside the model: score.weight']
+    assert table['total_checkpoint'] == table['total_expected'] + 64

@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-from .common import CommandError, add_dtype, add_model_folder, add_verbose, model_folder, open_model, start_tensorflow
+from .common import (CommandError, add_dtype, add_model_folder, add_strict, add_verbose, model_folder, open_model,
+                     start_tensorflow)
 
 
 def cmd_inspect(args):
@@ -18,7 +19,8 @@ def cmd_inspect(args):
     table = parameter_table(folder.path)
     print(json.dumps(table, indent=2) if args.json else format_table(table))
     if table['mismatches']:
-        raise CommandError(f'{len(table["mismatches"])} component(s) disagree with hparams.json')
+        raise CommandError(f'{len(table["mismatches"])} problem(s) against hparams.json, the first: '
+                           f'{table["mismatches"][0]}')
 
 
 def cmd_explore(args):
@@ -51,7 +53,7 @@ def cmd_compare(args):
             from None
     if not tokens:
         raise CommandError('--tokens is empty: give at least one token id, e.g. "464 2068"')
-    if folder.layout == 'hf':
+    if folder.layout == 'hf':  # before TensorFlow starts (diagnostics.compare says it too)
         raise CommandError(f'{folder.path} is a Hugging Face folder; the TF1 graph reads the original layout: '
                            f'convert it first (gpt2-tf convert {folder.path} DST --to original)')
     hparams = folder.hparams()
@@ -60,7 +62,7 @@ def cmd_compare(args):
     start_tensorflow(args, folder)
     from ..diagnostics import compare, format_comparison
 
-    report = compare(folder.path, [tokens])
+    report = compare(folder.path, [tokens], strict=not args.no_strict)
     print(format_comparison(report))
     if report['first_divergence'] is not None:
         sys.exit(1)
@@ -85,6 +87,7 @@ def add_inspect_and_compare(commands) -> None:
 
     compare = commands.add_parser('compare', help='max |diff| per block and state against the TF1 graph')
     add_model_folder(compare, loads=False)
+    add_strict(compare)  # the port loads the checkpoint; the TF1 graph reads only its own variables
     compare.add_argument('--tokens', required=True,
                          help='token ids, e.g. "464 2068 7586" (required: no default)')
     add_verbose(compare)
