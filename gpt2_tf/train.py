@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
+import threading
 import time
 from typing import Callable, Optional
 
@@ -206,11 +208,12 @@ class Trainer:
                                                                         if replicas > 1 else ''))
         # products trace as TensorFlow's ops, which have the activations' gradient (their kernels have none);
         # the attention keeps its kernel, which has one
-        with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops(products_only=True):
-            loss = float(self._step(tf.constant(tokens, tf.int32)))
-        self.steps += 1
-        if self.adapters:
-            next(iter(self.adapters.values())).counter.value.assign_add(1)  # one counter: the next step's masks
+        with interrupts_deferred():  # the update and its count together: a Ctrl-C takes effect after both
+            with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops(products_only=True):
+                loss = float(self._step(tf.constant(tokens, tf.int32)))
+            self.steps += 1
+            if self.adapters:
+                next(iter(self.adapters.values())).counter.value.assign_add(1)  # one counter: the next step's masks
         return loss
 
     @property
@@ -235,6 +238,24 @@ class Trainer:
             self.steps, restored = runfolder.restore(run_dir, self.model, self.slots)
         if not restored:  # a gpt-2-simple run folder: as a fresh TF1 AdamOptimizer starts, whatever the step
             self.reset_slots()
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C (SIGINT) inside the block raises KeyboardInterrupt at its end, not in its middle; where SIGINT
+    has another handler, or off the main thread, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def adafactor_slots(names: list, variables: list) -> dict:

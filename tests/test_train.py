@@ -335,6 +335,27 @@ def test_ctrl_c_saves_the_step_reached_and_raises_again(tmp_path):
         np.testing.assert_array_equal(resumed.slots[name].numpy(), slot.numpy(), name)
 
 
+def test_a_ctrl_c_inside_a_step_takes_effect_after_its_update_and_its_count():
+    trainer = Trainer(gpt2_tf.load_model(HOT), 1e-2, 'sgd')
+    compiled_step = trainer._step
+
+    def update_then_ctrl_c(tokens):
+        loss = compiled_step(tokens)
+        os.kill(os.getpid(), signal.SIGINT)  # after the variables moved, before the step is counted
+        return loss
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal's process
+    try:
+        trainer._step = update_then_ctrl_c
+        before = trainer.model.h[0].mlp.c_fc.w.numpy().copy()
+        with pytest.raises(KeyboardInterrupt):
+            trainer.step(batches(1)[0])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert trainer.steps == 1  # the update happened, so it is counted: a save now holds step 1's weights
+    assert np.abs(trainer.model.h[0].mlp.c_fc.w.numpy() - before).max() > 0
+
+
 def test_ctrl_c_in_the_finetune_command_exits_130_after_saving(tmp_path):
     (tmp_path / 'corpus.txt').write_text('One two three four five six seven. ' * 40)
     command = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--batch_size', '1',
