@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from . import kernels, quiet
+from . import kernels, precision
 from .validate import GPT2Error
 
 _functions = {}
@@ -155,28 +155,13 @@ def bucket(n, limit=None):
     return size if limit is None else min(size, limit)
 
 
-def custom_calls_unsafe(dtype: str) -> bool:
-    """Whether XLA code for a model of dtype would call the int8 kernel and may be read back from XLA's
-    persistent cache: code read back from it into another process crashes at the kernel's call (inside XLA's
-    untyped custom-call path), so such a model decodes in a plain tf.function there."""
-    return dtype == 'int8' and kernels.available() and quiet.xla_cache_on()
-
-
-def refuse_unsafe_xla(dtype: str, what: str) -> None:
-    """One line, where XLA code would call the int8 kernel from XLA's persistent cache (custom_calls_unsafe)."""
-    if custom_calls_unsafe(dtype):
-        raise GPT2Error(f"{what} for an int8 model with XLA's persistent cache on (TF_XLA_FLAGS): cached code that "
-                        f"calls the int8 kernel crashes when read back; compile without XLA, or start without the "
-                        f"cache (GPT2_TF_XLA_CACHE=off for gpt2-tf)")
-
-
 def default_mode(model) -> str:
     """XLA for float32 weights, and for int8 ones where the int8 kernel compiles under XLA (its custom
     call; 0.44x float32's time at batch 1 in bench_int8) and XLA's persistent cache is off (see
-    custom_calls_unsafe; the command line turns the cache on). For bfloat16 and float16, a plain
+    precision.custom_calls_unsafe; the command line turns the cache on). For bfloat16 and float16, a plain
     tf.function: XLA on CPU upcasts them into float32 copies (twice the memory, no speed gained)."""
     if model.dtype == 'int8':
-        return 'xla' if kernels.xla_available() and not custom_calls_unsafe(model.dtype) else 'function'
+        return 'xla' if kernels.xla_available() and not precision.custom_calls_unsafe(model.dtype) else 'function'
     return 'xla' if model.dtype == 'float32' else 'function'
 
 
@@ -186,7 +171,7 @@ def shared(fn: Callable, model, mode: Optional[str] = None) -> Shared:
     if mode not in MODES:
         raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
     if mode == 'xla':
-        refuse_unsafe_xla(model.dtype, "mode='xla'")
+        precision.refuse_unsafe_xla(model.dtype, "mode='xla'")
     key = (fn, model.hparams, model.dtype, mode)
     if key not in _functions:
         _functions[key] = Shared(fn, mode)

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import kernels, quiet
-from .validate import DTYPES
+from .validate import DTYPES, GPT2Error
 SCALE = '_scale'  # an int8 matrix `name` has its scales in the variable `name + SCALE`
 PANEL = 128  # output channels per panel of a packed int8 conv1d w: two cache lines of int8 per row
 _building = threading.local()  # .unfilled, .decoding: inside unfilled(), decoding() on this thread
@@ -185,3 +185,18 @@ def gather(w, scale: Optional[tf.Tensor], ids):
     """Rows ids of w (wte) as float32: int8 rows times their scales."""
     rows = f32(tf.gather(w, ids))
     return rows if scale is None else rows * tf.gather(scale, ids)[..., None]
+
+
+def custom_calls_unsafe(dtype: str) -> bool:
+    """Whether XLA code for a model of dtype would call the int8 kernel and may be read back from XLA's
+    persistent cache: code read back from it into another process crashes at the kernel's call (inside XLA's
+    untyped custom-call path), so such a model decodes in a plain tf.function there."""
+    return dtype == 'int8' and kernels.available() and quiet.xla_cache_on()
+
+
+def refuse_unsafe_xla(dtype: str, what: str) -> None:
+    """One line, where XLA code would call the int8 kernel from XLA's persistent cache (custom_calls_unsafe)."""
+    if custom_calls_unsafe(dtype):
+        raise GPT2Error(f"{what} for an int8 model with XLA's persistent cache on (TF_XLA_FLAGS): cached code that "
+                        f"calls the int8 kernel crashes when read back; compile without XLA, or start without the "
+                        f"cache (GPT2_TF_XLA_CACHE=off for gpt2-tf)")

@@ -17,10 +17,10 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from . import compiled, kernels, validate
+from . import kernels, validate
 from . import model as graph
 from .hparams import HParams
-from .precision import check_dtype, f32
+from .precision import check_dtype, f32, refuse_unsafe_xla
 
 
 def placed(device: Optional[str]):
@@ -39,7 +39,7 @@ class Model(graph.Graph):
     def __init__(self, hparams: HParams, scope: str = 'model', *, device: Optional[str] = None,
                  jit_compile: bool = False, dtype: str = 'float32'):
         if jit_compile:
-            compiled.refuse_unsafe_xla(check_dtype(dtype), 'jit_compile=True')
+            refuse_unsafe_xla(check_dtype(dtype), 'jit_compile=True')
         with placed(device):
             super().__init__(hparams, scope, dtype=check_dtype(dtype))
         self.device = device

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Optional
 
@@ -104,8 +105,8 @@ def check_integer(name: str, value, low: int, what: str = '') -> None:
 
 
 def check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise GPT2Error(f'{name} must be > 0, got {_shown(value)}')
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise GPT2Error(f'{name} must be a finite number > 0, got {_shown(value)}')
 
 
 def check_choice(name: str, value, choices: tuple) -> None:
@@ -179,6 +180,9 @@ def check_validation(config: FinetuneConfig) -> None:
     if fraction and not config.val_every:
         raise GPT2Error('val_fraction holds out documents for a validation loss that val_every=0 never computes: '
                         'set val_every too')
+    if config.val_every and not fraction and config.val_dataset is None:
+        raise GPT2Error('val_every computes a validation loss on data that neither val_dataset nor val_fraction '
+                        'gives: set one of them')
 
 
 # --- the command line's flags, from the fields ------------------------------------------------------

@@ -101,7 +101,7 @@ def test_recompute_changes_nothing_but_memory():
 
 @pytest.mark.parametrize('kwargs, message', [
     (dict(optimizer='rmsprop'), "optimizer must be one of \\('adam', 'sgd', 'adafactor'\\)"),
-    (dict(learning_rate=0), 'learning_rate must be > 0'),
+    (dict(learning_rate=0), 'learning_rate must be a finite number > 0'),
     (dict(accumulate_gradients=0), 'accumulate_gradients must be an integer >= 1'),
 ])
 def test_bad_trainer_options(kwargs, message):

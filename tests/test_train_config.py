@@ -72,19 +72,21 @@ def test_every_flags_help_ends_with_its_default():
 @pytest.mark.parametrize('values, message', [
     (dict(batch_size=0), 'batch_size must be an integer >= 1, got 0'),
     (dict(accumulate_gradients=2.5), 'accumulate_gradients must be an integer >= 1, got 2.5'),
-    (dict(learning_rate=np.float64(0.0)), 'learning_rate must be > 0, got 0.0'),  # as typed, not np.float64(0.0)
+    (dict(learning_rate=np.float64(0.0)), 'learning_rate must be a finite number > 0, got 0.0'),  # not np.float64(0.0)
+    (dict(learning_rate=float('inf')), 'learning_rate must be a finite number > 0, got inf'),
     (dict(optimizer='rmsprop'), "optimizer must be one of \\('adam', 'sgd', 'adafactor'\\), got 'rmsprop'"),
     (dict(print_every=-1), r'print_every must be an integer >= 0 \(0: never\), got -1'),
     (dict(steps=-2), r'steps must be an integer >= -1 \(-1: until interrupted\), got -2'),
     (dict(restore_from='newest'), "restore_from must be one of \\('latest', 'fresh'\\)"),
     (dict(strategy='tpu'), "strategy must be one of \\(None, 'mirrored', 'multiworker'\\)"),
-    (dict(collective_timeout=0), 'collective_timeout must be > 0'),
+    (dict(collective_timeout=0), 'collective_timeout must be a finite number > 0'),
     (dict(seed=-1), 'seed must be an integer >= 0'),
     (dict(seed=2**63), r'seed 9223372036854775808 is out of range: use an integer in \[0, 9223372036854775807\]'),
     (dict(run_name=''), "run_name must be a non-empty string, got ''"),
     (dict(val_fraction=1.0, val_every=1), r'val_fraction must be in \[0, 1\), got 1.0'),
     (dict(val_fraction=0.1, val_every=1, val_dataset='v.bin'), 'give val_fraction or val_dataset, not both'),
     (dict(val_fraction=0.1), 'val_fraction holds out documents for a validation loss that val_every=0 never'),
+    (dict(val_every=5), 'val_every computes a validation loss on data that neither val_dataset nor val_fraction '),
 ])
 def test_bad_values_are_one_line_errors(values, message):
     with pytest.raises(GPT2Error, match=message) as error:
