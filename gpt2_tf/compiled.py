@@ -23,7 +23,6 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from . import kernels, precision
-from .validate import GPT2Error
 
 _functions = {}
 _variables = weakref.WeakKeyDictionary()  # model -> its variables; tf.Module takes 2.5 ms to list 148

@@ -332,10 +332,11 @@ class Run:
         if not resume:  # a new run here must not mix with a run of the other kind
             runfolder.check_mode(self.run_dir, lora=bool(config.lora_rank))
         self.model = loading.load_model(model_dir, strategy=strategy, dtype=config.dtype)
-        if resume and runfolder.run_hparams(self.run_dir) != self.model.hparams:
-            raise CheckpointError(f'{self.run_dir} holds a run of another model size '
-                                  f'({runfolder.run_hparams(self.run_dir)}); use another --run_name, or the '
-                                  f'base model it was trained from')
+        self._check_folders()
+        replicas = strategy.num_replicas_in_sync if strategy else 1
+        if config.batch_size % replicas:
+            raise GPT2Error(f'batch_size {config.batch_size} does not split over the {replicas} replicas of the '
+                            f'strategy: give a multiple of {replicas} (--batch_size {replicas})')
         self.encoder = self._encoder(model_dir, dataset)
         self.sampler, self.validation = self._data(model_dir, dataset)
         self.trainer = Trainer(self.model, config.learning_rate, config.optimizer, config.accumulate_gradients,
@@ -351,6 +352,25 @@ class Run:
             self.log(f'Loading checkpoint {found} (step {self.trainer.steps})')
         files = [os.path.join(model_dir, f) for f in ('encoder.json', 'vocab.bpe')]
         self.vocabulary = files if all(map(os.path.exists, files)) else None  # else the bundled one
+        self.saved = self.trainer.steps if resume else None  # the step the run folder holds, when known
+
+    def _check_folders(self) -> None:
+        """Before any step: the run folder takes this model's size (fresh or resumed), and it and the sample
+        folder can be written (the chief's, which write them)."""
+        held = os.path.join(self.run_dir, 'hparams.json')
+        if os.path.exists(held) and runfolder.run_hparams(self.run_dir) != self.model.hparams:
+            raise CheckpointError(f'{self.run_dir} holds a run of another model size '
+                                  f'({runfolder.run_hparams(self.run_dir)}); use another --run_name, or the '
+                                  f'base model it was trained from')
+        folders = [('checkpoint_dir', self.run_dir)]
+        if self.config.sample_every:
+            folders.append(('sample_dir', os.path.join(self.config.sample_dir, self.config.run_name)))
+        for option, folder in folders if self.chief else []:
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                raise GPT2Error(f'cannot create {folder} ({e.strerror}): give --{option} a folder that can be '
+                                f'written') from None
 
     def _encoder(self, model_dir: str, dataset):
         """The model folder's vocabulary (or the bundled one); a token file trains without it, unsampled."""
@@ -391,15 +411,16 @@ class Run:
         """Steps until config.steps more are done (or stop(step) is true), validating, logging, saving and
         sampling on their schedules."""
         config, trainer = self.config, self.trainer
-        start, first, average = time.time(), trainer.steps, None
+        start, first, average = time.time(), trainer.steps, (0.0, 0.0)
         while config.steps < 0 or trainer.steps - first < config.steps:
             if self.validation and _due(trainer.steps, config.val_every):
                 self.log(f'[{trainer.steps} | {time.time() - start:.2f}] validation loss = '
                          f'{validation_loss(self.model, self.validation):.4f}')
             loss = self.step()
-            average = loss if average is None else 0.99 * average + 0.01 * loss
-            if _due(trainer.steps, config.print_every):
-                self.log(f'[{trainer.steps} | {time.time() - start:.2f}] loss={loss:.4f} avg={average:.4f}')
+            if _due(trainer.steps, config.print_every):  # gpt-2-simple's decayed mean of the printed losses
+                average = (average[0] * 0.99 + loss, average[1] * 0.99 + 1.0)
+                self.log(f'[{trainer.steps} | {time.time() - start:.2f}] loss={loss:.4f} '
+                         f'avg={average[0] / average[1]:.4f}')
             if _due(trainer.steps, config.save_every):
                 self.save()
             if _due(trainer.steps, config.sample_every):
@@ -413,23 +434,29 @@ class Run:
         try:
             return self.trainer.step(batch)
         except tf.errors.OpError as e:
-            if self.strategy is None:
-                raise
+            if self.strategy is None or isinstance(e, (tf.errors.ResourceExhaustedError,
+                                                       tf.errors.InvalidArgumentError)):
+                raise  # out of memory, or a bad input: this process's own, not the cluster's
             raise ClusterError(
                 f'step {self.trainer.steps + 1}: the cluster stopped answering ({type(e).__name__}: '
                 f'{e.message.strip().splitlines()[0][:200]}); rerun every worker with --restore_from latest '
                 f'to resume from the chief\'s last checkpoint') from None
 
     def save(self) -> None:
-        if not self.chief:
+        """The step reached into the run folder, once: a step already saved is not written again."""
+        if not self.chief or self.saved == self.trainer.steps:
             return
         try:
             prefix = self.trainer.save(self.run_dir, max_checkpoints=self.config.max_checkpoints,
                                        vocabulary=self.vocabulary)
         except OSError as e:
-            current, _ = checkpoint.checkpoint_state(self.run_dir)
+            try:
+                current = checkpoint.checkpoint_state(self.run_dir)[0]
+            except OSError:
+                current = None
             raise OSError(e.errno, f'cannot save step {self.trainer.steps} in {self.run_dir} ({e.strerror}); the '
                                    f'previous checkpoint ({current or "none"}) is intact') from None
+        self.saved = self.trainer.steps
         self.log(f'Saving {prefix}')
 
     def samples(self) -> None:

@@ -108,6 +108,41 @@ def free_ports(n):
     return ports
 
 
+CHECKS = '''
+import sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices('CPU')[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import numpy as np
+from gpt2_tf.train import Trainer, finetune
+from gpt2_tf.validate import GPT2Error
+folder, out = sys.argv[1:3]
+chunks = [np.arange(400) % 300]
+options = dict(steps=1, checkpoint_dir=out, sample_every=0, accumulate_gradients=1, strategy='mirrored',
+               log=lambda line: None)
+try:
+    finetune(folder, chunks, batch_size=3, stop=lambda step: sys.exit('trained'), **options)
+except GPT2Error as e:
+    print('refused:', e)
+def out_of_memory(self, tokens):
+    raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor')
+Trainer.step = out_of_memory
+try:
+    finetune(folder, chunks, batch_size=2, **options)
+except Exception as e:
+    print('raised:', type(e).__name__)
+'''
+
+
+def test_a_mirrored_run_refuses_a_batch_that_does_not_split_and_names_running_out_of_memory(tmp_path):
+    done = subprocess.run([sys.executable, '-c', CHECKS, str(HOT), str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ('refused: batch_size 3 does not split over the 2 replicas of the strategy: give a multiple of 2 '
+            '(--batch_size 2)') in done.stdout
+    assert 'raised: ResourceExhaustedError' in done.stdout  # its own error, not a dead cluster's
+
+
 @pytest.mark.parametrize('optimizer', ['adam', 'sgd'])
 def test_mirrored_over_two_devices_equals_one_device(tmp_path, optimizer):
     done = subprocess.run([sys.executable, '-c', MIRRORED, str(HOT), optimizer, str(data(tmp_path))],

@@ -310,6 +310,41 @@ def test_finetune_command(tmp_path):
     assert bad.returncode == 2 and 'no dataset at missing.txt' in bad.stderr.splitlines()[-1]
 
 
+def chunks_of(n=500):
+    return [np.random.default_rng(0).integers(0, HPARAMS.n_vocab, n).astype(np.int32)]
+
+
+def test_the_log_averages_as_gpt2_simple_and_each_step_is_saved_once(tmp_path):
+    lines = []
+    finetune(str(HOT), chunks_of(), steps=6, checkpoint_dir=str(tmp_path), batch_size=2, accumulate_gradients=1,
+             sample_every=0, save_every=3, print_every=2, seed=1, log=lines.append)
+    printed = [re.search(r'\[(\d+) \| [\d.]+\] loss=([\d.]+) avg=([\d.]+)', line) for line in lines]
+    printed = [(int(m[1]), float(m[2]), float(m[3])) for m in printed if m]
+    assert [step for step, _, _ in printed] == [2, 4, 6]
+    total = weight = 0.0
+    for _, loss, avg in printed:  # gpt-2-simple: (sum, weight) decayed by 0.99 at each printed step
+        total, weight = total * 0.99 + loss, weight * 0.99 + 1.0
+        assert avg == pytest.approx(total / weight, abs=2e-4)
+    assert [line for line in lines if line.startswith('Saving')] == [f'Saving {tmp_path / "run1" / "model-3"}',
+                                                                    f'Saving {tmp_path / "run1" / "model-6"}']
+
+
+def test_what_a_run_cannot_write_is_refused_before_its_first_step(tmp_path):
+    never = lambda step: pytest.fail('trained before refusing')  # noqa: E731
+    options = dict(steps=1, batch_size=2, accumulate_gradients=1, sample_every=0, seed=1, log=lambda line: None)
+    finetune(str(HOT), chunks_of(), checkpoint_dir=str(tmp_path), run_name='r', **options)
+    with pytest.raises(gpt2_tf.CheckpointError, match='holds a run of another model size'):
+        finetune(str(FIXTURES / 'tf1-tiny'), chunks_of(), checkpoint_dir=str(tmp_path), run_name='r',
+                 restore_from='fresh', stop=never, **options)
+    (tmp_path / 'file').write_text('not a folder')
+    with pytest.raises(GPT2Error, match=r'cannot create .*file.r \(Not a directory\): give --checkpoint_dir a '
+                                        r'folder that can be written'):
+        finetune(str(HOT), chunks_of(), checkpoint_dir=str(tmp_path / 'file'), run_name='r', stop=never, **options)
+    with pytest.raises(GPT2Error, match='give --sample_dir a folder that can be written'):
+        finetune(str(HOT), chunks_of(), checkpoint_dir=str(tmp_path), run_name='s', stop=never,
+                 **{**options, 'sample_every': 1, 'sample_dir': str(tmp_path / 'file')})
+
+
 def test_ctrl_c_saves_the_step_reached_and_raises_again(tmp_path):
     def ctrl_c_at_3(step):
         if step == 3:
