@@ -448,6 +448,30 @@ def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatc
     assert kernels._load(xla=False) == reason and len(calls) == 2  # the build without XLA is still tried
 
 
+def test_a_cut_off_library_is_built_again_not_mapped(tmp_path, monkeypatch):
+    # A cache folder copied or synced may hold a cut-off library: mapping one crashes the process (SIGBUS).
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    target = kernels._library_path(xla=False, name='attention')
+    target.write_bytes(b'\x7fELF' + b'\0' * 60)  # what is left of it
+    calls = []
+
+    def failing(commands):
+        calls.append(commands)
+        raise subprocess.CalledProcessError(1, commands[0], stderr=b'attention.cc:1: error: no compiler today')
+
+    monkeypatch.setattr(kernels, '_run_all', failing)
+    assert kernels._load(xla=False, name='attention') == 'g++ failed: attention.cc:1: error: no compiler today'
+    assert len(calls) == 1  # built again, never handed to the loader
+
+
+def test_a_killed_compiler_is_not_recorded_as_a_failed_build(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, '_run_all', lambda commands: (_ for _ in ()).throw(
+        subprocess.CalledProcessError(-9, commands[0], stderr=b'')))  # the out-of-memory killer's signal
+    assert kernels._load(xla=True) == 'g++ was killed (signal 9; out of memory?)'
+    assert not kernels._library_path(xla=True).with_suffix('.failed').exists()  # tried again next time
+
+
 @pytest.mark.skipif('avx2' not in kernels._cpu_key().split(), reason='the AVX2 path needs an x86 CPU with AVX2')
 def test_the_avx2_path_passes_the_same_products_on_any_x86_cpu(tmp_path, monkeypatch):
     # Built with -march=x86-64-v3 (AVX2 and FMA, no AVX-512), whatever this CPU has, the kernel's AVX2 code

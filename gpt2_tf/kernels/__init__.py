@@ -161,7 +161,24 @@ def _compile(target: pathlib.Path, xla: bool, name: str = 'matmul') -> None:
         _run_all([['g++', '-c', *common, *flags, str(source), '-o', o] for source, o in zip(sources, objects)])
         partial = str(pathlib.Path(work) / target.name)
         _run_all([['g++', '-shared', *common, *objects, *links, '-o', partial]])
+        digest = pathlib.Path(work) / 'digest'
+        digest.write_text(_sha256(partial))
+        os.replace(digest, target.with_suffix('.sha256'))  # first: a library without its digest is not loaded
         os.replace(partial, target)
+
+
+def _sha256(path) -> str:
+    with open(path, 'rb') as f:
+        return hashlib.file_digest(f, 'sha256').hexdigest()
+
+
+def _intact(target: pathlib.Path) -> bool:
+    """Whether target is the library its build wrote (a cache folder copied or synced may hold a cut-off one,
+    which would crash the process that maps it)."""
+    try:
+        return target.with_suffix('.sha256').read_text() == _sha256(target)
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -182,16 +199,18 @@ def _load(xla: bool, name: str = 'matmul'):
     target = _library_path(xla, name)
     failed = target.with_suffix('.failed')  # a build that failed once is not tried again for this key
     try:
-        if not target.exists():
+        if not _intact(target):
             with _one_builder(target):
                 if failed.exists():
                     return failed.read_text()
-                if not target.exists():
+                if not _intact(target):
                     _compile(target, xla, name)
         return tf.load_op_library(str(target))
     except FileNotFoundError:
         return 'no g++ on this machine'
     except subprocess.CalledProcessError as e:
+        if e.returncode < 0:  # a signal (the out-of-memory killer, a Ctrl-C): tried again next time
+            return f'g++ was killed (signal {-e.returncode}; out of memory?)'
         lines = e.stderr.decode(errors='replace').strip().splitlines() or ['?']
         reason = 'g++ failed: ' + next((line for line in lines if 'error' in line), lines[-1])
         if xla:
