@@ -73,7 +73,7 @@ class Cache:
         """One query a row (a step, or a one-token prompt) over a float32 cache takes the kernel where decoding
         allows it (precision.kernel_while_decoding): it reads the cache in place; XLA's attention copies each layer's
         keys and values out of it first. Otherwise, and for a prompt's several queries, the original's."""
-        if q.shape[2] == 1 and self.cache.dtype == tf.float32 and kernel_while_decoding():
+        if q.shape[2] == 1 and self.cache.dtype == tf.float32 and kernel_while_decoding() and kernels.on_cpu(q):
             cache = self.write(k, v)
             return kernels.cached_attention(q[:, :, 0], cache, self.mask[:, 0, 0])[:, :, None], cache
         k, v, mask, cache = self(k, v)

@@ -143,7 +143,8 @@ def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = Fals
     inputs, float32 accumulation and result; int8 w is multiplied as it is, with its scales [N]."""
     if w.dtype == tf.int8:
         return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b, panel=0 if transpose_b else panel(w.shape[-1]))
-    few = kernels.few_rows(transpose_b) if w.dtype == tf.float32 and kernel_while_decoding() else None
+    few = kernels.few_rows(transpose_b) if w.dtype == tf.float32 and kernel_while_decoding() and \
+        kernels.on_cpu(x) else None
     if few:
         return _few_rows_product(x, w, transpose_b, few)
     return f32(tf.matmul(tf.cast(x, w.dtype), w, transpose_b=transpose_b))

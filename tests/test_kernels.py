@@ -407,6 +407,30 @@ def test_wte_s_dequantized_product_takes_its_rows_a_part_at_a_time():
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
 
 
+def test_tensors_off_the_cpu_keep_out_of_the_kernels(monkeypatch):
+    # The ops and XLA's custom calls are the CPU's alone: a model on a GPU traces TensorFlow's ops instead.
+    import types
+
+    from gpt2_tf import precision
+
+    assert kernels.on_cpu(types.SimpleNamespace(device='/job:localhost/replica:0/task:0/device:CPU:0'))
+    assert not kernels.on_cpu(types.SimpleNamespace(device='/job:localhost/replica:0/task:0/device:GPU:0'))
+    if not kernels.decoding_available():
+        pytest.skip(kernels.unavailable_reason())
+    w8, scale = precision.quantize(np.random.default_rng(0).standard_normal((64, 32)), rows=False)  # nf 32: plain
+    w32 = tf.random.normal([64, 32])
+
+    def traced_ops():
+        with precision.decoding():
+            graph = tf.function(lambda x: [precision.product(x, w8, scale), precision.product(x, w32)]) \
+                .get_concrete_function(tf.TensorSpec([1, 64])).graph
+        return {op.type for op in graph.get_operations()}
+
+    assert {'Gpt2Int8MatMul', 'Gpt2FloatMatMul'} <= traced_ops()  # on this CPU: the kernels
+    monkeypatch.setattr(kernels, 'on_cpu', lambda x: False)  # as on a GPU
+    assert not [op for op in traced_ops() if op.startswith('Gpt2')]
+
+
 def test_off_switch_uses_the_fallback():
     script = ('import os; os.environ["GPT2_TF_KERNELS"] = "off"; from gpt2_tf import kernels; '
               'print(kernels.available(), kernels.unavailable_reason())')

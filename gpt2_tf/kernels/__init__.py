@@ -337,7 +337,7 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
         raise TypeError(f'int8_matmul: w must be int8, got {w.dtype.name}; quantize it first (gpt2_tf.precision.quantize)')
     if transpose_w and panel:
         raise ValueError('int8_matmul: a transposed w has no panels; pass panel=0 with transpose_w=True')
-    use = (available() and not getattr(_local, 'off', False)) if kernel is None else kernel
+    use = (available() and not getattr(_local, 'off', False) and on_cpu(x)) if kernel is None else kernel
     if not use:
         return _dequantized_product(x, w, scale, transpose_w, panel)
     dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel, DEQUANTIZED_ROWS)  # noqa: E731
@@ -370,9 +370,14 @@ def sequence_attention_available(q) -> bool:
     and not in an XLA-compiled function (the op has no XLA kernel: there XLA's own ops run)."""
     if q.dtype != tf.float32 or getattr(_local, 'attention_off', False) or under_xla():
         return False  # asked first: where the answer is no, the library is never built
-    device = (q.device or '').upper()  # placed by the caller, or by TensorFlow: then only CPUs may be there
-    on_cpu = 'CPU' in device or (not device and all(d.device_type == 'CPU' for d in tf.config.list_logical_devices()))
-    return on_cpu and attention_available()
+    return on_cpu(q) and attention_available()
+
+
+def on_cpu(x) -> bool:
+    """Whether x is (or, traced, will be) on a CPU: the kernels' ops and XLA custom calls are the CPU's alone.
+    Placed by the caller, or by TensorFlow: then only where no other device is there."""
+    device = (getattr(x, 'device', '') or '').upper()
+    return 'CPU' in device or (not device and all(d.device_type == 'CPU' for d in tf.config.list_logical_devices()))
 
 
 def attention_available() -> bool:
