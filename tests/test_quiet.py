@@ -83,3 +83,31 @@ def test_tensorflow_loaded_through_gpt2_tf_has_onednn_on_on_every_cpu():
     assert onednn('from gpt2_tf import quiet; quiet.tensorflow()') == '1 True'  # the command line's import
     assert onednn('from gpt2_tf import quiet; quiet.tensorflow(onednn=False)') == '0 False'
     assert onednn('import gpt2_tf; import tensorflow', TF_ENABLE_ONEDNN_OPTS='0') == '0 False'  # the user's choice
+
+
+XLA_CACHE = '''
+import os, sys, time
+from gpt2_tf import quiet
+assert 'tensorflow' not in sys.modules
+folder = quiet.xla_cache_folder()
+if folder is None:
+    print('off', quiet.use_xla_cache(), os.environ.get('TF_XLA_FLAGS'))
+    sys.exit()
+os.makedirs(folder)
+for i in range(5):  # 100 bytes each, the oldest first
+    with open(os.path.join(folder, f'entry{i}'), 'wb') as f:
+        f.write(b'x' * 100)
+    os.utime(os.path.join(folder, f'entry{i}'), (1000 + i, 1000 + i))
+quiet.XLA_CACHE_LIMIT = 300
+print(quiet.use_xla_cache() == folder, sorted(os.listdir(folder)), quiet.xla_cache_on())
+'''
+
+
+def test_the_xla_cache_keeps_its_newest_files_under_the_cap_and_turns_off(tmp_path):
+    done = subprocess.run([sys.executable, '-c', XLA_CACHE], capture_output=True, text=True, timeout=120,
+                          env=env(GPT2_TF_XLA_CACHE=str(tmp_path / 'xla'), TF_XLA_FLAGS=''))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split('\n')[0] == "True ['entry2', 'entry3', 'entry4'] True"  # the two oldest went
+    done = subprocess.run([sys.executable, '-c', XLA_CACHE], capture_output=True, text=True, timeout=120,
+                          env=env(GPT2_TF_XLA_CACHE='off', TF_XLA_FLAGS=''))
+    assert done.stdout.split('\n')[0] == 'off None ', done.stderr  # nothing set in TF_XLA_FLAGS
