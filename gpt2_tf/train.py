@@ -240,20 +240,39 @@ class Trainer:
             self.reset_slots()
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def interrupts_deferred():
-    """Ctrl-C (SIGINT) inside the block raises KeyboardInterrupt at its end, not in its middle; where SIGINT
-    has another handler, or off the main thread, the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+def terminated_as_interrupted():
+    """SIGTERM (a job scheduler's stop, `kill`) inside the block acts as Ctrl-C: the run saves the step reached
+    and stops. On the main thread, where SIGTERM has its default action."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield
         return
-    caught = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C (and SIGTERM inside terminated_as_interrupted) inside the block raises KeyboardInterrupt at its
+    end, not in its middle; a signal with another handler, or off the main thread, acts as it would."""
+    interrupting = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _terminated}
+    deferred = {} if threading.current_thread() is not threading.main_thread() else \
+        {s: handler for s, handler in interrupting.items() if signal.getsignal(s) is handler}
+    caught = []
+    for s in deferred:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in deferred.items():
+            signal.signal(s, handler)
     if caught:
         raise KeyboardInterrupt
 
@@ -489,8 +508,8 @@ def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *
     accumulate_gradients windows of n_ctx tokens. steps=-1 trains until
     interrupted. restore_from='latest' resumes the run folder when it has a
     checkpoint (else starts from model_dir); 'fresh' starts from model_dir.
-    Ctrl-C saves the step reached, then raises Interrupted (a KeyboardInterrupt
-    holding the trainer). stop, when given, is asked after each step whether
+    Ctrl-C (or SIGTERM) saves the step reached, then raises Interrupted (a
+    KeyboardInterrupt holding the trainer). stop, when given, is asked after each step whether
     to stop there. strategy: a make_strategy() strategy, or the name of one
     (as config.strategy). Data-parallel, every worker draws the same seeded
     global batch and its replicas take their slices; only the chief logs,
@@ -504,7 +523,8 @@ def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *
         strategy = make_strategy(config.strategy, timeout=config.collective_timeout)
     run = Run(model_dir, dataset, config, strategy=strategy, log=log)
     try:
-        run.loop(stop)
+        with terminated_as_interrupted():
+            run.loop(stop)
     except KeyboardInterrupt:
         run.log('interrupted')
         run.save()

@@ -391,7 +391,8 @@ def test_a_ctrl_c_inside_a_step_takes_effect_after_its_update_and_its_count():
     assert np.abs(trainer.model.h[0].mlp.c_fc.w.numpy() - before).max() > 0
 
 
-def test_ctrl_c_in_the_finetune_command_exits_130_after_saving(tmp_path):
+@pytest.mark.parametrize('stop', [signal.SIGINT, signal.SIGTERM], ids=['ctrl-c', 'sigterm'])
+def test_ctrl_c_in_the_finetune_command_exits_130_after_saving(tmp_path, stop):
     (tmp_path / 'corpus.txt').write_text('One two three four five six seven. ' * 40)
     command = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--batch_size', '1',
                '--accumulate_gradients', '1', '--sample_every', '0', '--save_every', '0', '--seed', '1']
@@ -403,7 +404,7 @@ def test_ctrl_c_in_the_finetune_command_exits_130_after_saving(tmp_path):
             line = process.stdout.readline()
             assert line, process.stderr.read()[-2000:]
             seen += line
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)  # as Ctrl-C, or a job scheduler's stop
         out, err = process.communicate(timeout=120)
     finally:
         process.kill()
