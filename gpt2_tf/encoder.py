@@ -155,7 +155,22 @@ class Encoder:
             ids.extend(self._encode_ordinary(part))
         return ids
 
-    def decode(self, tokens: Iterable[int]) -> str:
+    def decode_whole(self, tokens: Iterable[int]) -> str:
+        """decode(tokens) without a character the last tokens leave unfinished (a token may end inside a UTF-8
+        character): the text before the next token's bytes, as the whole text has it."""
+        raw = b''.join(bytes(self.byte_decoder[c] for c in self.decoder[t]) for t in self._ids(tokens))
+        for back in range(1, min(4, len(raw)) + 1):  # the last lead byte, and whether its character is complete
+            byte = raw[-back]
+            if byte >= 0xC0:
+                needs = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+                raw = raw[:-back] if needs > back else raw
+                break
+            if byte < 0x80:
+                break
+        return raw.decode('utf-8', errors=self.errors)
+
+    def _ids(self, tokens: Iterable[int]) -> list:
+        """tokens as Python ints, each an id of this vocabulary."""
         tokens = list(tokens)
         odd = [t for t in tokens if not is_int(t)]
         if odd:
@@ -164,6 +179,10 @@ class Encoder:
         bad = [t for t in tokens if t not in self.decoder]
         if bad:
             raise GPT2Error(f'token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})')
+        return tokens
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        tokens = self._ids(tokens)
         if self._tiktoken is not None:
             return self._tiktoken.decode(tokens, errors=self.errors)
         symbols = ''.join(self.decoder[t] for t in tokens)

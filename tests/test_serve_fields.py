@@ -170,6 +170,18 @@ def test_a_streamed_chunk_carries_the_logprobs_of_its_own_tokens(served):
     assert entries == {name: getattr(whole.logprobs, name) for name in entries}
 
 
+def test_the_text_offsets_of_tokens_inside_a_character_stay_on_it():
+    from gpt2_tf.encoder import get_encoder
+    from gpt2_tf.serve.completion import Choice
+
+    encoder = get_encoder()
+    ids = encoder.encode('a\U0001d11eb')  # the clef's four UTF-8 bytes in three tokens
+    assert len(ids) == 5
+    choice = Choice(0, encoder, [], logprobs=0)
+    choice.add(ids, {'log_probs': np.zeros(5), 'top_ids': np.zeros((5, 1), int), 'top_log_probs': np.zeros((5, 1))})
+    assert choice.entries['text_offset'] == [0, 1, 1, 1, 2]  # 'b' at 2, as in 'a\U0001d11eb'; none past it
+
+
 def test_an_empty_prompt_echoes_as_nothing(served):
     done = complete(served, prompt=['', 'A'], max_tokens=0, echo=True)
     assert [c.text for c in done.choices] == ['', 'A']

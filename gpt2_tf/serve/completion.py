@@ -52,7 +52,7 @@ class Choice:
             self.tokens.append(token)
             if self.logprobs is not None and log_probs is not None:
                 piece = self.encoder.decode([token])
-                offset = len(self.prefix) + len(self.encoder.decode(self.tokens[:-1]))
+                offset = len(self.prefix) + len(self.encoder.decode_whole(self.tokens[:-1]))  # on its character
                 top = {self.encoder.decode([int(t)]): float(p) for t, p in
                        zip(log_probs['top_ids'][i][:self.logprobs], log_probs['top_log_probs'][i][:self.logprobs])}
                 self._entry(piece, float(log_probs['log_probs'][i]), top, offset)
