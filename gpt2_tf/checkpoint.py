@@ -339,10 +339,10 @@ def replace_atomically(path: str, text: str) -> None:
 
 
 @contextlib.contextmanager
-def staged(folder: str):
+def staged(folder: str, prefix: str = '.saving-'):
     """A fresh staging folder inside folder, removed afterwards with whatever is left in it. Files are written
     there, then moved into place by os.replace (the same file system): each appears whole or not at all."""
-    staging = tempfile.mkdtemp(prefix='.saving-', dir=folder)
+    staging = tempfile.mkdtemp(prefix=prefix, dir=folder)
     try:
         yield staging
     finally:
@@ -352,17 +352,15 @@ def staged(folder: str):
 @contextlib.contextmanager
 def whole_folder(path):
     """A staging folder beside path (missing or empty, validate.check_new_folder) that becomes path when the
-    block ends without an error, and is removed otherwise: an export is there whole or not at all."""
+    block ends without an error (staged, the folder itself moved): an export is there whole or not at all."""
     path = validate.check_new_folder(os.path.abspath(path))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(path)}.partial-', dir=os.path.dirname(path))
-    try:
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    with staged(parent, prefix=f'.{name}.partial-') as staging:
         yield staging
         if os.path.isdir(path):
             os.rmdir(path)  # empty
         os.replace(staging, path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_tensors(prefix: str, tensors: dict) -> None:

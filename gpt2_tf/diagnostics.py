@@ -144,12 +144,8 @@ def compare(model_dir: str | os.PathLike, tokens: Sequence, *, model: Optional[M
     in forward order, past its tolerance.
     """
     from .tf1_reference import Reference
-    from .validate import GPT2Error
 
-    folder = loading.resolve(model_dir)
-    if folder.layout == 'hf':
-        raise GPT2Error(f'{folder.path} is a Hugging Face folder; the TF1 graph reads the original layout: '
-                        f'convert it first (gpt2-tf convert {folder.path} DST --to original)')
+    folder = loading.resolve(model_dir).original()
     model = model or load_model(folder.path, strict=strict)
     tokens = model.check_inputs(tokens).astype(np.int32)
     reference = Reference(model.hparams, find_checkpoint(folder.path))

@@ -57,6 +57,13 @@ class ModelFolder:
         except ValueError as e:  # not JSON, a missing or unknown key, a value HParams refuses
             raise GPT2Error(str(e)) from None
 
+    def original(self) -> 'ModelFolder':
+        """The folder, where the TF1 graph can read it (the original layout); an HF folder is refused in one line."""
+        if self.layout == 'hf':
+            raise GPT2Error(f'{self.path} is a Hugging Face folder; the TF1 graph reads the original layout: '
+                            f'convert it first (gpt2-tf convert {self.path} DST --to original)')
+        return self
+
     def encoder(self) -> Encoder:
         """The folder's own vocabulary; a folder without one gets GPT-2's bundled one, with a warning
         when its layout normally carries one (HF folders)."""

@@ -53,9 +53,7 @@ def cmd_compare(args):
             from None
     if not tokens:
         raise CommandError('--tokens is empty: give at least one token id, e.g. "464 2068"')
-    if folder.layout == 'hf':  # before TensorFlow starts (diagnostics.compare says it too)
-        raise CommandError(f'{folder.path} is a Hugging Face folder; the TF1 graph reads the original layout: '
-                           f'convert it first (gpt2-tf convert {folder.path} DST --to original)')
+    folder.original()  # before TensorFlow starts
     hparams = folder.hparams()
     check_token_ids(tokens, hparams.n_vocab)
     check_sequence(0, len(tokens), hparams.n_ctx)
