@@ -25,7 +25,7 @@ import tensorflow as tf
 from .hparams import HParams
 from .precision import assign, stored
 from . import validate
-from .validate import GPT2Error, save_folder
+from .validate import GPT2Error, first_line, save_folder
 from .runtime import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
@@ -135,16 +135,11 @@ def find_checkpoint(path: str | os.PathLike) -> str:
         f'(download one with: python download_model.py 124M)')
 
 
-def _first_line(e: BaseException) -> str:
-    text = getattr(e, 'message', None) or str(e) or type(e).__name__
-    return text.strip().splitlines()[0]
-
-
 def _open_reader(prefix: str):
     try:
         return tf.train.load_checkpoint(prefix)
     except Exception as e:  # TF raises OpError, ValueError, and others for damaged files
-        raise CheckpointError(f'cannot read checkpoint {prefix}: {_first_line(e)}') from None
+        raise CheckpointError(f'cannot read checkpoint {prefix}: {first_line(e)}') from None
 
 
 def checkpoint_shapes(path: str | os.PathLike) -> dict:
@@ -280,7 +275,7 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
             return reader.get_tensor(name)
         except Exception as e:  # OpError for a bad checksum; IndexError and others for other damage
             raise CheckpointError(
-                f'checkpoint {prefix}: cannot read {name} ({_first_line(e)}); '
+                f'checkpoint {prefix}: cannot read {name} ({first_line(e)}); '
                 f'the .data file is corrupt or truncated') from None
 
     values = {name: read(name) for name in expected} if all_or_nothing else None

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import corpus, validate
 from .encoder import END_OF_TEXT, END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
-from .validate import GPT2Error
+from .validate import GPT2Error, first_line
 
 TOKEN_FILE = '.bin'
 
@@ -85,8 +85,7 @@ def _npz_chunks(file: str) -> list:
         with np.load(file) as npz:
             return [np.asarray(npz[name]) for name in npz.files]
     except Exception as e:  # a damaged zip, object arrays (no pickles are loaded), ...
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise GPT2Error(f'{file}: not an .npz of token arrays ({reason}); encode the text again') from None
+        raise GPT2Error(f'{file}: not an .npz of token arrays ({first_line(e)}); encode the text again') from None
 
 
 def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress: Optional[Callable] = None) -> list:

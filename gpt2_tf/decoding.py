@@ -49,9 +49,13 @@ def cache_mask(pads, queries, size: int):
     return tf.cast(seen, tf.float32)[:, None]
 
 
-def positions(pads, queries):
-    """pads [batch], queries [batch, n] slots -> [batch, n] positions; each row counts from 0 after its padding."""
-    return tf.maximum(queries - pads[:, None], 0)
+def positions(pads, queries, n_ctx: int):
+    """pads [batch], queries [batch, n] slots -> [batch, n] positions; each row counts from 0 after its padding.
+
+    Past the window they stay at its last position: only tokens fed past a row's end get there (an
+    in-flight row's last chunk, an idle slot), and no output of theirs is used.
+    """
+    return tf.clip_by_value(queries - pads[:, None], 0, n_ctx - 1)
 
 
 class Cache:
@@ -89,7 +93,7 @@ def decode(model: Model, X, *, pads, caches, index):
     batch, n = shape_list(X)
     queries = row_slots(index, batch, n)
     mask = cache_mask(pads, queries, size)
-    h = model.embed(X, positions(pads, queries))
+    h = model.embed(X, positions(pads, queries, model.hparams.n_ctx))
     with decoding():  # a step's few rows and its attention may take the kernel (gpt2_tf.precision.decoding)
         h, caches = model.blocks(h, [Cache(cache, queries, mask) for cache in caches])
         return model.logits(h[:, -1:])[:, 0], caches  # only the last token's logits are needed

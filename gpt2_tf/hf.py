@@ -26,7 +26,7 @@ import numpy as np
 from .encoder import END_OF_TEXT_ID
 from .hparams import HParams
 from .tensorfiles import read_torch, unreadable
-from .validate import GPT2Error, save_folder
+from .validate import GPT2Error, first_line, save_folder
 
 CONFIG = 'config.json'
 SAFETENSORS = 'model.safetensors'
@@ -287,8 +287,7 @@ def _write_hf_files(folder: str, hparams: HParams, tensors: dict, vocabulary, *,
     try:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, weights, metadata={'format': 'pt'})
     except Exception as e:  # safetensors' own error type (a full disk, say), or OSError
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise HFFormatError(f'{os.path.join(destination, SAFETENSORS)} cannot be written ({reason}); nothing in '
+        raise HFFormatError(f'{os.path.join(destination, SAFETENSORS)} cannot be written ({first_line(e)}); nothing in '
                             f'{destination} was changed: free some space or save elsewhere') from None
     shutil.copymode(config, weights)  # safetensors writes through a private (0600) file
     for hf_name, source in zip(TOKENIZER_FILES, vocabulary):

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from .train_config import LORA_TARGETS as TARGETS, check_targets
-from .validate import GPT2Error
+from .validate import GPT2Error, first_line
 
 CONFIG, WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.transformer.'
@@ -277,8 +277,7 @@ def read(folder, model) -> tuple:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
                 metadata = f.metadata() or {}
         except Exception as e:  # a missing, truncated or foreign file
-            reason = str(e).strip().splitlines()[0] if str(e) else type(e).__name__
-            raise AdapterError(f'cannot read {path}: {reason}') from None
+            raise AdapterError(f'cannot read {path}: {first_line(e)}') from None
     targets = _targets(config, path, model.hparams.n_layer)
     found, pairs = convs(model, targets), {}
     for name, conv in found.items():

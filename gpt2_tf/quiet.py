@@ -124,6 +124,8 @@ def _start(load) -> None:
         with _stderr_to_file() as read:
             load()
             sys.modules['tensorflow'].config.list_physical_devices()  # device initialisation (cuInit) prints too
+    except KeyboardInterrupt:  # Ctrl-C while TensorFlow loads: its start-up lines say nothing about that
+        raise
     except BaseException:
         sys.stderr.write(read() if read else '')
         raise

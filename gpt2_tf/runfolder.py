@@ -25,7 +25,7 @@ from . import checkpoint
 from .assets import bundled_vocabulary
 from .checkpoint import CheckpointError
 from .hparams import HParams
-from .validate import GPT2Error
+from .validate import GPT2Error, first_line
 
 COUNTER = 'counter'
 
@@ -100,17 +100,13 @@ def restore(run_dir: str, model, slots: dict) -> tuple:
     return step, values is not None
 
 
-def _first_line(e: BaseException) -> str:
-    return (getattr(e, 'message', None) or str(e) or type(e).__name__).strip().splitlines()[0]
-
-
 def _reader(prefix: str, expected: dict):
     """A reader of the optimizer state whose every expected slot has its name, shape and dtype, and
     whose data file is as large as they need."""
     try:
         reader = tf.train.load_checkpoint(prefix)
     except Exception as e:  # TF raises OpError, ValueError, and others for damaged files
-        raise CheckpointError(f'cannot read the optimizer state {prefix}: {_first_line(e)}') from None
+        raise CheckpointError(f'cannot read the optimizer state {prefix}: {first_line(e)}') from None
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
     fresh = f'resume with restore_from fresh, or remove {os.path.basename(prefix)}.* to start the optimizer afresh'
     for name, shape in expected.items():
@@ -138,7 +134,7 @@ def read_slots(prefix: str, expected: dict) -> dict:
         try:
             values[name] = reader.get_tensor(name)
         except Exception as e:  # OpError for a bad checksum; others for other damage
-            raise CheckpointError(f'optimizer state {prefix}: cannot read {name} ({_first_line(e)}); '
+            raise CheckpointError(f'optimizer state {prefix}: cannot read {name} ({first_line(e)}); '
                                   f'the .data file is corrupt') from None
     return values
 

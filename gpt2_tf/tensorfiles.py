@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from typing import Type
 
-from .validate import GPT2Error
+from .validate import GPT2Error, first_line
 
 
 def unreadable(file: str, e: Exception, error: Type[GPT2Error] = GPT2Error) -> GPT2Error:
     """A read failure of a weights file, as one line that names the file."""
-    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return error(f'{file}: cannot be read ({reason}); is the file complete? Copy or download it again')
+    return error(f'{file}: cannot be read ({first_line(e)}); is the file complete? Copy or download it again')
 
 
 def read_torch(file: str, error: Type[GPT2Error] = GPT2Error) -> dict:

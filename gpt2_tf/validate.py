@@ -8,6 +8,7 @@ loading it.
 from __future__ import annotations
 
 import os
+import re
 from typing import Sequence
 
 import numpy as np
@@ -22,6 +23,17 @@ class GPT2Error(ValueError):
     Every check here raises it, and so do the checkpoint, HF and download
     modules (through subclasses); the command line prints it and exits 2.
     """
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message in one line: its first; for TensorFlow's graph errors, whose first says only
+    'Graph execution error:' before the stack, the line after the stack that says what failed; the type's
+    name when the message is empty."""
+    lines = [line for line in (getattr(error, 'message', None) or str(error)).strip().splitlines() if line.strip()]
+    if lines and lines[0].endswith('execution error:'):
+        said = [line for line in lines[1:] if not line[0].isspace() and not line.startswith('Detected at node')]
+        lines = said or lines
+    return re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', lines[0]) if lines else type(error).__name__
 
 
 def save_folder(path) -> str:

@@ -185,3 +185,28 @@ def test_a_first_row_waits_up_to_the_timeout_for_company_and_a_full_batch_starts
     finally:
         queue.close()
     assert first.chunks == second.chunks  # they ran side by side
+
+
+def failing_step(model, X, *, pads, caches, index):
+    """A graph error, as TensorFlow's ops raise them: a gather past its table."""
+    return tf.gather(tf.zeros([4, V_FAKE]), tf.fill(tf.shape(X)[:1], 9)), caches
+
+
+def test_a_failure_fails_its_rows_in_one_line_and_the_server_log_has_the_traceback(caplog):
+    queue = batcher(mode='function', decoder=Decoder(step=failing_step, cache=slot_cache))
+    try:
+        inbox = Inbox()
+        queue.submit([row([1, 2], 3, inbox)])
+        assert inbox.ended.wait(30)
+    finally:
+        queue.close()
+    assert inbox.error.startswith('indices[0] = 9 is not in [0, 4)') and '\n' not in inbox.error, inbox.error
+    assert any(r.exc_info and 'Graph execution error' in str(r.exc_info[1]) for r in caplog.records)
+
+
+@pytest.mark.parametrize('options', [dict(capacity=0), dict(queue_size=0)])
+def test_no_slots_or_no_queue_is_refused_in_one_line(options):
+    from gpt2_tf.validate import GPT2Error
+
+    with pytest.raises(GPT2Error, match='capacity and queue_size must be at least 1'):
+        batcher(**options)

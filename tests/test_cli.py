@@ -96,6 +96,12 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', ''], '--tokens is empty'),
     (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', ' '.join(['1'] * 33)], 'sequence too long: 0 past \\+ 33'),
     (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', 'a b'], '--tokens takes token ids'),
+    (['serve', '--max-batch', '0'], '--max-batch must be at least 1, got 0'),
+    (['serve', '--queue-size', '-2'], '--queue-size must be at least 1, got -2'),
+    (['generate', 'x', '--adapter', '/nonexistent'], '--adapter /nonexistent: no adapter_config.json there'),
+    (['generate', 'x', '--model_dir', 'test', '--model_name', 'nope'], '--model_dir names the model folder itself: '
+     'give it or --model_name, not both'),
+    (['sample', '--model_dir', 'test', '--models_dir', '/nonexistent'], 'give it or --models_dir, not both'),
 ])
 def test_errors_are_one_line_and_come_before_tensorflow_loads(capsys, monkeypatch, tmp_path, argv, message):
     monkeypatch.setattr(quiet, 'tensorflow', lambda **_: pytest.fail('TensorFlow loaded before the check'))

@@ -111,3 +111,20 @@ def test_the_xla_cache_keeps_its_newest_files_under_the_cap_and_turns_off(tmp_pa
     done = subprocess.run([sys.executable, '-c', XLA_CACHE], capture_output=True, text=True, timeout=120,
                           env=env(GPT2_TF_XLA_CACHE='off', TF_XLA_FLAGS=''))
     assert done.stdout.split('\n')[0] == 'off None ', done.stderr  # nothing set in TF_XLA_FLAGS
+
+
+def test_ctrl_c_while_tensorflow_loads_shows_none_of_its_lines(capfd):
+    import pytest
+
+    from gpt2_tf import quiet
+
+    def load(error):
+        os.write(2, b'I0000 a start-up line\n')
+        raise error
+
+    with pytest.raises(KeyboardInterrupt):
+        quiet._start(lambda: load(KeyboardInterrupt()))
+    assert capfd.readouterr().err == ''
+    with pytest.raises(ImportError):
+        quiet._start(lambda: load(ImportError('a broken install')))
+    assert 'a start-up line' in capfd.readouterr().err  # a failed import shows them

@@ -26,6 +26,7 @@ openai = require('openai')
 require('fastapi')
 require('uvicorn')
 prometheus = require('prometheus_client')
+from gpt2_tf.serve import STREAM_CHUNK  # noqa: E402
 
 QUEUE = 24  # the test server's queue, in rows
 
@@ -324,7 +325,7 @@ def test_metrics_count_tokens_requests_and_latencies(model):
     app = make_app(model)
     with running(app) as port:
         client = openai.OpenAI(base_url=f'http://127.0.0.1:{port}/v1', api_key='none', max_retries=0, timeout=60)
-        for prompt, length in (('Hello there', 6), ('One two three', 5)):
+        for prompt, length in (('Hello there', 6), ('One two three', 20)):  # one chunk of tokens, then three
             client.completions.create(model='test', prompt=prompt, max_tokens=length, temperature=0)
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model='test', prompt='Hi', max_tokens=2, temperature=9)
@@ -334,7 +335,8 @@ def test_metrics_count_tokens_requests_and_latencies(model):
         got = settled(lambda: samples(port), lambda got: sum(v for (name, _), v in got.items()
                                                              if name == 'gpt2_tf_requests_total') >= 5)
     prompt_tokens = len(gpt2_tf.encode('Hello there')) + len(gpt2_tf.encode('One two three'))
-    completion_tokens = greedy_tokens(model, 'Hello there', 6) + greedy_tokens(model, 'One two three', 5)
+    completion_tokens = greedy_tokens(model, 'Hello there', 6) + greedy_tokens(model, 'One two three', 20)
+    assert greedy_tokens(model, 'One two three', 20) > STREAM_CHUNK  # else nothing below has a second chunk
     assert got[('gpt2_tf_prompt_tokens_total', frozenset())] == prompt_tokens
     assert got[('gpt2_tf_generation_tokens_total', frozenset())] == completion_tokens
 
@@ -344,10 +346,36 @@ def test_metrics_count_tokens_requests_and_latencies(model):
     assert requests('200', 'completed') == 2
     assert requests('400', 'refused') == 1 and requests('404', 'refused') == 2
     assert got[('gpt2_tf_time_to_first_token_seconds_count', frozenset())] == 2
-    assert got[('gpt2_tf_time_per_output_token_seconds_count', frozenset())] == 2
+    assert got[('gpt2_tf_time_per_output_token_seconds_count', frozenset())] == 1  # tokens after a first chunk
+    assert got[('gpt2_tf_time_per_output_token_seconds_sum', frozenset())] > 0
     assert got[('gpt2_tf_time_to_first_token_seconds_sum', frozenset())] > 0
     assert got[('gpt2_tf_num_requests_running', frozenset())] == 0
     assert got[('gpt2_tf_num_requests_waiting', frozenset())] == 0
+
+
+def test_a_stream_that_fails_after_its_first_chunk_ends_with_an_error_event_and_counts_as_failed(model, monkeypatch):
+    from gpt2_tf.slots import Slots
+
+    step, calls = Slots.step, []
+
+    def second_fails(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError('the second chunk broke')
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Slots, 'step', second_fails)
+    with running(make_app(model)) as port:
+        client = openai.OpenAI(base_url=f'http://127.0.0.1:{port}/v1', api_key='none', max_retries=0, timeout=60)
+        texts = []
+        with pytest.raises(openai.APIError, match='generation failed: the second chunk broke'):
+            for chunk in client.completions.create(model='test', prompt='Hi', max_tokens=3 * STREAM_CHUNK,
+                                                   temperature=0, stream=True, extra_body={'top_k': 1}):
+                texts.append(chunk.choices[0].text)
+        assert texts  # the first chunk's text came before the error
+        got = settled(lambda: samples(port), lambda got: sum(v for (name, _), v in got.items()
+                                                             if name == 'gpt2_tf_requests_total') >= 1)
+    assert got.get(('gpt2_tf_requests_total', frozenset({'code': '200', 'outcome': 'failed'}.items()))) == 1, got
 
 
 def test_the_gauges_read_the_batcher_and_two_apps_keep_apart():

@@ -28,7 +28,7 @@ import re
 import sys
 import warnings
 
-from ..validate import GPT2Error
+from ..validate import GPT2Error, first_line
 from . import deploy, generation, inspection, training
 from .common import BANNER, CommandError, Parser, one_line
 
@@ -83,14 +83,12 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         return 0
     except (GPT2Error, OSError) as e:  # OSError: a file that cannot be read or written
-        message = (getattr(e, 'message', None) or str(e) or type(e).__name__).strip().splitlines()[0]
-        print(f'gpt2-tf: error: {as_typed(message, argv)}', file=sys.stderr)
+        print(f'gpt2-tf: error: {as_typed(first_line(e), argv)}', file=sys.stderr)
         return 2
     except Exception as e:  # TensorFlow's own errors: still one line, with --verbose for the details
         if getattr(args, 'verbose', False) or not type(e).__module__.startswith('tensorflow'):
             raise
-        message = (getattr(e, 'message', None) or str(e)).strip().splitlines()[0]
-        print(f'gpt2-tf: error: {message} (run with --verbose for details)', file=sys.stderr)
+        print(f'gpt2-tf: error: {first_line(e)} (run with --verbose for details)', file=sys.stderr)
         return 2
     finally:
         warnings.formatwarning = shown

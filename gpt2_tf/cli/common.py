@@ -45,9 +45,17 @@ def one_line(message: str, category, *_args, **_kwargs) -> str:
 # --- the model ---------------------------------------------------------------------------------
 
 def model_folder(args) -> ModelFolder:
-    """The model that --model_dir (or a MODEL_DIR argument), --model_name and --models_dir name."""
-    return resolve(args.model_dir, model_name=getattr(args, 'model_name', None),
-                   models_dir=getattr(args, 'models_dir', None))
+    """The model that --model_dir (or a MODEL_DIR argument), --model_name and --models_dir name, and the --adapter
+    folder checked, before TensorFlow loads."""
+    name, models = getattr(args, 'model_name', None), getattr(args, 'models_dir', None)
+    if args.model_dir is not None and (name is not None or models is not None):
+        given = '--model_name' if name is not None else '--models_dir'
+        raise CommandError(f'--model_dir names the model folder itself: give it or {given}, not both')
+    adapter = getattr(args, 'adapter', None)
+    if adapter is not None and not os.path.isfile(os.path.join(adapter, 'adapter_config.json')):
+        raise CommandError(f'--adapter {adapter}: no adapter_config.json there; give a LoRA run folder '
+                           f'(finetune --lora_rank) or a PEFT LoRA folder')
+    return resolve(args.model_dir, model_name=name, models_dir=models)
 
 
 def start_tensorflow(args, folder: ModelFolder = None, *, onednn: bool = True) -> None:
@@ -73,14 +81,10 @@ def open_model(args, folder: ModelFolder, *, device: str = None, decodes: bool =
         quiet.check_device(getattr(args, 'device', None))
     except ValueError as e:
         raise CommandError(str(e)) from None
-    adapter = getattr(args, 'adapter', None)
-    if adapter is not None and not os.path.isfile(os.path.join(adapter, 'adapter_config.json')):
-        raise CommandError(f'--adapter {adapter}: no adapter_config.json there; give a LoRA run folder '
-                           f'(finetune --lora_rank) or a PEFT LoRA folder')
     from ..loading import load_model
 
-    return load_model(folder, device=device, dtype=getattr(args, 'dtype', 'float32'), adapter=adapter,
-                      strict=not getattr(args, 'no_strict', False))
+    return load_model(folder, device=device, dtype=getattr(args, 'dtype', 'float32'),
+                      adapter=getattr(args, 'adapter', None), strict=not getattr(args, 'no_strict', False))
 
 
 # --- the parser's pieces -----------------------------------------------------------------------

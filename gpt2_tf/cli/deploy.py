@@ -54,6 +54,9 @@ def cmd_serve(args):
     folder = model_folder(args)
     if not 1 <= args.port <= 65535:
         raise CommandError(f'--port must be in 1..65535, got {args.port}')
+    for option, value in (('--max-batch', args.max_batch), ('--queue-size', args.queue_size)):
+        if value < 1:
+            raise CommandError(f'{option} must be at least 1, got {value}')
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

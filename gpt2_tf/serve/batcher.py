@@ -7,15 +7,17 @@ tokens it would draw alone, whatever else runs beside it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import List, Optional
 
 from ..sample import DECODER, Decoder
 from ..slots import Slots
-from ..validate import GPT2Error, check_window
+from ..validate import GPT2Error, check_window, first_line
 from .protocol import MAX_LOGPROBS, APIError
 
+LOG = logging.getLogger(__name__)  # a failed chunk's or prefill's traceback: the client gets its one line
 STREAM_CHUNK = 8  # tokens per compiled call: the first text of a stream arrives early
 PENALTIES = ('logit_bias', 'presence_penalty', 'frequency_penalty', 'repetition_penalty')  # Slots.join's names
 
@@ -68,6 +70,8 @@ class Batcher:
 
     def __init__(self, model, *, capacity: int = 16, queue_size: int = 256, timeout: float = 0.005,
                  chunk: int = STREAM_CHUNK, mode: Optional[str] = None, decoder: Decoder = DECODER):
+        if capacity < 1 or queue_size < 1:
+            raise GPT2Error(f'capacity and queue_size must be at least 1, got {capacity} and {queue_size}')
         self.capacity, self.queue_size, self.timeout, self.n_ctx = capacity, queue_size, timeout, model.hparams.n_ctx
         self.slots = Slots(model, capacity, chunk=chunk, mode=mode, decoder=decoder)
         self.held: List[Optional[Row]] = [None] * capacity  # the row in each slot
@@ -119,9 +123,10 @@ class Batcher:
             try:
                 self._decode()
             except Exception as e:  # a failed chunk fails its rows, never the server
+                LOG.exception('a decode step failed; its rows fail')
                 for slot, row in enumerate(self.held):
                     if row is not None:
-                        row.fail(str(e))
+                        row.fail(first_line(e))
                         self._leave(slot)
 
     def _admit(self) -> bool:
@@ -143,7 +148,9 @@ class Batcher:
                 row.join(self.slots, slot)
                 self.held[slot] = row
             except Exception as e:
-                row.fail(str(e))
+                if not isinstance(e, GPT2Error):
+                    LOG.exception('a prefill failed; its row fails')
+                row.fail(first_line(e))
         return True
 
     def _gather(self) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import bisect
 import copy
 import functools
+import json
 import secrets
 import time
 from typing import AsyncIterator, List, Optional
@@ -164,7 +165,9 @@ class Completion:
         self.started = time.monotonic()  # for the metrics: time to first token, time per output token
         self.first_token: Optional[float] = None
         self.last_token: Optional[float] = None
+        self.first_count = 0  # tokens of the first chunk: they arrive together, at first_token
         self.complete = False  # the whole response or stream was handed out
+        self.failed = False  # a stream that failed after its first bytes (it ends with an error event)
 
     async def submit(self, model: Model, batcher: Batcher) -> None:
         """Makes the choices (an echo's log-probs are scored off the event loop) and queues their rows."""
@@ -213,7 +216,8 @@ class Completion:
             text = choice.add(tokens, log_probs) if tokens is not None else ''
             if tokens is not None and len(tokens):
                 self.last_token = time.monotonic()
-                self.first_token = self.first_token or self.last_token
+                if self.first_token is None:
+                    self.first_token, self.first_count = self.last_token, len(tokens)
             if tokens is None or choice.finish_reason:
                 self.rows[index].done = True
                 open_rows.discard(index)
@@ -270,5 +274,9 @@ class Completion:
                 yield f'data: {self.chunk([], self.usage()).model_dump_json()}\n\n'
             yield 'data: [DONE]\n\n'
             self.complete = True
+        except APIError as error:  # the headers have gone: an error event (as vLLM sends), then the end
+            self.failed = True
+            yield f'data: {json.dumps(error.body())}\n\n'
+            yield 'data: [DONE]\n\n'
         finally:  # also when the client goes away
             self.close()

@@ -26,6 +26,8 @@ def outcome(status: int, completion=None) -> str:
         return 'disconnected'
     if status >= 400:
         return 'refused'
+    if completion is not None and completion.failed:  # a stream whose 200 had gone before it failed
+        return 'failed'
     return 'disconnected' if completion is not None and not completion.complete else 'completed'
 
 
@@ -44,15 +46,16 @@ class Metrics:
         waiting = Gauge('num_requests_waiting', 'Rows queued, not yet decoding', namespace=NAMESPACE,
                         registry=registry)
         waiting.set_function(lambda: batcher.waiting)
-        self.prompt_tokens = Counter('prompt_tokens', 'Prompt tokens of completed requests (usage.prompt_tokens)',
+        self.prompt_tokens = Counter('prompt_tokens', 'Prompt tokens of the requests that ran '
+                                     '(usage.prompt_tokens; disconnected and failed ones included)',
                                      namespace=NAMESPACE, registry=registry)
-        self.generation_tokens = Counter('generation_tokens', 'Tokens generated (usage.completion_tokens)',
+        self.generation_tokens = Counter('generation_tokens', 'Tokens generated (usage.completion_tokens, as above)',
                                          namespace=NAMESPACE, registry=registry)
         self.first_token = Histogram('time_to_first_token_seconds', 'From a request\'s arrival to its first token',
                                      namespace=NAMESPACE, registry=registry, buckets=FIRST_TOKEN_BUCKETS)
         self.per_token = Histogram('time_per_output_token_seconds',
-                                   'A request\'s time from its first token to its last, per token after the first '
-                                   'of its longest choice',
+                                   'A request\'s time from its first chunk of tokens to its last, per token '
+                                   'after the first chunk of its longest choice (none for a single chunk)',
                                    namespace=NAMESPACE, registry=registry, buckets=PER_TOKEN_BUCKETS)
         self.requests = Counter('requests', 'Requests answered, by status code and outcome', ['code', 'outcome'],
                                 namespace=NAMESPACE, registry=registry)
@@ -67,9 +70,9 @@ class Metrics:
         self.generation_tokens.inc(usage.completion_tokens)
         if completion.first_token is not None:
             self.first_token.observe(completion.first_token - completion.started)
-            longest = completion.longest()  # the choices decode side by side: the time per token of one
-            if longest > 1:
-                self.per_token.observe((completion.last_token - completion.first_token) / (longest - 1))
+            later = completion.longest() - completion.first_count  # the choices decode side by side: one's tokens
+            if later > 0:  # after the first chunk's, which all arrive at first_token
+                self.per_token.observe((completion.last_token - completion.first_token) / later)
 
     def scrape(self) -> bytes:
         from prometheus_client import generate_latest
