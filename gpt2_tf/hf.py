@@ -62,6 +62,10 @@ def names() -> tuple:
     return block, top
 
 
+# Files of an HF folder that save_hf does not write, and that would describe the saved model wrongly: another
+# tokenizer's settings and added tokens, other weights.
+OTHER_SAVES = ('tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json', SAFETENSORS_INDEX, TORCH_BIN,
+               TORCH_BIN + '.index.json')
 IGNORED = ('attn.bias', 'attn.masked_bias')  # the causal-mask buffers older versions saved
 
 
@@ -85,6 +89,9 @@ def read_config(path) -> HParams:
 
     if config.get('model_type', 'gpt2') != 'gpt2':
         refuse('model_type', 'not a GPT-2 model')
+    missing = [k for k in ('vocab_size', 'n_positions', 'n_embd', 'n_head', 'n_layer') if config.get(k) is None]
+    if missing:
+        raise HFFormatError(f'{source}: missing {missing}')
     if config.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
         refuse('activation_function', 'GPT-2 uses the tanh GELU (gelu_new or gelu_pytorch_tanh)')
     if config.get('scale_attn_weights', True) is not True:
@@ -92,16 +99,13 @@ def read_config(path) -> HParams:
     for field in ('scale_attn_by_inverse_layer_idx', 'reorder_and_upcast_attn', 'add_cross_attention'):
         if config.get(field):
             refuse(field, 'not part of GPT-2')
-    n_embd = config.get('n_embd')
-    if config.get('n_inner') not in (None, 4 * (n_embd or 0)):
-        refuse('n_inner', f'the MLP is 4 * n_embd = {4 * (n_embd or 0)} wide in GPT-2')
+    n_embd = config['n_embd']
+    if config.get('n_inner') is not None and config['n_inner'] != 4 * n_embd:
+        refuse('n_inner', f'the MLP is 4 * n_embd = {4 * n_embd} wide in GPT-2')
     if config.get('layer_norm_epsilon', 1e-5) != 1e-5:
         refuse('layer_norm_epsilon', 'GPT-2 normalizes with epsilon 1e-5')
     if 'n_ctx' in config and 'n_positions' in config and config['n_ctx'] != config['n_positions']:
         refuse('n_ctx', f'it differs from n_positions={config.get("n_positions")}')
-    missing = [k for k in ('vocab_size', 'n_positions', 'n_embd', 'n_head', 'n_layer') if k not in config]
-    if missing:
-        raise HFFormatError(f'{source}: missing {missing}')
     return HParams.from_dict({'n_vocab': config['vocab_size'], 'n_ctx': config['n_positions'], 'n_embd': n_embd,
                               'n_head': config['n_head'], 'n_layer': config['n_layer']}, source=source)
 
@@ -118,6 +122,7 @@ def _read_json(path: str):
 
 def _read_safetensors(files: list) -> dict:
     try:
+        import ml_dtypes  # noqa: F401  (numpy's bfloat16, which TensorFlow's import also brings: files read before it)
         from safetensors import safe_open
     except ImportError:
         raise HFFormatError('reading model.safetensors needs the safetensors package: '
@@ -146,12 +151,19 @@ def read_tensors(path) -> dict:
             raise HFFormatError(f'{index}: no "weight_map" object of tensor names to shard files; '
                                 f'is the file complete? Copy or download it again')
         shards = sorted(set(weight_map.values()))
+        outside = [s for s in shards if os.path.basename(s) != s or s in ('.', '..')]
+        if outside:
+            raise HFFormatError(f'{index}: shard {outside[0]!r} is not a file name in the folder; '
+                                f'is the index from this folder? Copy or download it again')
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if not shards or missing:
             raise HFFormatError(f'{index}: shard(s) missing: {missing or "the index lists none"}')
         return _read_safetensors([os.path.join(path, s) for s in shards])
     if os.path.isfile(os.path.join(path, TORCH_BIN)):
         return read_torch(os.path.join(path, TORCH_BIN), HFFormatError)
+    if os.path.isfile(os.path.join(path, TORCH_BIN + '.index.json')):
+        raise HFFormatError(f'{path}: sharded {TORCH_BIN} files are not read here; save the model again as '
+                            f'safetensors (in transformers: model.save_pretrained(folder))')
     raise HFFormatError(f'{path}: no {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} beside {CONFIG}')
 
 
@@ -191,6 +203,16 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
     if upcast:
         warnings.warn(f'{source}: {", ".join(sorted(upcast))} tensors were upcast to float32', stacklevel=3)
     return out
+
+
+def check_head(tensors: dict, path) -> None:
+    """A config.json that unties the head (tie_word_embeddings false) needs its lm_head.weight: without it the
+    folder is incomplete (transformers starts such a head at random; GPT-2's is wte itself)."""
+    config = _read_json(os.path.join(path, CONFIG))
+    if isinstance(config, dict) and config.get('tie_word_embeddings', True) is False and \
+            'lm_head.weight' not in tensors and 'transformer.lm_head.weight' not in tensors:
+        raise HFFormatError(f'{os.path.join(path, CONFIG)}: tie_word_embeddings is false, but the weights have no '
+                            f'lm_head.weight: the folder is incomplete; copy or download it again')
 
 
 def config_for(hparams: HParams) -> dict:
@@ -267,6 +289,10 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     if os.path.isfile(os.path.join(path, 'hparams.json')):
         raise HFFormatError(f'{path} holds a model in the original layout (hparams.json), which would stay the one '
                             f'that loads from there; save the HF folder to another folder')
+    stale = [name for name in OTHER_SAVES if os.path.exists(os.path.join(path, name))]
+    if stale:
+        raise HFFormatError(f'{path} holds {", ".join(stale)} of another save, which transformers would read with '
+                            f'this model; save to another folder, or remove them first')
     tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
     files = vocabulary or bundled_vocabulary()
     with staged(path) as staging:  # every file is written beside the folder's own first, then moved in, config last

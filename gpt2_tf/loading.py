@@ -218,7 +218,9 @@ def _load_hf(model, model_dir: str, *, strict: bool = True, add: Optional[dict] 
     from .precision import assign, stored
 
     hparams = model.hparams
-    tensors = hf.to_original(hf.read_tensors(model_dir), hparams, source=model_dir, strict=strict)
+    read = hf.read_tensors(model_dir)
+    hf.check_head(read, model_dir)
+    tensors = hf.to_original(read, hparams, source=model_dir, strict=strict)
     verify(variable_shapes(hparams), {name: value.shape for name, value in tensors.items()}, hparams=hparams,
            source=model_dir, strict=strict, settings='config.json')
     variables = model.variables_by_name()

@@ -27,5 +27,9 @@ def read_torch(file: str, error: Type[GPT2Error] = GPT2Error) -> dict:
         state = torch.load(file, map_location='cpu', weights_only=True)
     except Exception as e:  # a truncated zip, an unpickling error, ...
         raise unreadable(file, e, error) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        kind = type(state).__name__ if not isinstance(state, dict) else 'a dict holding more than tensors'
+        raise error(f'{file}: expected a state dict of tensor names to tensors, found {kind}; save the model\'s '
+                    f'state_dict() itself (torch.save(model.state_dict(), ...))')
     return {name: value.float().numpy() if value.is_floating_point() else value.numpy()
             for name, value in state.items()}

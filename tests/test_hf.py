@@ -166,6 +166,9 @@ def test_safetensors_wins_over_a_bin_in_the_same_folder(tmp_path, state):
     (dict(config={'layer_norm_epsilon': 1e-6}), 'layer_norm_epsilon=1e-06'),
     (dict(config={'n_ctx': 64}), 'n_ctx=64: it differs from n_positions=40'),
     (dict(config={'n_embd': 48}), r'model/wte: expected shape \[300, 48\], found \[300, 32\]'),
+    (dict(config={'n_embd': None, 'n_inner': 256}), r"config.json: missing \['n_embd'\]"),
+    (dict(config={'tie_word_embeddings': False}, headless=True), 'tie_word_embeddings is false, but the weights have '
+     'no lm_head.weight: the folder is incomplete'),
 ])
 def test_what_the_original_graph_cannot_express_is_refused_by_name(tmp_path, state, change, message):
     tensors = dict(state)
@@ -174,6 +177,8 @@ def test_what_the_original_graph_cannot_express_is_refused_by_name(tmp_path, sta
     if 'add' in change:
         tensors[change['add']] = np.zeros(3, np.float32)
     tensors['lm_head.weight'] = tensors['transformer.wte.weight'] + (1 if change.get('untie') else 0)
+    if change.get('headless'):
+        del tensors['lm_head.weight']
     write_tensors(tmp_path / 'bad', tensors, change.get('config'))
     with pytest.raises(ValueError, match=message):
         gpt2_tf.load_model(tmp_path / 'bad')
@@ -202,6 +207,40 @@ def test_a_bin_without_torch_says_what_to_install(tmp_path, state, monkeypatch):
         gpt2_tf.load_model(tmp_path)
 
 
+@pytest.mark.parametrize('saved, found', [(lambda tensors: {'state_dict': tensors}, 'found a dict holding more than tensors'),
+                                          (lambda tensors: list(tensors.values()), 'found list')])
+def test_a_bin_that_is_not_a_state_dict_is_refused_in_one_line(tmp_path, state, saved, found):
+    (tmp_path / 'config.json').write_text(json.dumps(HF_CONFIG))
+    torch.save(saved({k: torch.from_numpy(v) for k, v in state.items()}), tmp_path / 'pytorch_model.bin')
+    with pytest.raises(hf.HFFormatError, match=f'pytorch_model.bin: expected a state dict of tensor names to tensors, '
+                                               f'{found}'):
+        gpt2_tf.load_model(tmp_path)
+
+
+@pytest.mark.parametrize('name', ['tokenizer_config.json', 'pytorch_model.bin'])
+def test_save_hf_refuses_a_folder_holding_another_saves_files(tmp_path, name):
+    gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path)
+    (tmp_path / name).write_text('{}')
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    with pytest.raises(hf.HFFormatError, match=f'holds {name} of another save, which transformers would read'):
+        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+
+
+@pytest.mark.parametrize('files, message', [
+    ({'pytorch_model-00001-of-00002.bin': '', 'pytorch_model.bin.index.json': '{"weight_map": {}}'},
+     'sharded pytorch_model.bin files are not read here'),
+    ({'model.safetensors.index.json': '{"weight_map": {"wte.weight": "../model.safetensors"}}'},
+     "shard '../model.safetensors' is not a file name in the folder"),
+])
+def test_weights_it_does_not_read_are_named(tmp_path, files, message):
+    (tmp_path / 'config.json').write_text(json.dumps(HF_CONFIG))
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(hf.HFFormatError, match=message):
+        gpt2_tf.load_model(tmp_path)
+
+
 def test_convert_refuses_to_overwrite(tmp_path):
     (tmp_path / 'out').mkdir()
     (tmp_path / 'out' / 'x').write_text('mine')
@@ -209,6 +248,27 @@ def test_convert_refuses_to_overwrite(tmp_path):
                            str(tmp_path / 'out'), '--to', 'hf'], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and 'exists and is not empty' in done.stderr
     assert os.listdir(tmp_path / 'out') == ['x']
+
+
+@pytest.mark.parametrize('extra, message', [({'added_tokens.json': '{"<pad>": 300}'}, 'has added tokens'),
+                                             ({'tokenizer.json': '{"added_tokens": []}'}, 'has only a tokenizer.json')])
+def test_convert_refuses_a_vocabulary_it_would_not_carry(hf_folder, tmp_path, capsys, extra, message):
+    from gpt2_tf.assets import bundled_vocabulary
+    from gpt2_tf.cli import main
+
+    source = tmp_path / 'source'
+    shutil.copytree(hf_folder[0], source)
+    for name in hf.TOKENIZER_FILES:  # save_pretrained of a model writes none; the vocabulary is what is added
+        (source / name).unlink(missing_ok=True)
+    for name, text in extra.items():
+        (source / name).write_text(text)
+    if 'added_tokens.json' in extra:  # with the pair, the added tokens are what convert would drop
+        for name, path in zip(hf.TOKENIZER_FILES, bundled_vocabulary()):
+            shutil.copy(path, source / name)
+    assert main(['convert', str(source), str(tmp_path / 'out'), '--to', 'original']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / 'out').exists()
 
 
 def test_no_warning_for_float32_folders(hf_folder):
@@ -360,3 +420,23 @@ def test_inspect_lists_the_tensors_gpt2_does_not_have(tmp_path, state):
     table = parameter_table(tmp_path / 'extra')
     assert table['mismatches'] == ['1 checkpoint variable(s) outside the model: score.weight']
     assert table['total_checkpoint'] == table['total_expected'] + 64
+
+
+def test_inspect_names_config_json_for_an_hf_folders_problems(tmp_path, state, capsys):
+    from gpt2_tf.cli import main
+
+    write_tensors(tmp_path / 'extra', {**state, 'score.weight': np.zeros((2, 32), np.float32)})
+    assert main(['inspect', str(tmp_path / 'extra')]) == 2
+    assert capsys.readouterr().err.strip().endswith('1 problem(s) against config.json, the first: 1 checkpoint '
+                                                    'variable(s) outside the model: score.weight')
+
+
+def test_bfloat16_weights_are_read_before_tensorflow_is_imported(tmp_path, state):
+    import ml_dtypes
+
+    write_tensors(tmp_path / 'bf16', {k: v.astype(ml_dtypes.bfloat16) for k, v in state.items()})
+    code = ('import sys; from gpt2_tf import hf; '
+            't = hf.read_tensors(sys.argv[1]); print(t["transformer.wte.weight"].dtype, "tensorflow" in sys.modules)')
+    done = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'bf16')], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ['bfloat16', 'False'], done.stderr[-500:]

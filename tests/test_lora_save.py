@@ -1,5 +1,8 @@
 """LoRA beside saving and precision: adapters written merged, merged before rounding, trained over int8 weights."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -136,3 +139,21 @@ def test_lora_over_int8_weights_steps_as_over_their_float32_values():
         np.testing.assert_allclose(a.B.numpy(), b.B.numpy(), atol=3e-6, err_msg=name)  # as test_lora's bound
         np.testing.assert_allclose(a.A.numpy(), b.A.numpy(), atol=3e-6, err_msg=name)
     assert int8.h[0].attn.c_attn.w.dtype.name == 'int8'  # the frozen weights stayed int8
+
+
+@pytest.mark.parametrize('to', ['original', 'hf'])
+def test_convert_with_an_adapter_keeps_the_sources_own_vocabulary(run, tmp_path, to):
+    """--adapter lets a folder convert to its own layout; its vocabulary files are then the ones it has."""
+    from gpt2_tf.assets import bundled_vocabulary
+    from gpt2_tf.cli import main
+
+    source = tmp_path / 'source'
+    shutil.copytree(TINY if to == 'original' else run / 'hf', source)
+    names = ('encoder.json', 'vocab.bpe') if to == 'original' else ('vocab.json', 'merges.txt')
+    vocabulary = json.loads(open(bundled_vocabulary()[0], encoding='utf-8').read())
+    vocabulary['Hello'], vocabulary['world'] = vocabulary['world'], vocabulary['Hello']  # not GPT-2's own
+    (source / names[0]).write_text(json.dumps(vocabulary))
+    shutil.copy(bundled_vocabulary()[1], source / names[1])
+    assert main(['convert', str(source), str(tmp_path / 'out'), '--to', to, '--adapter', str(run / 'run')]) == 0
+    for name in names:
+        assert (tmp_path / 'out' / name).read_bytes() == (source / name).read_bytes(), name

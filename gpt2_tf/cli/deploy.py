@@ -8,7 +8,7 @@ import shutil
 LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
 
 from ..encoder import vocabulary_files
-from ..validate import check_new_folder
+from ..validate import GPT2Error, check_new_folder, first_line
 from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_strict,
                      add_verbose, model_folder, open_model)
 
@@ -83,22 +83,31 @@ def cmd_convert(args):
         raise CommandError(f'{source.path} is already a Hugging Face folder (config.json); use --to original')
     if args.to == 'original' and source.layout != 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is not a Hugging Face folder (no config.json); use --to hf')
+    vocabulary = carried_vocabulary(source)
     model = open_model(args, source, device='/CPU:0')
-    from ..assets import bundled_vocabulary
     from ..checkpoint import save_checkpoint, whole_folder
     from ..hf import save_hf
 
     with whole_folder(args.destination) as staging:  # the folder appears complete, or not at all
         if args.to == 'hf':
-            own = [os.path.join(source.path, name) for name in TOKENIZER_FILES.values()]
-            save_hf(model, staging, vocabulary=own if all(map(os.path.exists, own)) else None)
+            save_hf(model, staging, vocabulary=vocabulary)
         else:
             save_checkpoint(model, staging)
-            hf_names = [os.path.join(source.path, name) for name in TOKENIZER_FILES]
-            files = hf_names if all(map(os.path.exists, hf_names)) else bundled_vocabulary()
-            for original_name, path in zip(TOKENIZER_FILES.values(), files):
+            for original_name, path in zip(TOKENIZER_FILES.values(), vocabulary):
                 shutil.copyfile(path, os.path.join(staging, original_name))
     print(f'{args.destination}: written ({args.to})')
+
+
+def carried_vocabulary(source) -> tuple:
+    """The vocabulary files a converted folder gets: the source's own pair under either naming, else the bundled
+    GPT-2 one; a vocabulary they cannot hold (added tokens, a tokenizer.json alone) is refused, not replaced."""
+    from ..assets import bundled_vocabulary
+
+    try:
+        source.encoder()  # the rules by which the source's text is read
+    except GPT2Error as e:
+        raise CommandError(f'{first_line(e)} (convert writes only the vocab.json/merges.txt pair)') from None
+    return vocabulary_files(source.path) or bundled_vocabulary()
 
 
 def add_commands(commands) -> None:

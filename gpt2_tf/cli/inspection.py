@@ -19,7 +19,8 @@ def cmd_inspect(args):
     table = parameter_table(folder.path)
     print(json.dumps(table, indent=2) if args.json else format_table(table))
     if table['mismatches']:
-        raise CommandError(f'{len(table["mismatches"])} problem(s) against hparams.json, the first: '
+        settings = 'config.json' if folder.layout == 'hf' else 'hparams.json'
+        raise CommandError(f'{len(table["mismatches"])} problem(s) against {settings}, the first: '
                            f'{table["mismatches"][0]}')
 
 
