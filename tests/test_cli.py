@@ -55,13 +55,40 @@ def test_sample_is_unconditional(capsys, monkeypatch, tmp_path):
 
 
 def test_interactive_mode_reads_prompts_from_stdin(capsys, monkeypatch, tmp_path):
-    code, out, _ = run(capsys, monkeypatch, tmp_path, 'generate', '--length', '6', '--seed', '1', *FAST,
-                       stdin='First prompt\n\nSecond prompt\n' + 'word ' * 130 + '\n')
+    code, out, err = run(capsys, monkeypatch, tmp_path, 'generate', '--length', '6', '--seed', '1', *FAST,
+                         stdin='First prompt\n\nSecond prompt\n' + 'word ' * 130 + '\n')
     assert code == 0
-    assert out.count('Model prompt >>> ') == 5  # two prompts, an empty one, a long one, then end of input
-    assert 'Prompt should not be empty!' in out
-    assert 'Prompt too long: 131 tokens, and at most 123 fit with --length 6 (prompt + length - 1 <= n_ctx = 128)' in out
-    assert out.count(BANNER.format(1)) == 2 and out.count('=' * 80 + '\n') == 2
+    # stdout is not a terminal here: the prompts and refusals go to stderr, the samples alone to stdout
+    assert err.count('Model prompt >>> ') == 5  # two prompts, an empty one, a long one, then end of input
+    assert 'Prompt should not be empty!' in err
+    assert 'Prompt too long: 131 tokens, and at most 123 fit with --length 6 (prompt + length - 1 <= n_ctx = 128)' in err
+    assert out.count(BANNER.format(1)) == 2 and out.count('=' * 80 + '\n') == 2 and 'Model prompt' not in out
+
+
+def test_interactive_mode_asks_again_for_a_prompt_outside_the_vocabulary(capsys, monkeypatch, tmp_path):
+    code, out, err = run(capsys, monkeypatch, tmp_path, 'generate', '--model_dir', str(FIXTURES / 'tf1-tiny'),
+                         '--length', '3', '--seed', '1', *FAST, stdin='Hi\n!!\n')  # 'Hi' is id 17250; '!!' 3228
+    assert code == 0 and err.count('Model prompt >>> ') == 3, err
+    assert "the prompt's token id 17250 is outside the vocabulary [0, 512)" in err
+    assert "the prompt's token id 3228 is outside the vocabulary [0, 512)" in err and BANNER.format(1) not in out
+
+
+def test_interactive_mode_asks_again_for_a_prompt_that_is_not_utf8(tmp_path):
+    done = subprocess.run([*GPT2_TF, 'generate', '--length', '2', '--seed', '1', '--mode', 'function', '--quiet'],
+                          input=b'caf\xe9\nHello\n', capture_output=True, cwd=tmp_path, timeout=300,
+                          env=subprocess_env(PYTHONIOENCODING='utf-8:strict'))
+    err = done.stderr.decode()
+    assert done.returncode == 0 and 'Prompt is not UTF-8 text: type it again.' in err, err[-2000:]
+    assert done.stdout.decode().count(BANNER.format(1)) == 1  # the next prompt ran
+
+
+def test_a_stdout_that_cannot_encode_the_text_is_one_line(tmp_path):
+    done = subprocess.run([*GPT2_TF, 'generate', 'Hello', '--model_name', 'test', '--length', '2', '--seed', '1',
+                           '--mode', 'function', '--quiet', '--logit_bias', '2634:100'],  # always 'é'
+                          capture_output=True, cwd=tmp_path, timeout=300, env=subprocess_env(PYTHONIOENCODING='ascii'))
+    err = done.stderr.decode().strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert err == "gpt2-tf: error: stdout's encoding (ascii) cannot write the samples' text: set PYTHONIOENCODING=utf-8"
 
 
 def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
@@ -154,10 +181,10 @@ def test_incomplete_downloads_are_named_with_the_command_that_resumes_them(capsy
 
 # --- the real entry point ------------------------------------------------------------------------
 
-def subprocess_env():
+def subprocess_env(**extra):
     env = dict(os.environ)
     env.pop('TF_CPP_MIN_LOG_LEVEL', None)  # what a user's shell has: nothing set
-    return env
+    return {**env, **extra}
 
 
 def test_stderr_holds_only_the_projects_own_lines(tmp_path):

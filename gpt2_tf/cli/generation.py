@@ -77,6 +77,9 @@ def check_prompt(text: str, encoder, hparams, length: int) -> None:
     check_window(len(ids), length, hparams.n_ctx, what='the prompt')
 
 
+PROMPT = 'Model prompt >>> '  # the original's
+
+
 # --- generation ---------------------------------------------------------------------------------
 
 def run_samples(model, encoder, prompt, length: int, args, options: dict, nsamples: Optional[int]) -> None:
@@ -92,7 +95,11 @@ def run_samples(model, encoder, prompt, length: int, args, options: dict, nsampl
                              **options)
         for number, text in enumerate(texts, start=1):
             tqdm.write(BANNER.format(number), file=sys.stdout)
-            tqdm.write(text, file=sys.stdout)
+            try:
+                tqdm.write(text, file=sys.stdout)
+            except UnicodeEncodeError:
+                raise CommandError(f"stdout's encoding ({sys.stdout.encoding}) cannot write the samples' text: "
+                                   f"set PYTHONIOENCODING=utf-8") from None
             sys.stdout.flush()
 
 
@@ -121,23 +128,25 @@ def cmd_generate(args):
 
 
 def interactive(model, encoder, hparams, length: int, args, options: dict) -> None:
-    """Prompts from the terminal until end of input; Ctrl-C stops a generation and returns to the prompt."""
+    """Prompts from the terminal until end of input; Ctrl-C stops a generation and returns to the prompt.
+
+    The prompt and the refusals go to the terminal: stdout when it is one, else stderr, so that samples
+    redirected to a file hold samples only."""
     from ..validate import room_for_prompt
 
     room = room_for_prompt(length, hparams.n_ctx)
+    aside = sys.stdout if sys.stdout.isatty() else sys.stderr
+    if hasattr(sys.stdin, 'reconfigure'):  # bytes that are not UTF-8 arrive as lone surrogates, refused below,
+        sys.stdin.reconfigure(errors='surrogateescape')  # rather than failing the read and dropping what follows
     while True:
         try:
-            prompt = input('Model prompt >>> ')
+            prompt = read_prompt(aside)
         except EOFError:
-            print()
+            print(file=aside)
             return
-        count = len(encoder.encode(prompt))
-        if count == 0:
-            print('Prompt should not be empty!')
-            continue
-        if count > room:
-            print(f'Prompt too long: {count} tokens, and at most {room} fit with --length {length} '
-                  f'(prompt + length - 1 <= n_ctx = {hparams.n_ctx}).')
+        refused = refusal(prompt, encoder, room, length, hparams)
+        if refused:
+            print(refused, file=aside)
             continue
         try:
             run_samples(model, encoder, prompt, length, args, options, args.nsamples)
@@ -145,6 +154,33 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
             print('\n(interrupted; Ctrl-C at the prompt or Ctrl-D quits)', file=sys.stderr, flush=True)
             continue
         print('=' * 80)
+
+
+def refusal(prompt: str, encoder, room: int, length: int, hparams) -> Optional[str]:
+    """Why interactive mode asks again for a prompt (in the original's words where it had them), or None."""
+    from ..validate import GPT2Error, check_token_ids
+
+    if any('\udc80' <= c <= '\udcff' for c in prompt):  # surrogateescape's stand-ins for undecodable bytes
+        return 'Prompt is not UTF-8 text: type it again.'
+    ids = encoder.encode(prompt)
+    if not ids:
+        return 'Prompt should not be empty!'
+    if len(ids) > room:
+        return (f'Prompt too long: {len(ids)} tokens, and at most {room} fit with --length {length} '
+                f'(prompt + length - 1 <= n_ctx = {hparams.n_ctx}).')
+    try:
+        check_token_ids(ids, hparams.n_vocab, name="the prompt's token")
+    except GPT2Error as e:
+        return str(e)
+    return None
+
+
+def read_prompt(aside) -> str:
+    """A line of stdin, the prompt shown on `aside` (through input() on stdout, so that line editing redraws it)."""
+    if aside is sys.stdout:
+        return input(PROMPT)
+    print(PROMPT, end='', file=aside, flush=True)
+    return input()
 
 
 # --- scoring ------------------------------------------------------------------------------------
