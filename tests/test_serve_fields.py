@@ -46,6 +46,13 @@ def complete(served, **fields):
     ({'best_of': 2, 'n': 3}, 'best_of', 'best_of must be an integer in [n, 16] (n = 3), got 2'),
     ({'best_of': 17}, 'best_of', 'best_of must be an integer in [n, 16] (n = 1), got 17'),
     ({'best_of': 2, 'stream': True}, 'best_of', 'best_of cannot be streamed'),
+    ({'n': True}, 'n', 'Input should be a valid integer'),  # JSON's true is not 1, nor "2" 2
+    ({'max_tokens': '2'}, 'max_tokens', 'Input should be a valid integer'),
+    ({'temperature': True}, 'temperature', 'Input should be a valid number'),
+    ({'stream': 'yes'}, 'stream', 'Input should be a valid boolean'),
+    ({'stream': True, 'stream_options': {'include_usage': 'no'}}, 'stream_options', 'Input should be a valid boolean'),
+    ({'max_tokens': 0, 'echo': True, 'logprobs': 1, 'prompt': [1] * 200}, 'prompt',
+     "prompt 0: 200 tokens, more than the model's n_ctx = 128, which scoring the echoed prompt takes at once: shorten it"),
 ])
 def test_out_of_range_fields_are_400_naming_the_field(served, fields, param, message):
     status, body = post(served[0], json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())

@@ -103,6 +103,14 @@ def test_a_body_that_is_not_an_object_is_400_saying_so(served, raw):
     assert body['error']['param'] is None
 
 
+@pytest.mark.parametrize('content_type', ['text/plain', 'application/x-www-form-urlencoded'])  # curl -d's
+def test_a_json_body_sent_as_another_type_is_told_to_send_json(served, content_type):
+    status, body = post(served.port, b'{"prompt": "Hi", "max_tokens": 2}', headers={'Content-Type': content_type})
+    assert status == 400
+    assert_openai_error(body, f'^the body was sent as {content_type}: send JSON, with the header '
+                              f'Content-Type: application/json$')
+
+
 def test_a_5000_deep_array_is_400_in_the_openai_shape(served):
     status, body = post(served.port, b'[' * 5000 + b']' * 5000)
     assert status == 400
@@ -279,12 +287,15 @@ def test_time_per_output_token_is_per_decode_step():
     from gpt2_tf.serve.protocol import Usage
 
     metrics = Metrics(types.SimpleNamespace(running=0, waiting=0))
-    four_choices = types.SimpleNamespace(  # 4 choices of 11 tokens each, decoded side by side in 1 s
-        complete=True, started=0.0, first_token=0.5, last_token=1.5, longest=lambda: 11,
+    four_choices = types.SimpleNamespace(  # 4 choices of 11 tokens each, side by side: 3 at 0.5 s, the last at 1.5
+        complete=True, failed=False, started=0.0, first_token=0.5, first_count=3, last_token=1.5, longest=lambda: 11,
         usage=lambda: Usage(prompt_tokens=2, completion_tokens=44, total_tokens=46))
     metrics.record(200, four_choices)
     text = metrics.scrape().decode()
-    assert 'gpt2_tf_time_per_output_token_seconds_sum 0.1' in text, text  # 1 s over 10 steps, not over 43 tokens
+    assert 'gpt2_tf_time_per_output_token_seconds_sum 0.125' in text, text  # 1 s over the 8 after the first chunk
+    one_chunk = types.SimpleNamespace(**{**vars(four_choices), 'first_count': 11, 'last_token': 0.5})
+    metrics.record(200, one_chunk)  # every token arrived at once: no time per token to observe
+    assert 'gpt2_tf_time_per_output_token_seconds_count 1.0' in metrics.scrape().decode()
 
 
 # --- metrics --------------------------------------------------------------------------------------------

@@ -113,8 +113,8 @@ def _answer_errors(app) -> None:
         return error_response(invalid(error))
 
     @app.exception_handler(RequestValidationError)
-    async def malformed(_, error: RequestValidationError):
-        return error_response(invalid_request(error.errors()))
+    async def malformed(request, error: RequestValidationError):
+        return error_response(invalid_request(error.errors(), request.headers.get('content-type', '')))
 
     @app.exception_handler(HTTPException)
     async def routing(request, error: HTTPException):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from ..encoder import END_OF_TEXT, Encoder
 from ..hparams import HParams
-from ..validate import (MAX_LOGIT_BIAS, MAX_PENALTY, GPT2Error, check_sampling, check_seed, check_sequence,
+from ..validate import (MAX_LOGIT_BIAS, MAX_PENALTY, GPT2Error, check_sampling, check_seed,
                         check_token_ids, check_window)
 
 MAX_LOGPROBS = 5  # top log-probs per token, as OpenAI's completions
@@ -43,9 +43,13 @@ def invalid(error: GPT2Error, param: Optional[str] = None) -> APIError:
     return APIError(400, str(error), param=param)
 
 
-def invalid_request(errors: Sequence[dict]) -> APIError:
-    """The first of pydantic's errors as a 400 (OpenAI answers 400 where FastAPI would answer 422)."""
+def invalid_request(errors: Sequence[dict], content_type: str = 'application/json') -> APIError:
+    """The first of pydantic's errors as a 400 (OpenAI answers 400 where FastAPI would answer 422); a body sent
+    as another type (a form, plain text) is not read as JSON, so that is what the message names."""
     first = errors[0] if errors else {}
+    if content_type and 'json' not in content_type.lower() and tuple(first.get('loc', ())) == ('body',):
+        return APIError(400, f'the body was sent as {content_type.split(";")[0]}: send JSON, with the header '
+                             f'Content-Type: application/json')
     if first.get('type') == 'json_invalid':  # loc is ('body', character offset)
         at = first.get('loc', ('body', '?'))[1:2] or ('?',)
         reason = (first.get('ctx') or {}).get('error', 'JSON decode error')
@@ -88,7 +92,7 @@ class Sampling:
 class CompletionRequest(BaseModel):
     """POST /v1/completions, with OpenAI's field names and meanings; top_k is an extension."""
 
-    model_config = ConfigDict(extra='forbid')
+    model_config = ConfigDict(extra='forbid', strict=True)  # strict: true is not 1, nor "yes" true; 2 is 2.0
 
     model: Optional[str] = None
     prompt: Prompt = None  # omitted: unconditional, after <|endoftext|>
@@ -100,7 +104,7 @@ class CompletionRequest(BaseModel):
     stop: Union[str, List[str], None] = None
     seed: Optional[int] = None
     stream: bool = False
-    stream_options: Optional[dict] = None
+    stream_options: Optional[Dict[str, bool]] = None
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     user: Optional[str] = None
@@ -176,8 +180,9 @@ class CompletionRequest(BaseModel):
             try:
                 if self.max_tokens:
                     check_window(len(prompt), self.max_tokens, hparams.n_ctx, what=f'prompt {i}')
-                elif self.echo and self.logprobs is not None:  # the prompt is scored in one call
-                    check_sequence(0, len(prompt), hparams.n_ctx)
+                elif self.echo and self.logprobs is not None and len(prompt) > hparams.n_ctx:  # scored in one call
+                    raise GPT2Error(f'prompt {i}: {len(prompt)} tokens, more than the model\'s n_ctx = '
+                                    f'{hparams.n_ctx}, which scoring the echoed prompt takes at once: shorten it')
             except GPT2Error as e:
                 raise invalid(e, 'max_tokens' if self.max_tokens else 'prompt') from None
         try:
