@@ -210,3 +210,29 @@ def test_no_slots_or_no_queue_is_refused_in_one_line(options):
 
     with pytest.raises(GPT2Error, match='capacity and queue_size must be at least 1'):
         batcher(**options)
+
+
+def test_closing_fails_the_rows_left_and_refuses_new_ones():
+    from gpt2_tf.serve.protocol import APIError
+
+    queue = batcher(capacity=2, timeout=60)  # the first row waits for company, up to 60 s
+    waiting = Inbox()
+    queue.submit([row([1], 2, waiting)])
+    queue.close()
+    assert waiting.ended.wait(10) and waiting.error == 'the server is shutting down'
+    with pytest.raises(APIError, match='shutting down') as refused:
+        queue.submit([row([2], 2, Inbox())])
+    assert refused.value.status == 503
+
+
+def test_a_row_whose_event_loop_has_closed_leaves_without_raising_on_the_worker():
+    import asyncio
+
+    from gpt2_tf.serve.completion import Completion
+
+    completion = Completion.__new__(Completion)  # only what _deliver and close read
+    completion.loop = asyncio.new_event_loop()
+    completion.loop.close()
+    completion.inbox, completion.rows = asyncio.Queue(), {0: row([1], 2, Inbox())}
+    completion._deliver(0, [5], None)  # call_soon_threadsafe raises RuntimeError on a closed loop
+    assert completion.rows[0].done

@@ -88,6 +88,9 @@ class Batcher:
         if len(rows) > self.queue_size:
             raise APIError(400, f'the request asks for {len(rows)} rows (prompts times best_of, n by default); this server '
                            f'queues at most {self.queue_size}: send fewer prompts, or a smaller n or best_of')
+        if self.stopped:
+            raise APIError(503, 'the server is shutting down; retry on another', kind='server_error',
+                           code='shutting_down')
         fitting = []
         for row in rows:
             try:
@@ -114,9 +117,14 @@ class Batcher:
         return sum(row is not None for row in self.held)
 
     def close(self) -> None:
+        """Stops the worker after its chunk; rows still waiting or running fail, and later submits get 503."""
         with self.lock:
             self.stopped = True
             self.lock.notify()
+            left, self.pending = self.pending + [row for row in self.held if row is not None], []
+        for row in left:
+            if not row.done:
+                row.fail('the server is shutting down')
 
     def _work(self) -> None:
         while self._admit():

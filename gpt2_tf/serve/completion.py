@@ -191,7 +191,10 @@ class Completion:
 
     def _deliver(self, index: int, tokens, log_probs, *, error: Optional[str] = None) -> None:
         # Called on the Batcher's thread: hand over to the event loop.
-        self.loop.call_soon_threadsafe(self.inbox.put_nowait, (index, tokens, log_probs, error))
+        try:
+            self.loop.call_soon_threadsafe(self.inbox.put_nowait, (index, tokens, log_probs, error))
+        except RuntimeError:  # the event loop has closed: nobody waits for these rows, which leave their slots
+            self.close()
 
     def close(self) -> None:
         """Done, or the client went away: their rows leave their slots at the next chunk."""
