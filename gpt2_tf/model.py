@@ -145,13 +145,10 @@ class Attn(tf.Module):
 
     def __call__(self, x, *, kv, record=None):  # x [batch, dst, nx] -> a [batch, dst, n_state], present
         q, k, v = map(self.split_heads, tf.split(self.c_attn(x), 3, axis=2))
-        if record is None:  # the key/value source's way to attend (Past.attend, decoding's Cache.attend)
-            a, present = kv.attend(q, k, v)
-        else:  # the original's, its weights recorded
-            k, v, b, present = kv(k, v)
-            w = attention_weights(q, k, b)
-            record(attn_weights=w)
-            a = tf.matmul(w, v)
+        a, present = kv.attend(q, k, v)  # the key/value source's way (Past.attend, decoding's Cache.attend)
+        if record is not None:  # the weights as the original computes them, beside the way taken above
+            keys, _, b, _ = kv(k, v)
+            record(attn_weights=attention_weights(q, keys, b))
         return self.c_proj(self.merge_heads(a)), present
 
 

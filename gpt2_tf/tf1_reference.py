@@ -214,8 +214,7 @@ class Reference:
         key = (length, batch_size, temperature, top_k, top_p, seed)
         if key not in self._samplers:
             with self.graph.as_default():
-                if seed is not None:
-                    v1.set_random_seed(seed)
+                v1.set_random_seed(seed)  # None for an unseeded one: an earlier sampler's seed must not carry over
                 context = v1.placeholder(tf.int32, [batch_size, None])
                 tokens = sample_graph(self.hparams, length=length, context=context, batch_size=batch_size,
                                       temperature=temperature, top_k=top_k, top_p=top_p)

@@ -88,6 +88,19 @@ def test_compare_points_at_a_corrupted_variable(variable, block, state):
     assert report['first_divergence'] == {'block': block, 'state': state}
 
 
+def test_compare_checks_the_attention_the_model_runs(monkeypatch):
+    """The states come from the model's own attention (the kernel, or the parts of a long sequence), not from
+    the original's formula computed beside it for the recorded weights: a fault there is found at its block."""
+    from gpt2_tf import model as graph
+
+    attend = graph.Past.attend
+    monkeypatch.setattr(graph.Past, 'attend', lambda self, q, k, v: (lambda a, p: (a * 1.01, p))(
+        *attend(self, q, k, v)))
+    tokens = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens'][:2]
+    report = compare(FIXTURES / 'tf1-tiny-hot', tokens)
+    assert report['first_divergence'] == {'block': 'h0', 'state': 'attn'}
+
+
 def test_compare_takes_a_model_name_and_refuses_an_hf_folder(tmp_path):
     tokens = [[464, 2068, 7586]]
     assert compare('test', tokens)['first_divergence'] is None  # the bundled checkpoint, by name
@@ -100,3 +113,28 @@ def test_compare_cli(capsys):
     assert main(['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '1 2 3 4 5 6']) == 0
     out = capsys.readouterr().out
     assert 'all states within tolerance' in out and 'h1     z2' in out
+
+
+def test_a_tensor_of_the_right_size_but_the_wrong_shape_is_flagged(monkeypatch):
+    from gpt2_tf import loading
+
+    stored = loading.stored_shapes
+    monkeypatch.setattr(loading, 'stored_shapes', lambda folder: {**stored(folder), 'model/h0/mlp/c_fc/w': (128, 32)})
+    table = parameter_table(FIXTURES / 'tf1-tiny')  # [1, 32, 128] transposed: as many values, laid out otherwise
+    assert table['mismatches'] == ['mlp.c_fc: model/h0/mlp/c_fc/w is [128, 32], the hparams give [1, 32, 128]']
+    assert 'MISMATCH' in format_table(table)
+
+
+def test_an_unseeded_reference_sampler_stays_unseeded_after_a_seeded_one():
+    from gpt2_tf.checkpoint import find_checkpoint
+
+    context, drawn = np.array([[1, 2, 3]], np.int32), []
+    for _ in range(2):  # two graphs built alike: a seed carried over would make them draw alike
+        reference = Reference(HParams.from_json(FIXTURES / 'tf1-tiny' / 'hparams.json'),
+                              find_checkpoint(FIXTURES / 'tf1-tiny'))
+        try:
+            reference.sampler(length=4, batch_size=1, seed=3)(context)
+            drawn.append(reference.sampler(length=20, batch_size=1, top_k=0, seed=None)(context).tolist())
+        finally:
+            reference.close()
+    assert drawn[0] != drawn[1]
