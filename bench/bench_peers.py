@@ -13,7 +13,13 @@ per step plus the KV cache, at the read bandwidth a plain TensorFlow reduction o
 512 MB reaches, best of the run's measurements; the forward rows count the weights
 and the logits written) for float32 and int8 weights, and the FLOP bound (the
 matrix products alone, at the rate TensorFlow's best kernel, XLA or not, reaches on
-the same shapes with the weights in cache).
+the same shapes, each product repeated so that a block's matrices come from the
+caches; the tied head's 154 MB cannot, so at few rows its share is the time to
+stream it; the prompt's head counts its last position only, as decoding computes it).
+
+Each engine's process imports its library as its users would: ours (and the
+bounds) through gpt2_tf, which turns TensorFlow's oneDNN ops on; TF1 with
+TensorFlow's own default (off on CPUs without AVX512_VNNI/AVX_VNNI, such as a Zen 3).
 
 --isa avx2 runs every engine as it runs on a CPU with AVX2 and FMA but no AVX-512
 (each library's own switch, AVX2 below: the engines' code paths, not that CPU's
@@ -181,13 +187,13 @@ def product_seconds(m: int, shapes: list, reps: int = 3) -> float:
 
 
 def bounds(rows: list) -> dict:
-    """{'bandwidth': bytes/s, 'weights': {dtype: bytes}, 'products': {m: seconds of one step's products}}."""
+    """{'bandwidth': bytes/s, 'weights': {dtype: bytes}, 'products': {m: {'blocks', 'head': seconds over m rows}}}."""
     import numpy as np
-    import tensorflow as tf
 
-    from gpt2_tf import HParams
+    from gpt2_tf import HParams  # before TensorFlow: its oneDNN default, so that oneDNN's products count too
     from gpt2_tf.checkpoint import variable_shapes
     from bench_int8 import read_bandwidth
+    import tensorflow as tf
 
     hp = HParams.named('124M')
     shapes = variable_shapes(hp)
@@ -197,15 +203,16 @@ def bounds(rows: list) -> dict:
     scales = sum(s[0] if n == 'model/wte' else s[-1] for n, s in matrices.items())
     weights = {'float32': 4 * total, 'int8': in_matrices + 4 * (total - in_matrices + scales)}
     e = hp.n_embd
-    block = [(e, 3 * e, hp.n_layer), (e, e, hp.n_layer), (e, 4 * e, hp.n_layer), (4 * e, e, hp.n_layer),
-             (e, hp.n_vocab, 1)]  # c_attn, attn c_proj, c_fc, mlp c_proj per block; the tied head
+    blocks = [(e, 3 * e, hp.n_layer), (e, e, hp.n_layer), (e, 4 * e, hp.n_layer), (4 * e, e, hp.n_layer)]
+    head = [(e, hp.n_vocab, 1)]  # c_attn, attn c_proj, c_fc, mlp c_proj per block; the tied head
     ms = set()
     for row in rows:
         kind, batch, length = ROWS[row]
-        ms |= {batch * length} if kind == 'forward' else {batch, batch * length}
+        ms |= {batch * length} if kind == 'forward' else {batch, batch * length}  # a prompt's head: batch rows
     print(f'TensorFlow {tf.__version__}: the products at rows {sorted(ms)}', file=sys.stderr)
     return {'bandwidth': max(read_bandwidth() for _ in range(3)), 'weights': weights,
-            'products': {m: product_seconds(m, block) for m in sorted(ms)}}
+            'products': {m: {'blocks': product_seconds(m, blocks), 'head': product_seconds(m, head)}
+                         for m in sorted(ms)}}
 
 
 def row_bounds(row: str, measured: dict) -> tuple:
@@ -218,10 +225,12 @@ def row_bounds(row: str, measured: dict) -> tuple:
     products = {int(m): s for m, s in products.items()}
     if kind == 'forward':
         logits = batch * length * hp.n_vocab * 4  # written once
+        whole = products[batch * length]
         return ((weights['float32'] + logits) / bandwidth, (weights['int8'] + logits) / bandwidth,
-                products[batch * length])
+                whole['blocks'] + whole['head'])
     cache = sum(2 * hp.n_layer * batch * (length + i) * hp.n_embd * 4 for i in range(NEW))  # read back per step
-    flops = products[batch * length] + (NEW - 1) * products[batch]  # the prompt at once, then a row per step
+    prompt = products[batch * length]['blocks'] + products[batch]['head']  # the head for its last position only
+    flops = prompt + (NEW - 1) * (products[batch]['blocks'] + products[batch]['head'])  # then a row per step
     return ((NEW * weights['float32'] + cache) / bandwidth, (NEW * weights['int8'] + cache) / bandwidth, flops)
 
 
