@@ -94,6 +94,8 @@ def hf():
     import torch
     from bench_generate import checkpoint, hf_generate, hf_model
 
+    torch.set_num_threads(os.cpu_count())  # as many threads as the others take (torch counts physical cores)
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} threads', file=sys.stderr)
     model = hf_model(checkpoint())
 
     def forward(t):
