@@ -7,8 +7,8 @@ into bench/.cache/). Prints the CPU, ms per call, tokens/s and ours/TF1 time
 ratios; the first call of each (trace and compile) is timed separately.
 
 Both sides share this process, which imports TensorFlow first: both run with
-TensorFlow's own oneDNN default (off on CPUs without AVX512_VNNI/AVX_VNNI, such
-as a Zen 3, where gpt2_tf's commands turn it on); bench_peers.py runs each
+TensorFlow's own oneDNN default (off where the CPU lacks AVX-512 VNNI, bfloat16
+and AMX, such as a Zen 3, where gpt2_tf's commands turn it on); bench_peers.py runs each
 engine in a process of its own, with its own default.
 """
 

@@ -19,7 +19,8 @@ stream it; the prompt's head counts its last position only, as decoding computes
 
 Each engine's process imports its library as its users would: ours (and the
 bounds) through gpt2_tf, which turns TensorFlow's oneDNN ops on; TF1 with
-TensorFlow's own default (off on CPUs without AVX512_VNNI/AVX_VNNI, such as a Zen 3).
+TensorFlow's own default (off where the CPU lacks AVX-512 VNNI, bfloat16 and AMX,
+such as a Zen 3).
 
 --isa avx2 runs every engine as it runs on a CPU with AVX2 and FMA but no AVX-512
 (each library's own switch, AVX2 below: the engines' code paths, not that CPU's

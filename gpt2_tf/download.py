@@ -20,7 +20,7 @@ import urllib.parse
 from typing import Optional
 
 from .hparams import OLD_NAMES, PUBLISHED
-from .validate import GPT2Error
+from .validate import GPT2Error, first_line
 
 BASE_URL = 'https://openaipublic.blob.core.windows.net/gpt-2/'  # the original script's location
 BASE_URL_ENV = 'GPT2_TF_BASE_URL'  # a mirror, when set
@@ -281,8 +281,7 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
         try:
             check_folder(folder)
         except (ValueError, FileNotFoundError) as e:
-            reason = str(e).splitlines()[0]
-            raise DownloadError(f'the downloaded checkpoint does not load ({reason}); delete {folder} '
+            raise DownloadError(f'the downloaded checkpoint does not load ({first_line(e)}); delete {folder} '
                                 f'and download again, or try another mirror') from None
     if folder != final:
         os.replace(folder, final)

@@ -67,12 +67,13 @@ class ModelFolder:
     def encoder(self) -> Encoder:
         """The folder's own vocabulary; a folder without one gets GPT-2's bundled one, with a warning
         when its layout normally carries one (HF folders)."""
+        encoder = encoder_for(self.path)  # first: a vocabulary it refuses is not said to be replaced
         if self.layout == 'hf' and vocabulary_files(self.path) is None:
             n_vocab = self.hparams().n_vocab
             warnings.warn(f'{self.path} has no vocab.json/merges.txt; using the bundled GPT-2 vocabulary'
                           + ('' if n_vocab == hf.GPT2_VOCAB else f' (50257 tokens; the model has {n_vocab})'),
                           stacklevel=2)
-        return encoder_for(self.path)
+        return encoder
 
 
 def _names(path: str) -> tuple:

@@ -32,7 +32,7 @@ from .runtime import Model
 from .sample import sample_sequence
 from .scoring import mean_loss, score
 from .train_config import OPTIMIZERS, STRATEGIES, FinetuneConfig, check_optimizer, configure  # noqa: F401
-from .validate import GPT2Error
+from .validate import GPT2Error, first_line
 
 BETA1, BETA2, EPSILON = 0.9, 0.999, 1e-8  # tf.compat.v1.train.AdamOptimizer's defaults, which the original used
 # Adafactor (Shazeer and Stern 2018, Algorithm 4 without the first moment): the second moments' decay 1 - t^-0.8,
@@ -458,7 +458,7 @@ class Run:
                 raise  # out of memory, or a bad input: this process's own, not the cluster's
             raise ClusterError(
                 f'step {self.trainer.steps + 1}: the cluster stopped answering ({type(e).__name__}: '
-                f'{e.message.strip().splitlines()[0][:200]}); rerun every worker with --restore_from latest '
+                f'{first_line(e)[:200]}); rerun every worker with --restore_from latest '
                 f'to resume from the chief\'s last checkpoint') from None
 
     def save(self) -> None:

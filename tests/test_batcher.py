@@ -236,3 +236,22 @@ def test_a_row_whose_event_loop_has_closed_leaves_without_raising_on_the_worker(
     completion.inbox, completion.rows = asyncio.Queue(), {0: row([1], 2, Inbox())}
     completion._deliver(0, [5], None)  # call_soon_threadsafe raises RuntimeError on a closed loop
     assert completion.rows[0].done
+
+
+def test_a_row_prefilling_when_the_batcher_closes_still_ends(monkeypatch):
+    from gpt2_tf.serve import Row
+
+    join, joining = Row.join, threading.Event()
+
+    def slow_join(self, slots, slot):
+        joining.set()
+        time.sleep(1)  # close() comes now, while the row is neither waiting nor held
+        join(self, slots, slot)
+
+    monkeypatch.setattr(Row, 'join', slow_join)
+    queue = batcher(capacity=1)
+    inbox = Inbox()
+    queue.submit([row([1], 40, inbox)])
+    assert joining.wait(10)
+    queue.close()
+    assert inbox.ended.wait(10) and inbox.error == 'the server is shutting down'

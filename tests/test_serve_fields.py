@@ -52,7 +52,8 @@ def complete(served, **fields):
     ({'stream': 'yes'}, 'stream', 'Input should be a valid boolean'),
     ({'stream': True, 'stream_options': {'include_usage': 'no'}}, 'stream_options', 'Input should be a valid boolean'),
     ({'max_tokens': 0, 'echo': True, 'logprobs': 1, 'prompt': [1] * 200}, 'prompt',
-     "prompt 0: 200 tokens, more than the model's n_ctx = 128, which scoring the echoed prompt takes at once: shorten it"),
+     'prompt 0: sequence too long: 0 past + 200 new tokens > n_ctx = 128; an echoed prompt is scored in one call: '
+     'shorten it'),
 ])
 def test_out_of_range_fields_are_400_naming_the_field(served, fields, param, message):
     status, body = post(served[0], json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())
@@ -63,6 +64,8 @@ def test_out_of_range_fields_are_400_naming_the_field(served, fields, param, mes
 def test_the_defaults_that_clients_send_are_accepted(served):
     done = complete(served, best_of=1, logit_bias={}, presence_penalty=0, frequency_penalty=0, temperature=0)
     assert len(done.choices) == 1 and done.choices[0].finish_reason in ('length', 'stop')
+    chunks = list(complete(served, stream=True, stream_options={'include_usage': None}))  # null: the default, off
+    assert chunks and all(chunk.usage is None for chunk in chunks)
 
 
 # --- what they draw ---------------------------------------------------------------------------------

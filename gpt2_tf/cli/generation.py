@@ -67,12 +67,12 @@ def prepare(args, conditional: bool):
     return folder, hparams, encoder, length
 
 
-def check_prompt(text: str, encoder, hparams, length: int) -> None:
+def check_prompt(text: str, encoder, hparams, length: int, *, empty: str = 'the prompt is empty: give some text'):
     from ..validate import check_token_ids, check_window
 
     ids = encoder.encode(text)
     if not ids:
-        raise CommandError('the prompt is empty: give some text')
+        raise CommandError(empty)
     check_token_ids(ids, hparams.n_vocab, name="the prompt's token")
     check_window(len(ids), length, hparams.n_ctx, what='the prompt')
 
@@ -132,9 +132,6 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
 
     The prompt and the refusals go to the terminal: stdout when it is one, else stderr, so that samples
     redirected to a file hold samples only."""
-    from ..validate import room_for_prompt
-
-    room = room_for_prompt(length, hparams.n_ctx)
     aside = sys.stdout if sys.stdout.isatty() else sys.stderr
     if hasattr(sys.stdin, 'reconfigure'):  # bytes that are not UTF-8 arrive as lone surrogates, refused below,
         sys.stdin.reconfigure(errors='surrogateescape')  # rather than failing the read and dropping what follows
@@ -144,7 +141,7 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
         except EOFError:
             print(file=aside)
             return
-        refused = refusal(prompt, encoder, room, length, hparams)
+        refused = refusal(prompt, encoder, hparams, length)
         if refused:
             print(refused, file=aside)
             continue
@@ -156,20 +153,14 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
         print('=' * 80)
 
 
-def refusal(prompt: str, encoder, room: int, length: int, hparams) -> Optional[str]:
-    """Why interactive mode asks again for a prompt (in the original's words where it had them), or None."""
-    from ..validate import GPT2Error, check_token_ids
+def refusal(prompt: str, encoder, hparams, length: int) -> Optional[str]:
+    """Why interactive mode asks again for a prompt (an empty one in the original's words), or None."""
+    from ..validate import GPT2Error
 
     if any('\udc80' <= c <= '\udcff' for c in prompt):  # surrogateescape's stand-ins for undecodable bytes
         return 'Prompt is not UTF-8 text: type it again.'
-    ids = encoder.encode(prompt)
-    if not ids:
-        return 'Prompt should not be empty!'
-    if len(ids) > room:
-        return (f'Prompt too long: {len(ids)} tokens, and at most {room} fit with --length {length} '
-                f'(prompt + length - 1 <= n_ctx = {hparams.n_ctx}).')
     try:
-        check_token_ids(ids, hparams.n_vocab, name="the prompt's token")
+        check_prompt(prompt, encoder, hparams, length, empty='Prompt should not be empty!')
     except GPT2Error as e:
         return str(e)
     return None

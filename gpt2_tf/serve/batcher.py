@@ -88,9 +88,6 @@ class Batcher:
         if len(rows) > self.queue_size:
             raise APIError(400, f'the request asks for {len(rows)} rows (prompts times best_of, n by default); this server '
                            f'queues at most {self.queue_size}: send fewer prompts, or a smaller n or best_of')
-        if self.stopped:
-            raise APIError(503, 'the server is shutting down; retry on another', kind='server_error',
-                           code='shutting_down')
         fitting = []
         for row in rows:
             try:
@@ -99,6 +96,9 @@ class Batcher:
             except GPT2Error as e:
                 row.fail(str(e))
         with self.lock:
+            if self.stopped:
+                raise APIError(503, 'the server is shutting down; retry on another', kind='server_error',
+                               code='shutting_down')
             if len(self.pending) + len(fitting) > self.queue_size:
                 raise APIError(503, f'the server is busy ({len(self.pending)} rows waiting); retry shortly',
                                kind='server_error', code='overloaded', headers={'Retry-After': '1'})
@@ -117,14 +117,10 @@ class Batcher:
         return sum(row is not None for row in self.held)
 
     def close(self) -> None:
-        """Stops the worker after its chunk; rows still waiting or running fail, and later submits get 503."""
+        """Stops the worker after its chunk, failing the rows still waiting or running; later submits get 503."""
         with self.lock:
             self.stopped = True
             self.lock.notify()
-            left, self.pending = self.pending + [row for row in self.held if row is not None], []
-        for row in left:
-            if not row.done:
-                row.fail('the server is shutting down')
 
     def _work(self) -> None:
         while self._admit():
@@ -136,6 +132,11 @@ class Batcher:
                     if row is not None:
                         row.fail(first_line(e))
                         self._leave(slot)
+        with self.lock:  # closed: nothing joins now, and every row left ends
+            left, self.pending = self.pending + [row for row in self.held if row is not None], []
+        for row in left:
+            if not row.done:
+                row.fail('the server is shutting down')
 
     def _admit(self) -> bool:
         """Blocks until some row can run, then moves waiting rows into free slots; False once closed."""

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from ..encoder import END_OF_TEXT, Encoder
 from ..hparams import HParams
-from ..validate import (MAX_LOGIT_BIAS, MAX_PENALTY, GPT2Error, check_sampling, check_seed,
+from ..validate import (MAX_LOGIT_BIAS, MAX_PENALTY, GPT2Error, check_sampling, check_seed, check_sequence,
                         check_token_ids, check_window)
 
 MAX_LOGPROBS = 5  # top log-probs per token, as OpenAI's completions
@@ -104,7 +104,7 @@ class CompletionRequest(BaseModel):
     stop: Union[str, List[str], None] = None
     seed: Optional[int] = None
     stream: bool = False
-    stream_options: Optional[Dict[str, bool]] = None
+    stream_options: Optional[Dict[str, Optional[bool]]] = None  # {"include_usage": null} is its default
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     user: Optional[str] = None
@@ -180,9 +180,11 @@ class CompletionRequest(BaseModel):
             try:
                 if self.max_tokens:
                     check_window(len(prompt), self.max_tokens, hparams.n_ctx, what=f'prompt {i}')
-                elif self.echo and self.logprobs is not None and len(prompt) > hparams.n_ctx:  # scored in one call
-                    raise GPT2Error(f'prompt {i}: {len(prompt)} tokens, more than the model\'s n_ctx = '
-                                    f'{hparams.n_ctx}, which scoring the echoed prompt takes at once: shorten it')
+                elif self.echo and self.logprobs is not None:  # the prompt is scored in one call
+                    try:
+                        check_sequence(0, len(prompt), hparams.n_ctx)
+                    except GPT2Error as e:
+                        raise GPT2Error(f'prompt {i}: {e}; an echoed prompt is scored in one call: shorten it')
             except GPT2Error as e:
                 raise invalid(e, 'max_tokens' if self.max_tokens else 'prompt') from None
         try:
