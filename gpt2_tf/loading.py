@@ -125,7 +125,8 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
         model_dir = os.fspath(model_dir)
         if os.path.exists(model_dir) or os.sep in model_dir or not model_dir:
             if not os.path.exists(model_dir):
-                raise ModelNotFound(f'no model folder at {model_dir}')
+                raise ModelNotFound(f'no model folder at {model_dir}: check the path, or give a model name '
+                                    f'({", ".join(PUBLISHED)}, or {BUNDLED} for the bundled test checkpoint)')
             return _folder(model_dir)
         if model_dir != BUNDLED and OLD_NAMES.get(model_dir, model_dir) not in PUBLISHED:
             raise ModelNotFound(f'no model folder at {model_dir}, and {model_dir!r} is not a model name '

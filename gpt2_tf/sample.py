@@ -363,7 +363,7 @@ def sample_sequence(model, length: int, context=None, start_token: Optional[int]
     decoder: how the loop calls the model (see Decoder); the model's own by default.
 
     Penalties (gpt2_tf.penalties; applied in this order, before temperature and
-    the filters): repetition_penalty (> 0, 1 none: HF's rule over the prompt and
+    the filters): repetition_penalty (in [0.01, 100], 1 none: HF's rule over the prompt and
     the generated tokens), frequency_penalty and presence_penalty (in [-2, 2], 0
     none: OpenAI's formula over the generated tokens), logit_bias (a dict
     {token id: bias in [-100, 100]}, -100 bans and 100 forces). Each is a number

@@ -101,7 +101,8 @@ def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt') 
     if prompt + length - 1 > n_ctx:
         over = prompt + length - 1 - n_ctx
         raise GPT2Error(f'{what}: {prompt} tokens + length {length} exceeds the window by {over} '
-                         f'(needs prompt + length - 1 <= n_ctx = {n_ctx})')
+                         f'(needs prompt + length - 1 <= n_ctx = {n_ctx}): shorten the prompt or ask for fewer '
+                         f'new tokens')
 
 
 def check_sequence(past_length: int, new: int, n_ctx: int) -> None:
@@ -208,6 +209,7 @@ def check_seed(seed, batch: int) -> None:
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+REPETITION_RANGE = (0.01, 100.0)  # repetition_penalty: far past any use (CTRL's 1.2), and finite in float32 logits
 
 
 def is_number(x) -> bool:
@@ -245,7 +247,7 @@ def check_logit_bias(logit_bias, batch: int, n_vocab: int) -> list:
 
 def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, batch: int) -> tuple:
     """Per-row float32 presence, frequency and repetition penalties, after checking each value: presence and
-    frequency in [-2, 2] (0: none), repetition > 0 (1: none)."""
+    frequency in [-2, 2] (0: none), repetition in [0.01, 100] (1: none)."""
     presence = per_row(presence_penalty, batch, 'presence_penalty')
     frequency = per_row(frequency_penalty, batch, 'frequency_penalty')
     repetition = per_row(repetition_penalty, batch, 'repetition_penalty')
@@ -254,8 +256,9 @@ def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, bat
             if not is_number(x) or not -MAX_PENALTY <= x <= MAX_PENALTY:
                 raise GPT2Error(f'{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: none), '
                                  f'got {shown(x)}')
+    low, high = REPETITION_RANGE
     for x in repetition:
-        if not is_number(x) or not x > 0:
-            raise GPT2Error(f'repetition_penalty must be a number > 0 (1: none; above 1 discourages repeats), '
-                             f'got {shown(x)}')
+        if not is_number(x) or not low <= x <= high:
+            raise GPT2Error(f'repetition_penalty must be a number in [{low:g}, {high:g}] (1: none; above 1 '
+                             f'discourages repeats), got {shown(x)}')
     return presence.astype(np.float32), frequency.astype(np.float32), repetition.astype(np.float32)

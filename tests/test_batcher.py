@@ -162,7 +162,8 @@ def test_a_row_that_can_never_fit_fails_with_the_window_message_and_the_worker_w
         queue.submit([row([1] * 8, 2, never)])  # 8 + 2 - 1 = 9 > n_ctx = 8
         assert never.ended.wait(10)
         assert never.error == ('prompt: 8 tokens + length 2 exceeds the window by 1 '
-                               '(needs prompt + length - 1 <= n_ctx = 8)')
+                               '(needs prompt + length - 1 <= n_ctx = 8): shorten the prompt or ask for fewer '
+                               'new tokens')
         before = thread_cpu_seconds(queue.thread)
         time.sleep(2)
         spent = thread_cpu_seconds(queue.thread) - before

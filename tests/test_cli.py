@@ -61,8 +61,8 @@ def test_interactive_mode_reads_prompts_from_stdin(capsys, monkeypatch, tmp_path
     # stdout is not a terminal here: the prompts and refusals go to stderr, the samples alone to stdout
     assert err.count('Model prompt >>> ') == 5  # two prompts, an empty one, a long one, then end of input
     assert 'Prompt should not be empty!' in err
-    assert ('the prompt: 131 tokens + length 6 exceeds the window by 8 (needs prompt + length - 1 <= n_ctx = 128)'
-            in err)
+    assert ('the prompt: 131 tokens + length 6 exceeds the window by 8 (needs prompt + length - 1 <= n_ctx = 128): '
+            'shorten the prompt or ask for fewer new tokens' in err)
     assert out.count(BANNER.format(1)) == 2 and out.count('=' * 80 + '\n') == 2 and 'Model prompt' not in out
 
 

@@ -236,9 +236,11 @@ def test_rows_built_together_equal_rows_built_alone():
     (dict(frequency_penalty=-3), r'frequency_penalty must be a number in \[-2, 2\]'),
     (dict(frequency_penalty=float('nan')), r'frequency_penalty must be a number in \[-2, 2\]'),
     (dict(presence_penalty=[0.1, 0.2, 0.3]), r'presence_penalty must be a number or one value per row \(2\)'),
-    (dict(repetition_penalty=0), r'repetition_penalty must be a number > 0 \(1: none'),
-    (dict(repetition_penalty=-1.5), r'repetition_penalty must be a number > 0'),
-    (dict(repetition_penalty='high'), r"repetition_penalty must be a number > 0 .*, got 'high'"),
+    (dict(repetition_penalty=0), r'repetition_penalty must be a number in \[0.01, 100\] \(1: none'),
+    (dict(repetition_penalty=-1.5), r'repetition_penalty must be a number in \[0.01, 100\]'),
+    (dict(repetition_penalty='high'), r"repetition_penalty must be a number in .*, got 'high'"),
+    (dict(repetition_penalty=1e39), r'repetition_penalty must be a number in .*, got 1e\+39'),  # inf in float32
+    (dict(repetition_penalty=1e-50), r'repetition_penalty must be a number in .*, got 1e-50'),  # 0 in float32
     (dict(logit_bias={12: 1}), r'logit_bias: token id 12 is outside the vocabulary \[0, 12\)'),
     (dict(logit_bias={-1: 1}), r'logit_bias: token id -1 is outside the vocabulary'),
     (dict(logit_bias={'5': 1}), r"logit_bias keys must be integer token ids .*got '5'"),
@@ -274,7 +276,7 @@ def run_cli(capsys, monkeypatch, tmp_path, *argv):
     (['--logit_bias', '5:-200'], 'error: logit_bias for token 5 must be a number in [-100, 100]'),
     (['--presence_penalty', '3'], 'error: presence_penalty must be a number in [-2, 2] (0: none), got 3'),
     (['--frequency-penalty', '-2.5'], 'error: frequency_penalty must be a number in [-2, 2]'),
-    (['--repetition_penalty', '0'], 'error: repetition_penalty must be a number > 0'),
+    (['--repetition_penalty', '0'], 'error: repetition_penalty must be a number in [0.01, 100]'),
 ])
 def test_the_command_line_refuses_bad_penalties_in_one_line(capsys, monkeypatch, tmp_path, flags, message):
     code, out, err = run_cli(capsys, monkeypatch, tmp_path, 'generate', 'Hello', '--length', '4', *flags)

@@ -260,7 +260,8 @@ def test_the_window_is_exact_prompt_plus_max_tokens_minus_one_is_n_ctx(client):
         assert error.status_code == 400
         assert error.response.json() == {'error': {
             'message': f'prompt 0: {prompt} tokens + length {max_tokens} exceeds the window by 1 '
-                       f'(needs prompt + length - 1 <= n_ctx = {n_ctx})',
+                       f'(needs prompt + length - 1 <= n_ctx = {n_ctx}): shorten the prompt or ask for fewer '
+                       f'new tokens',
             'type': 'invalid_request_error', 'param': 'max_tokens', 'code': None}}
 
 

@@ -269,8 +269,8 @@ def add_sampling_arguments(parser, *, nsamples: int) -> None:
 def add_penalty_arguments(parser) -> None:
     """OpenAI's and HF's penalties (gpt2_tf.penalties), applied in this order before the temperature."""
     parser.add_argument('--repetition_penalty', '--repetition-penalty', type=float, default=1.0,
-                        help="> 0: divides the positive logits (multiplies the negative ones) of the prompt's and "
-                             "the generated tokens (default: 1, off)")
+                        help="in [0.01, 100]: divides the positive logits (multiplies the negative ones) of the "
+                             "prompt's and the generated tokens (default: 1, off)")
     parser.add_argument('--frequency_penalty', '--frequency-penalty', type=float, default=0.0,
                         help='in [-2, 2]: subtracted from a logit once per time its token was generated '
                              '(default: 0, off)')
@@ -278,7 +278,7 @@ def add_penalty_arguments(parser) -> None:
                         help='in [-2, 2]: subtracted from the logit of each token generated so far (default: 0, off)')
     parser.add_argument('--logit_bias', '--logit-bias', type=logit_bias, default=None, metavar='ID:BIAS,...',
                         help='biases in [-100, 100] added to token ids\' logits; -100 bans a token, 100 forces it '
-                             '(default: none)')
+                             '(unless the logits differ by 100 - 19.5 x temperature or more; see the README) (default: none)')
 
 
 def add_generation_arguments(parser, *, nsamples: int) -> None:
