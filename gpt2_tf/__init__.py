@@ -24,6 +24,7 @@ _EXPORTS = {
     'HParams': 'hparams',
     'Model': 'runtime',
     'CheckpointError': 'checkpoint',
+    'GPT2Error': 'validate',
     'load_model': 'loading',
     'resolve': 'loading',
     'save_checkpoint': 'checkpoint',

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from . import kernels, precision
+from .validate import GPT2Error
 
 _functions = {}
 _variables = weakref.WeakKeyDictionary()  # model -> its variables; tf.Module takes 2.5 ms to list 148
@@ -168,7 +169,7 @@ def shared(fn: Callable, model, mode: Optional[str] = None) -> Shared:
     """The one Shared for (fn, the model's shape and dtype, mode): every such model uses it."""
     mode = mode or default_mode(model)
     if mode not in MODES:
-        raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+        raise GPT2Error(f'mode must be one of {MODES}, got {mode!r}')
     if mode == 'xla':
         precision.refuse_unsafe_xla(model.dtype, "mode='xla'")
     key = (fn, model.hparams, model.dtype, mode)

@@ -37,7 +37,7 @@ _building = threading.local()  # .unfilled, .decoding: inside unfilled(), decodi
 
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
-        raise ValueError(f'dtype must be one of {DTYPES}, got {dtype!r}')
+        raise GPT2Error(f'dtype must be one of {DTYPES}, got {dtype!r}')
     return dtype
 
 

@@ -210,16 +210,19 @@ def startup_log() -> str:
 
 
 def check_device(device) -> None:
-    """Raises ValueError when device (e.g. '/GPU:0') names no visible device."""
+    """Raises GPT2Error when device (e.g. '/GPU:0') names no visible device."""
+    from .validate import GPT2Error
+
     if not device:
         return
     tf = tensorflow()
     try:
         spec = tf.DeviceSpec.from_string(device)
     except ValueError:
-        raise ValueError(f"--device {device!r} is not a device name; use e.g. '/GPU:0' or '/CPU:0'") from None
+        raise GPT2Error(f"device {device!r} is not a device name; use e.g. '/GPU:0' or '/CPU:0'") from None
     kind = (spec.device_type or 'CPU').upper()
     found = tf.config.list_logical_devices(kind)
     if len(found) <= (spec.device_index or 0):
         seen = ', '.join(d.name for d in tf.config.list_logical_devices()) or 'none'
-        raise ValueError(f'no {device} visible (this machine has: {seen}); drop --device to run on what there is')
+        raise GPT2Error(f'no {device} visible (this machine has: {seen}); drop the device (--device) to run on '
+                        f'what there is')

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from . import kernels, validate
+from . import kernels, quiet, validate
 from . import model as graph
 from .hparams import HParams
 from .precision import check_dtype, f32, refuse_unsafe_xla
@@ -40,6 +40,7 @@ class Model(graph.Graph):
                  jit_compile: bool = False, dtype: str = 'float32'):
         if jit_compile:
             refuse_unsafe_xla(check_dtype(dtype), 'jit_compile=True')
+        quiet.check_device(device)  # a device TensorFlow would silently replace with another is refused
         with placed(device):
             super().__init__(hparams, scope, dtype=check_dtype(dtype))
         self.device = device
@@ -53,10 +54,10 @@ class Model(graph.Graph):
         return placed(self.device)
 
     def __call__(self, tokens, past=None):
-        if past is not None:
-            past = f32(past)
         if tf.executing_eagerly():
             tokens = self.check_inputs(tokens, past)
+        if past is not None:
+            past = f32(past)
         tokens = tf.cast(tokens, tf.int32)
         with self.on_device():
             if kernels.under_xla():  # called inside an XLA-compiled function: traced there, with XLA's own ops,

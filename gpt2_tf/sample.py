@@ -232,7 +232,9 @@ def _prompts(context, start_token, batch_size) -> list:
     if batch_size is not None and (not validate.is_int(batch_size) or batch_size < 1):
         raise GPT2Error(f'batch_size must be a positive integer, got {validate.shown(batch_size)}')
     if start_token is not None:
-        return [[start_token]] * (batch_size or 1)
+        if not validate.is_int(start_token):
+            raise GPT2Error(f'start_token must be an integer token id, got {validate.shown(start_token)}')
+        return [[int(start_token)]] * (batch_size or 1)
     if isinstance(context, (tf.Tensor, np.ndarray)):
         context = np.asarray(context).tolist()
     context = list(context)

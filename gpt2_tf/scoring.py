@@ -130,15 +130,16 @@ def _rows(tokens, n_vocab: int, n_ctx: int) -> list:
     else:
         array = validate.token_array(tokens)
         if array.ndim != 2:
-            raise ValueError(f'tokens must be [batch, T] or a list of rows, got shape {list(array.shape)}')
+            raise validate.GPT2Error(f'tokens must be [batch, T] or a list of rows, got shape {list(array.shape)}')
         rows = list(array)
     if not rows:
-        raise ValueError('tokens is empty: give at least one row')
+        raise validate.GPT2Error('tokens is empty: give at least one row')
     for i, row in enumerate(rows):
         if row.ndim != 1:
-            raise ValueError(f'row {i} must be one sequence of token ids, got shape {list(row.shape)}')
+            raise validate.GPT2Error(f'row {i} must be one sequence of token ids, got shape {list(row.shape)}')
         if len(row) < 2:
-            raise ValueError(f'row {i} has {row.size} token(s): scoring needs at least 2 (a context and a next token)')
+            raise validate.GPT2Error(f'row {i} has {row.size} token(s): scoring needs at least 2 (a context and a '
+                                     f'next token)')
         validate.check_token_ids(row, n_vocab, name=f'row {i}: token')
         validate.check_sequence(0, len(row), n_ctx)
     return [row.tolist() for row in rows]
@@ -207,7 +208,7 @@ def window_log_probs(model: Model, ids, *, stride: Optional[int] = None, bos: bo
     hp = model.hparams
     ids = validate.token_array(ids, name='ids')
     if ids.ndim != 1:
-        raise ValueError(f'ids must be one sequence of token ids, got shape {list(ids.shape)}')
+        raise validate.GPT2Error(f'ids must be one sequence of token ids, got shape {list(ids.shape)}')
     validate.check_token_ids(ids, hp.n_vocab)
     if len(ids) < 2 - bool(bos):
         raise validate.GPT2Error(f'the text has {len(ids)} token(s): scoring needs at least '
@@ -262,6 +263,6 @@ def score_completion(model: Model, prompt_ids, completion_ids, *, mode: Optional
     """log p(completion | prompt), summed over the completion's tokens: the basis of ranking candidates."""
     prompt_ids, completion_ids = list(prompt_ids), list(completion_ids)
     if not prompt_ids or not completion_ids:
-        raise ValueError('score_completion needs a non-empty prompt and completion')
+        raise validate.GPT2Error('score_completion needs a non-empty prompt and completion')
     lp = score(model, [prompt_ids + completion_ids], mode=mode)[0]
     return float(lp[len(prompt_ids) - 1:].astype(np.float64).sum())

@@ -127,7 +127,14 @@ def check_model_inputs(tokens, past, past_shape: list, *, n_vocab: int, n_ctx: i
     check_token_ids(tokens, n_vocab)
     past_length = 0
     if past is not None:
-        got = list(past.shape)
+        try:
+            got = list(np.shape(past))
+        except ValueError:  # a ragged sequence
+            raise GPT2Error('past must be an array of floats, the present a call returned; got a ragged '
+                            'sequence') from None
+        dtype = getattr(past, 'dtype', None) or np.asarray(past).dtype
+        if not (getattr(dtype, 'is_floating', False) or np.dtype(dtype).kind == 'f'):
+            raise GPT2Error(f'past must be an array of floats, the present a call returned; got {dtype}')
         past_shape = [tokens.shape[0]] + list(past_shape[1:])
         if len(got) != len(past_shape) or any(w is not None and w != g for w, g in zip(past_shape, got)):
             want = str(past_shape).replace('None', 'past_length')
@@ -155,8 +162,9 @@ def check_length(length, n_ctx: int) -> None:
 
 
 def per_row(value, batch: int, name: str) -> np.ndarray:
-    """A scalar option repeated for each row, or one value per row given as a sequence."""
-    array = np.asarray(value)
+    """A scalar option repeated for each row, or one value per row given as a sequence (a list's values kept as
+    given: [1, 2.5] is not made [1.0, 2.5], so a check names the value that fails)."""
+    array = np.asarray(value, dtype=object) if isinstance(value, (list, tuple)) else np.asarray(value)
     if array.ndim == 0:  # its own dtype: an integer past int64 stays a Python int (object), to be refused or capped
         return np.full([batch], array.item(), dtype=array.dtype)
     if array.shape != (batch,):

@@ -161,7 +161,7 @@ def test_a_missing_gpu_is_an_error(capsys, monkeypatch, tmp_path):
     if tf.config.list_logical_devices('GPU'):
         pytest.skip('this machine has a GPU')
     code, _, err = run(capsys, monkeypatch, tmp_path, 'generate', 'x', '--device', '/GPU:0', *FAST)
-    assert code == 2 and 'no /GPU:0 visible' in err and 'drop --device' in err
+    assert code == 2 and 'no /GPU:0 visible' in err and 'drop the device (--device)' in err
 
 
 def test_incomplete_downloads_are_named_with_the_command_that_resumes_them(capsys, monkeypatch, tmp_path):

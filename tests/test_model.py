@@ -247,11 +247,25 @@ def test_device_can_be_pinned():
     ([[0.5]], None, 'tokens must be integers'),
     ([[1]], np.zeros([1, 2, 2, 4, 3, 7], np.float32), r'past must have shape \[1, 2, 2, 4, past_length, 8\]'),
     ([[1] * 2], np.zeros([1, 2, 2, 4, 31, 8], np.float32), r'31 past \+ 2 new tokens > n_ctx = 32'),
+    ([[1]], [[1.0, 2.0], [3.0]], 'past must be an array of floats, the present a call returned; got a ragged'),
+    ([[1]], np.zeros([1, 2, 2, 4, 3, 8], np.int32), 'past must be an array of floats, .*; got int32'),
+    ([[1]], 'abc', 'past must be an array of floats'),
 ])
 def test_bad_call_inputs(tokens, past, message):
+    from gpt2_tf.validate import GPT2Error
+
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(GPT2Error, match=message):  # the project's one line, not TensorFlow's conversion error
         model(tokens, past=past)
+
+
+@pytest.mark.parametrize('device, message', [('/GPU:7', r'no /GPU:7 visible \(this machine has: .*CPU:0'),
+                                             ('cuda', "device 'cuda' is not a device name")])
+def test_a_device_that_is_not_there_is_refused_not_replaced(device, message):
+    from gpt2_tf.validate import GPT2Error
+
+    with pytest.raises(GPT2Error, match=message):  # TensorFlow's soft placement would run it on the CPU
+        gpt2_tf.load_model(FIXTURES / 'tf1-tiny', device=device)
 
 
 def test_variable_shapes_without_building_agree_with_the_model():

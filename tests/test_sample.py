@@ -256,6 +256,9 @@ def test_the_loops_log_probs_come_from_the_steps_logits(chunk):
     (dict(length=33, start_token=0), 'length 33 is longer than the window'),
     (dict(length=5, context=[]), 'prompt 0 is empty'),
     (dict(length=5, context=[[1, 2], []]), 'prompt 1 is empty'),
+    (dict(length=5, start_token=5.7), 'start_token must be an integer token id, got 5.7'),  # was token 5
+    (dict(length=5, start_token=True), 'start_token must be an integer token id, got True'),
+    (dict(length=5, start_token=512), r'token id 512 is outside the vocabulary \[0, 512\)'),
     (dict(length=5, context=[1, 512]), r'prompt 0: token id 512 is outside the vocabulary \[0, 512\)'),
     (dict(length=5, context=[-3]), 'token id -3 is outside'),
     (dict(length=5, context=[2**32 + 5]), 'token id 4294967301 is outside'),
@@ -266,6 +269,7 @@ def test_the_loops_log_probs_come_from_the_steps_logits(chunk):
     (dict(length=5, context=[1], temperature=2.5), r'temperature must be in \[0, 2\]'),
     (dict(length=5, context=[1], temperature=float('nan')), r'temperature must be in \[0, 2\]'),
     (dict(length=5, context=[[1], [2]], top_k=[1, 2, 3]), r'top_k must be a number or one value per row \(2\)'),
+    (dict(length=5, context=[[1], [2]], top_k=[1, 2.5]), r'top_k must be an integer >= 0 .*got 2.5$'),  # not 1.0
     (dict(length=5, context=[1], seed=2**70), 'seed .* is out of range'),
     (dict(length=5, context=[1], seed=(1, 2, 3)), 'seed must be an integer, a pair of integers, or one pair per row'),
     (dict(length=5, context=[1], chunk=0), 'chunk must be a positive integer'),

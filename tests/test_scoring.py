@@ -261,3 +261,12 @@ def test_the_frozen_head_loss_in_parts_equals_the_one_op_loss(monkeypatch, jit, 
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6 * max(1.0, np.abs(b.numpy()).max()),
                                    err_msg=name)
     assert np.abs(theirs[1].numpy()).max() > 1e-3  # a real gradient to compare
+
+
+def test_bad_input_raises_the_projects_error_which_the_package_exports():
+    model = gpt2_tf.load_model('test')
+    for call in (lambda: gpt2_tf.score(model, [[1]]), lambda: gpt2_tf.score(model, []),
+                 lambda: gpt2_tf.score(model, [[1, 2]], mode='fast'), lambda: gpt2_tf.perplexity(model, [[1, 2]]),
+                 lambda: gpt2_tf.score_completion(model, [], [1]), lambda: gpt2_tf.load_model('test', dtype='int4')):
+        with pytest.raises(gpt2_tf.GPT2Error):  # a plain ValueError before
+            call()

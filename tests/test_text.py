@@ -43,7 +43,20 @@ def test_bundled_checkpoint_uses_the_bundled_vocabulary():
     (dict(batch_size=0), 'batch_size must be a positive integer'),
     (dict(nsamples=3, batch_size=2), r'nsamples \(3\) must be a positive multiple of batch_size \(2\)'),
     (dict(nsamples=0), 'nsamples .* must be a positive multiple'),
+    (dict(nsamples=None), 'generate returns a list, so nsamples=None .* would never return'),
+    (dict(seed=(1, 2)), r'seed must be an integer here \(batch b draws with the pair \(seed, b\)\), got \(1, 2\)'),
+    (dict(seed=2 ** 64), 'seed 18446744073709551616 is out of range'),
 ])
 def test_bad_counts_are_refused_with_the_projects_error(model, options, message):
     with pytest.raises(GPT2Error, match=message):
         gpt2_tf.generate(model, 'Hello', 5, **options)
+
+
+def test_iter_samples_checks_every_argument_before_it_returns(model):
+    from gpt2_tf.text import iter_samples
+
+    with pytest.raises(GPT2Error, match=r'temperature must be in \[0, 2\]'):
+        iter_samples(model, 'Hello', 5, temperature=5)  # not at the first next()
+    texts = iter_samples(model, 'Hello', 5, nsamples=None, batch_size=2, seed=7, mode='function')
+    drawn = [next(texts) for _ in range(6)]  # three batches, with no end
+    assert drawn == gpt2_tf.generate(model, 'Hello', 5, nsamples=6, batch_size=2, seed=7, mode='function')

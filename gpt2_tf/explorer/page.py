@@ -21,6 +21,7 @@ import numpy as np
 from ..checkpoint import ORIGINAL_CODE
 from ..encoder import Encoder, well_formed
 from ..model import Graph
+from ..validate import GPT2Error
 from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
 from .panels import (LN_1, LN_2, LN_F, INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code,
@@ -304,9 +305,9 @@ def write_report(model: Graph, encoder: Encoder, prompt: str, path: str, *, mode
     prompt = well_formed(prompt)
     tokens = encoder.encode(prompt)
     if not tokens:
-        raise ValueError('the prompt is empty: give some text')
+        raise GPT2Error('the prompt is empty: give some text')
     if len(tokens) > model.hparams.n_ctx:
-        raise ValueError(f'the prompt has {len(tokens)} tokens, more than n_ctx = {model.hparams.n_ctx}')
+        raise GPT2Error(f'the prompt has {len(tokens)} tokens, more than n_ctx = {model.hparams.n_ctx}')
     page = render(model, encoder, explore(model, tokens), model_dir=model_dir, prompt=prompt)
     temporary = f'{path}.tmp-{os.getpid()}'
     try:
