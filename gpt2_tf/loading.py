@@ -208,7 +208,7 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
             _load_hf(model, folder.path, strict=strict, add=deltas)
         else:
             restore(model, prefix, strict=strict, all_or_nothing=False, add=deltas)
-    model.strategy = strategy
+    model.strategy, model.folder = strategy, folder
     return model
 
 

@@ -35,6 +35,7 @@ class Model(graph.Graph):
     """
 
     strategy = None  # a tf.distribute strategy, when load_model created the variables under one
+    folder = None  # the ModelFolder load_model read (its vocabulary is the one text goes through)
 
     def __init__(self, hparams: HParams, scope: str = 'model', *, device: Optional[str] = None,
                  jit_compile: bool = False, dtype: str = 'float32'):

@@ -25,9 +25,11 @@ def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[in
     seed is an integer: batch b samples with the pair (seed, b). progress, when
     given, is called with the number of new tokens after each compiled chunk of
     the loop. logit_bias and the penalties are sample_chunks' (gpt2_tf.penalties).
-    Every argument is checked before this returns.
+    encoder: by default the vocabulary of the folder load_model read (GPT-2's
+    bundled one for a Model built otherwise). Every argument is checked before
+    this returns.
     """
-    encoder = encoder or get_encoder()
+    encoder = encoder or (model.folder.encoder() if model.folder is not None else get_encoder())
     if not is_int(batch_size) or batch_size < 1:
         raise GPT2Error(f'batch_size must be a positive integer, got {batch_size!r}')
     if nsamples is not None and (not is_int(nsamples) or nsamples < 1 or nsamples % batch_size):

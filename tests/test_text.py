@@ -60,3 +60,21 @@ def test_iter_samples_checks_every_argument_before_it_returns(model):
     texts = iter_samples(model, 'Hello', 5, nsamples=None, batch_size=2, seed=7, mode='function')
     drawn = [next(texts) for _ in range(6)]  # three batches, with no end
     assert drawn == gpt2_tf.generate(model, 'Hello', 5, nsamples=6, batch_size=2, seed=7, mode='function')
+
+
+def test_text_goes_through_the_vocabulary_of_the_folder_the_model_came_from(tmp_path):
+    import json
+    import shutil
+
+    from conftest import FIXTURES
+    from gpt2_tf.encoder import bytes_to_unicode
+
+    folder = tmp_path / 'bytes'  # a 512-token model whose own vocabulary is the 256 bytes, no merges
+    shutil.copytree(FIXTURES / 'tf1-tiny', folder)
+    (folder / 'encoder.json').write_text(json.dumps({c: i for i, c in enumerate(bytes_to_unicode().values())}))
+    (folder / 'vocab.bpe').write_text('#version: 0.2\n')
+    model = gpt2_tf.load_model(folder)
+    texts = gpt2_tf.generate(model, 'Hi', 3, temperature=0, mode='function')  # GPT-2's 'Hi' is id 17250: refused
+    own = encoder_for(folder)
+    tokens = gpt2_tf.sample_sequence(model, 3, context=own.encode('Hi'), temperature=0, mode='function')
+    assert texts == [own.decode(tokens[0, 2:])]
