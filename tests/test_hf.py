@@ -207,8 +207,10 @@ def test_a_bin_without_torch_says_what_to_install(tmp_path, state, monkeypatch):
         gpt2_tf.load_model(tmp_path)
 
 
-@pytest.mark.parametrize('saved, found', [(lambda tensors: {'state_dict': tensors}, 'found a dict holding more than tensors'),
-                                          (lambda tensors: list(tensors.values()), 'found list')])
+@pytest.mark.parametrize('saved, found', [
+    (lambda tensors: {'state_dict': tensors}, 'found a dict holding more than tensors'),
+    (lambda tensors: list(tensors.values()), 'found list'),
+])
 def test_a_bin_that_is_not_a_state_dict_is_refused_in_one_line(tmp_path, state, saved, found):
     (tmp_path / 'config.json').write_text(json.dumps(HF_CONFIG))
     torch.save(saved({k: torch.from_numpy(v) for k, v in state.items()}), tmp_path / 'pytorch_model.bin')

@@ -278,7 +278,8 @@ def add_penalty_arguments(parser) -> None:
                         help='in [-2, 2]: subtracted from the logit of each token generated so far (default: 0, off)')
     parser.add_argument('--logit_bias', '--logit-bias', type=logit_bias, default=None, metavar='ID:BIAS,...',
                         help='biases in [-100, 100] added to token ids\' logits; -100 bans a token, 100 forces it '
-                             '(unless the logits differ by 100 - 19.5 x temperature or more; see the README) (default: none)')
+                             '(unless the logits differ by 100 - 19.5 x temperature or more; see the README) '
+                             '(default: none)')
 
 
 def add_generation_arguments(parser, *, nsamples: int) -> None:
