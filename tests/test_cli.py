@@ -21,6 +21,7 @@ import pytest
 
 from gpt2_tf import quiet
 from gpt2_tf.cli import BANNER, main
+from gpt2_tf.cli.generation import session_seed
 
 from conftest import FIXTURES, default_sigint
 
@@ -64,6 +65,17 @@ def test_interactive_mode_reads_prompts_from_stdin(capsys, monkeypatch, tmp_path
     assert ('the prompt: 131 tokens + length 6 exceeds the window by 8 (needs prompt + length - 1 <= n_ctx = 128): '
             'shorten the prompt or ask for fewer new tokens' in err)
     assert out.count(BANNER.format(1)) == 2 and out.count('=' * 80 + '\n') == 2 and 'Model prompt' not in out
+
+
+def test_interactive_mode_draws_new_samples_for_each_prompt_from_seed_plus_its_number(capsys, monkeypatch, tmp_path):
+    options = ('--length', '6', '--nsamples', '2', '--batch_size', '1', *FAST)
+    code, out, _ = run(capsys, monkeypatch, tmp_path, 'generate', '--seed', '7', *options, stdin='Same\n\nSame\n')
+    assert code == 0
+    first, second = out.split('=' * 80 + '\n')[:2]
+    assert first != second  # the original sets its seed once a session: a prompt typed again draws anew
+    alone = [run(capsys, monkeypatch, tmp_path, 'generate', 'Same', '--seed', seed, *options)[1] for seed in '78']
+    assert (first, second) == tuple(alone)  # prompt k draws as generate --seed 7+k (the empty one is not counted)
+    assert session_seed(2 ** 63 - 1, 1) == -2 ** 63 and session_seed(-5, 2) == -3  # wrapped into int64
 
 
 def test_interactive_mode_asks_again_for_a_prompt_outside_the_vocabulary(capsys, monkeypatch, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from typing import Optional
@@ -131,16 +132,31 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
     """Prompts from the terminal until end of input; Ctrl-C stops a generation and returns to the prompt.
 
     The prompt and the refusals go to the terminal: stdout when it is one, else stderr, so that samples
-    redirected to a file hold samples only."""
+    redirected to a file hold samples only. With --seed s, the k-th prompt sampled (from 0) draws with
+    seed s + k, as `generate PROMPT --seed s+k` would: the session is reproducible, and a prompt typed
+    again draws new samples, as in the original, whose seed is set once per session."""
     aside = sys.stdout if sys.stdout.isatty() else sys.stderr
     if hasattr(sys.stdin, 'reconfigure'):  # bytes that are not UTF-8 arrive as lone surrogates, refused below,
         sys.stdin.reconfigure(errors='surrogateescape')  # rather than failing the read and dropping what follows
+    for number in itertools.count():
+        seed = options['seed'] if options['seed'] is None else session_seed(options['seed'], number)
+        if not next_prompt_samples(model, encoder, hparams, length, args, {**options, 'seed': seed}, aside):
+            return
+
+
+def session_seed(seed: int, number: int) -> int:
+    """seed + number, wrapped into int64 as the seeds are."""
+    return (seed + number + 2 ** 63) % 2 ** 64 - 2 ** 63
+
+
+def next_prompt_samples(model, encoder, hparams, length: int, args, options: dict, aside) -> bool:
+    """Reads prompts until one is accepted and prints its samples: True, or False at end of input."""
     while True:
         try:
             prompt = read_prompt(aside)
         except EOFError:
             print(file=aside)
-            return
+            return False
         refused = refusal(prompt, encoder, hparams, length)
         if refused:
             print(refused, file=aside)
@@ -149,8 +165,9 @@ def interactive(model, encoder, hparams, length: int, args, options: dict) -> No
             run_samples(model, encoder, prompt, length, args, options, args.nsamples)
         except KeyboardInterrupt:
             print('\n(interrupted; Ctrl-C at the prompt or Ctrl-D quits)', file=sys.stderr, flush=True)
-            continue
+            return True
         print('=' * 80)
+        return True
 
 
 def refusal(prompt: str, encoder, hparams, length: int) -> Optional[str]:
