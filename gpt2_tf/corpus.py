@@ -402,8 +402,9 @@ class Windows:
         """Draws as `batches` calls of sample(batch) draw, reading nothing: where a resumed run goes on."""
         skip(self.rng, self.starts[-1], batches, batch)
 
-    def sample(self, batch: int) -> np.ndarray:  # -> int32 [batch, length]
-        picks = self.rng.integers(0, self.starts[-1], size=batch)
+    def sample(self, batch: int, rng: Optional[np.random.Generator] = None) -> np.ndarray:  # -> int32 [batch, length]
+        """batch windows, drawn with this sampler's generator (or rng, leaving it as it was)."""
+        picks = (rng or self.rng).integers(0, self.starts[-1], size=batch)
         rows = []
         for pick in picks:
             i = int(np.searchsorted(self.starts, pick, side='right'))

@@ -209,9 +209,10 @@ class Sampler:
         """Draws as `batches` calls of sample(batch) draw, reading nothing: where a resumed run goes on."""
         corpus.skip(self.rng, self.starts[-1], batches, batch)
 
-    def sample(self, batch: int) -> np.ndarray:  # -> int32 [batch, length]
+    def sample(self, batch: int, rng: Optional[np.random.Generator] = None) -> np.ndarray:  # -> int32 [batch, length]
+        """batch windows, drawn with this sampler's generator (or rng, leaving it as it was)."""
         rows = []
-        for pick in self.rng.integers(0, self.starts[-1], size=batch):
+        for pick in (rng or self.rng).integers(0, self.starts[-1], size=batch):
             i = bisect.bisect_right(self.starts, pick)
             offset = pick - (self.starts[i - 1] if i else 0)
             rows.append(self.chunks[i][offset:offset + self.length])

@@ -479,20 +479,24 @@ class Run:
         self.log(f'Saving {prefix}')
 
     def samples(self) -> None:
-        """sample_num samples from <|endoftext|>, printed and written to sample_dir/run_name/samples-<step>."""
+        """sample_num samples as gpt-2-simple draws them: after one token of the training data, sample_length
+        tokens with top_k 40 at temperature 1; printed and written to sample_dir/run_name/samples-<step>."""
         if not self.chief:
             return
         config, step = self.config, self.trainer.steps
+        seed = None if config.seed is None else (config.seed, step)
+        apart = np.random.default_rng(None if seed is None else [config.seed % 2 ** 64, step])  # not the windows'
+        start = self.sampler.sample(1, rng=apart)[:, :1]  # int32 [1, 1]
         out = sample_sequence(self.model, min(config.sample_length, self.model.hparams.n_ctx),
-                              start_token=self.encoder.encoder[END_OF_TEXT], batch_size=config.sample_num,
-                              seed=None if config.seed is None else (config.seed, step))
-        texts = [self.encoder.decode(row[1:]) for row in out]
+                              context=np.repeat(start, config.sample_num, axis=0), top_k=40, seed=seed)
+        texts = [f'======== SAMPLE {number} ========\n{self.encoder.decode(row)}\n'
+                 for number, row in enumerate(out, start=1)]
         folder = os.path.join(config.sample_dir, config.run_name)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f'samples-{step}'), 'w', encoding='utf-8') as f:
-            f.write(('\n' + '=' * 20 + '\n').join(texts))
+            f.write('\n'.join(texts))
         for text in texts:
-            self.log('======== SAMPLE ========\n' + text)
+            self.log(text)
 
 
 def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *,

@@ -303,7 +303,7 @@ def test_finetune_command(tmp_path):
            '--accumulate_gradients', '2', '--sample_every', '3', '--sample_length', '8', '--seed', '1']
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert '[3 |' in done.stdout and 'loss=' in done.stdout and '======== SAMPLE ========' in done.stdout
+    assert '[3 |' in done.stdout and 'loss=' in done.stdout and '======== SAMPLE 1 ========' in done.stdout
     assert (tmp_path / 'checkpoint' / 'run1' / 'model-3.index').exists()
     assert (tmp_path / 'samples' / 'run1' / 'samples-3').exists()
     bad = subprocess.run([*cmd[:4], 'missing.txt'], capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -503,6 +503,24 @@ def test_finetune_on_a_token_file_is_seeded_and_holds_out_whole_documents(tmp_pa
     losses = lambda lines: [line.split('] ')[1] for line in lines if 'loss' in line]  # noqa: E731
     assert len(losses(first)) == 5 and any('validation loss' in line for line in first)
     assert losses(first) == losses(again) and losses(first) != losses(other)
+
+
+def test_samples_draw_as_gpt2_simples_after_a_token_of_the_data_and_leave_the_windows_as_they_were(tmp_path):
+    text = tmp_path / 'corpus.txt'
+    text.write_text('alpha beta gamma delta epsilon zeta eta theta. ' * 30)
+    options = dict(steps=6, sample_num=3, sample_length=6, seed=5, sample_dir=str(tmp_path / 'samples'))
+    _, plain = finetune_lines(bundled_checkpoint(), text, tmp_path, **options)
+    trainer, lines = finetune_lines(bundled_checkpoint(), text, tmp_path, sample_every=3, **options)
+    losses = lambda lines: [line.split('] ')[1] for line in lines if 'loss=' in line]  # noqa: E731
+    assert len(losses(plain)) == 6 and losses(lines) == losses(plain)  # the start token is drawn apart
+    written = (tmp_path / 'samples' / 'run1' / 'samples-6').read_text(encoding='utf-8')
+    encoder = gpt2_tf.encoder.encoder_for(bundled_checkpoint())
+    data = set(encoder.encode(text.read_text()))
+    starts = {encoder.encode(part.split('\n', 1)[1])[0] for part in written.split('======== SAMPLE ')[1:]}
+    assert len(starts) == 1 and starts <= data  # one token of the data starts every sample
+    out = gpt2_tf.sample_sequence(trainer.model, 6, context=[[*starts]] * 3, top_k=40, seed=(5, 6))
+    texts = [f'======== SAMPLE {i} ========\n{encoder.decode(row)}\n' for i, row in enumerate(out, start=1)]
+    assert written == '\n'.join(texts) and [line for line in lines if 'SAMPLE' in line][3:] == texts  # printed
 
 
 def test_a_token_file_trains_a_model_folder_without_vocabulary_files(tmp_path):
