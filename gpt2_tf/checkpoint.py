@@ -119,14 +119,19 @@ def find_checkpoint(path: str | os.PathLike) -> str:
     if os.path.isfile(state_file):
         named, _ = read_state(path)
         if named is None:
-            raise CheckpointError(f'{state_file}: no model_checkpoint_path line')
-        # Fine-tuned checkpoints often name an absolute path on another machine;
-        # the files themselves sit beside the `checkpoint` file.
-        for candidate in (os.path.join(path, named), os.path.join(path, file_name(named))):
-            if os.path.isfile(candidate + '.index'):
-                return candidate
+            raise CheckpointError(f'{state_file}: no model_checkpoint_path line; remove the file to load '
+                                  f'{CHECKPOINT_PREFIX}, or write the line naming the checkpoint to load')
+        # Fine-tuned checkpoints often name a path on another machine, or this one's path of the folder they
+        # were copied from: the files are the ones beside the `checkpoint` file, never another folder's.
+        beside = os.path.join(path, file_name(named))
+        if os.path.isfile(beside + '.index'):
+            return beside
+        others = sorted(os.path.basename(f)[:-len('.index')] for f in glob.glob(os.path.join(glob.escape(path),
+                                                                                             '*.index')))
         raise FileNotFoundError(
-            f'{state_file} names checkpoint {named!r}, but {file_name(named)}.index is not in {path}')
+            f'{state_file} names checkpoint {named!r}, but {file_name(named)}.index is not in {path}'
+            + (f': copy its files in, or name one that is there ({", ".join(others)}) in the `checkpoint` file'
+               if others else ': copy its files in'))
     prefix = os.path.join(path, CHECKPOINT_PREFIX)
     if os.path.isfile(prefix + '.index'):
         return prefix
@@ -139,7 +144,8 @@ def _open_reader(prefix: str):
     try:
         return tf.train.load_checkpoint(prefix)
     except Exception as e:  # TF raises OpError, ValueError, and others for damaged files
-        raise CheckpointError(f'cannot read checkpoint {prefix}: {first_line(e)}') from None
+        raise CheckpointError(f'cannot read checkpoint {prefix}: {first_line(e)}; its .index file is damaged or '
+                              f'not a checkpoint: copy or download the checkpoint again') from None
 
 
 def checkpoint_shapes(path: str | os.PathLike) -> dict:
@@ -213,7 +219,8 @@ def _checked_reader(prefix: str, expected: dict, hparams: HParams, *, strict: bo
     needed = sum(4 * int(np.prod(shapes[name])) for name in expected)
     data_files = glob.glob(glob.escape(prefix) + '.data-*')
     if not data_files:
-        raise FileNotFoundError(f'checkpoint {prefix}: no {os.path.basename(prefix)}.data-* file')
+        raise FileNotFoundError(f'checkpoint {prefix}: no {os.path.basename(prefix)}.data-* file: copy it in '
+                                f'beside {os.path.basename(prefix)}.index (or download the checkpoint again)')
     have = sum(os.path.getsize(f) for f in data_files)
     if have < needed:
         raise CheckpointError(
@@ -324,6 +331,26 @@ def checkpoint_state(model_dir: str) -> tuple:
     return current, names if current in names else names + [current] if current else names
 
 
+def write_state(model_dir: str, names: list) -> None:
+    """The `checkpoint` file naming names, the last one current (replaced atomically); no names: no file."""
+    path = os.path.join(model_dir, 'checkpoint')
+    if not names:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    replace_atomically(path, f'model_checkpoint_path: "{names[-1]}"\n'
+                       + ''.join(f'all_model_checkpoint_paths: "{n}"\n' for n in names))
+
+
+def forget(model_dir: str, name: str) -> None:
+    """Drops prefix `name` from the folder's `checkpoint` file (the newest other one becomes current),
+    then removes its files: before a save that reuses the name, so that no crash leaves it half-replaced."""
+    _, listed = checkpoint_state(model_dir)
+    if name in listed:
+        write_state(model_dir, [n for n in listed if n != name])
+    remove_bundle(os.path.join(model_dir, name))
+
+
 def replace_atomically(path: str, text: str) -> None:
     temporary = f'{path}.tmp-{os.getpid()}'
     with open(temporary, 'w', encoding='utf-8') as f:
@@ -429,9 +456,7 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
         model.hparams.to_json(temporary)
         os.replace(temporary, hparams_path)  # whole or absent, as the `checkpoint` file
     kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]
-    replace_atomically(os.path.join(model_dir, 'checkpoint'),
-                        f'model_checkpoint_path: "{name}"\n'
-                        + ''.join(f'all_model_checkpoint_paths: "{n}"\n' for n in kept))
+    write_state(model_dir, kept)
     for old in set(listed) - set(kept):  # only once the `checkpoint` file names the new one
         remove_bundle(os.path.join(model_dir, old))
     return prefix

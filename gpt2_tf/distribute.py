@@ -7,14 +7,15 @@ is_chief says which process of a cluster writes checkpoints and samples.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 
 import tensorflow as tf
 
-from .train_config import STRATEGIES, check_choice, check_positive
-from .validate import GPT2Error
+from .train_config import STRATEGIES, check_choice, check_timeout
+from .validate import GPT2Error, first_line, is_int
 
 
 def make_strategy(kind: str, *, timeout: float = 300.0):
@@ -26,19 +27,45 @@ def make_strategy(kind: str, *, timeout: float = 300.0):
     process prints a one-line error and is killed (SIGKILL: TensorFlow's wait cannot be interrupted).
     """
     check_choice('strategy', kind, STRATEGIES)
-    check_positive('collective_timeout', timeout)
+    check_timeout(timeout)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
     if kind == 'multiworker':
-        if not os.environ.get('TF_CONFIG'):
-            raise GPT2Error('--strategy multiworker needs TF_CONFIG: the cluster and this worker\'s place in it')
+        check_tf_config(os.environ.get('TF_CONFIG'))
         # The constructor waits for every worker in TensorFlow code that holds the interpreter and ignores
         # signals, so a worker that never starts would hang the others: a watchdog process ends this one.
         with _deadline(timeout, f'gpt2-tf: error: the cluster in TF_CONFIG did not come together within '
                                 f'{timeout:.0f} s: start every worker it names (or raise --collective_timeout)'):
-            return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+            try:
+                return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+            except (ValueError, tf.errors.OpError) as e:
+                raise GPT2Error(f'TF_CONFIG: {first_line(e)}') from None
     devices = [d.name for d in tf.config.list_logical_devices('GPU')] or \
         [d.name for d in tf.config.list_logical_devices('CPU')]
     return tf.distribute.MirroredStrategy(devices)
+
+
+EXAMPLE = '{"cluster": {"worker": ["host0:12345", "host1:12345"]}, "task": {"type": "worker", "index": 0}}'
+
+
+def check_tf_config(text) -> None:
+    """TF_CONFIG names a cluster and this worker's place in it, or a one-line GPT2Error says what is wrong."""
+    if not text:
+        raise GPT2Error(f'--strategy multiworker needs TF_CONFIG: the cluster and this worker\'s place in it, '
+                        f'e.g. {EXAMPLE}')
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise GPT2Error(f'TF_CONFIG is not JSON ({e}); write it as {EXAMPLE}') from None
+    cluster = config.get('cluster') if isinstance(config, dict) else None
+    task = config.get('task') if isinstance(config, dict) else None
+    if not isinstance(cluster, dict) or not cluster or not all(isinstance(h, list) and h for h in cluster.values()):
+        raise GPT2Error(f'TF_CONFIG needs "cluster": each kind of task with its list of host:port, as in {EXAMPLE}')
+    if not isinstance(task, dict) or task.get('type') not in cluster:
+        raise GPT2Error(f'TF_CONFIG needs "task": this worker\'s "type", one of {sorted(cluster)}, and "index"')
+    hosts = cluster[task['type']]
+    if not is_int(task.get('index')) or not 0 <= task['index'] < len(hosts):
+        raise GPT2Error(f'TF_CONFIG\'s task index must be an integer in [0, {len(hosts)}) for its '
+                        f'{len(hosts)} {task["type"]} host(s), got {task.get("index")!r}')
 
 
 _WATCHDOG = """

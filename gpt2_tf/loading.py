@@ -100,7 +100,7 @@ def _folder(path: str, *, names: Optional[tuple] = None, notice: Optional[str] =
         layout = 'original'
     else:
         raise ModelNotFound(f'{path}: no hparams.json (the original layout) or config.json (a Hugging Face '
-                            f'folder): not a model folder')
+                            f'folder): not a model folder (a run folder takes its base model\'s hparams.json)')
     return ModelFolder(path, layout, names or _names(path), notice)
 
 

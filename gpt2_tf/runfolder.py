@@ -14,8 +14,10 @@ data's size and checksums), each failure a one-line CheckpointError.
 
 from __future__ import annotations
 
+import filecmp
 import glob
 import os
+import re
 import shutil
 
 import numpy as np
@@ -25,9 +27,11 @@ from . import checkpoint
 from .assets import bundled_vocabulary
 from .checkpoint import CheckpointError
 from .hparams import HParams
+from .precision import stored
 from .validate import GPT2Error, first_line
 
 COUNTER = 'counter'
+TRAINING_STATE = re.compile(r'(^|/)(beta[12]_power|global_step)$|/Adam(_1)?$')  # TF1 Adam's and the Saver's
 
 
 def optimizer_prefix(model_prefix: str):
@@ -38,15 +42,22 @@ def optimizer_prefix(model_prefix: str):
 
 def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 1, vocabulary=None) -> str:
     """Writes model-<step>, optimizer-<step> (when there are slots), `counter`, hparams.json and the
-    vocabulary; keeps the newest max_checkpoints. Returns the model's prefix.
+    vocabulary ({file name in the run folder: source path}; None: the bundled GPT-2 one); keeps the newest
+    max_checkpoints. Returns the model's prefix.
 
-    The `checkpoint` file switches to the new step only once its files are complete.
+    The `checkpoint` file switches to the new step only once its files are complete. An earlier save of
+    the same step (a fresh start over the folder) is dropped from it first, and a discarded run's
+    optimizer-<step> removed, so that no crash leaves one run's model beside another's optimizer state.
     """
     os.makedirs(run_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), '.saving-*')):  # a killed save's staging
+        shutil.rmtree(stale, ignore_errors=True)
     name = f'model-{step}'
+    state = optimizer_prefix(os.path.join(run_dir, name))
+    checkpoint.forget(run_dir, name)
+    checkpoint.remove_bundle(state)
     if slots:
-        checkpoint.write_tensors(optimizer_prefix(os.path.join(run_dir, name)),
-                                 {n: v.read_value() for n, v in slots.items()})
+        checkpoint.write_tensors(state, {n: v.read_value() for n, v in slots.items()})
     _, before = checkpoint.checkpoint_state(run_dir)
     prefix = checkpoint.save_checkpoint(model, run_dir, name=name, keep=max_checkpoints)
     _, after = checkpoint.checkpoint_state(run_dir)
@@ -54,10 +65,21 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
         if optimizer_prefix(gone):
             checkpoint.remove_bundle(optimizer_prefix(os.path.join(run_dir, gone)))
     checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
-    for target, source in zip(('encoder.json', 'vocab.bpe'), vocabulary or bundled_vocabulary()):
-        if not os.path.exists(os.path.join(run_dir, target)):
-            shutil.copyfile(source, os.path.join(run_dir, target))
+    copy_vocabulary(run_dir, vocabulary)
     return prefix
+
+
+def copy_vocabulary(run_dir: str, vocabulary=None) -> None:
+    """{name: source} into the run folder (None: the bundled GPT-2 files), each whole or not at all (a file
+    there that differs, cut short by a crash or another base's, is replaced)."""
+    vocabulary = vocabulary or dict(zip(('encoder.json', 'vocab.bpe'), bundled_vocabulary()))
+    for name, source in vocabulary.items():
+        target = os.path.join(run_dir, name)
+        if os.path.exists(target) and filecmp.cmp(target, source, shallow=False):
+            continue
+        temporary = f'{target}.tmp-{os.getpid()}'
+        shutil.copyfile(source, temporary)
+        os.replace(temporary, target)
 
 
 def run_hparams(run_dir: str) -> HParams:
@@ -69,32 +91,46 @@ def has_checkpoint(run_dir: str) -> bool:
 
 
 def read_step(run_dir: str, prefix: str) -> int:
-    """The run's step: `counter`, else the number in model-<step> (gpt-2-simple writes both), else 0."""
+    """The run's step: the number in model-<step>, which names what the files hold (gpt-2-simple also writes
+    it to `counter`, after the save: a save cut short leaves the counter behind); for a prefix of another
+    name, `counter`, else 0."""
+    name = os.path.basename(prefix)
+    if name.startswith('model-') and name[len('model-'):].isdigit():
+        return int(name[len('model-'):])
     counter = os.path.join(run_dir, COUNTER)
     if os.path.exists(counter):
         with open(counter, encoding='utf-8') as f:
             text = f.read().strip() or '0'
         if not text.isdigit():
-            raise CheckpointError(f'{counter}: expected the step number, found {text[:40]!r}')
+            raise CheckpointError(f'{counter}: expected the step number, found {text[:40]!r}; write the step '
+                                  f'the run reached there, or remove the file to start counting from 0')
         return int(text)
-    number = os.path.basename(prefix).rsplit('-', 1)[-1]
-    return int(number) if number.isdigit() else 0
+    return 0
 
 
 def restore(run_dir: str, model, slots: dict) -> tuple:
     """Loads the run's latest model-<step> and, when saved, its optimizer slots: -> (step, slots restored).
 
     The slots are read and checked first, so a damaged or mismatched optimizer
-    state leaves the model and the slots as they were. A gpt-2-simple run folder
-    has no optimizer state: (step, False), and the caller starts its slots afresh.
+    state leaves the model and the slots as they were. They come from
+    optimizer-<step>, else from model-<step> itself when it holds them (a TF1
+    Saver over every variable writes TF1 Adam's slots under the names used
+    here; training state there is otherwise passed over). A gpt-2-simple run
+    folder has no optimizer state: (step, False), and the caller starts its
+    slots afresh.
     """
     prefix = checkpoint.find_checkpoint(run_dir)
     step = read_step(run_dir, prefix)
     state = optimizer_prefix(prefix)
+    expected = {n: tuple(v.shape.as_list()) for n, v in slots.items()}
+    held = checkpoint.checkpoint_shapes(prefix)
     values = None
     if slots and state and os.path.exists(state + '.index'):
-        values = read_slots(state, {n: tuple(v.shape.as_list()) for n, v in slots.items()})
-    checkpoint.restore(model, prefix)
+        values = read_slots(state, expected)
+    elif slots and all(held.get(n) == shape for n, shape in expected.items()):
+        values = read_slots(prefix, expected)
+    extra = set(held) - set(stored(model.variables_by_name()))
+    checkpoint.restore(model, prefix, strict=not extra or not all(map(TRAINING_STATE.search, extra)))
     for name, value in (values or {}).items():
         slots[name].assign(value)
     return step, values is not None
@@ -122,7 +158,7 @@ def _reader(prefix: str, expected: dict):
     have = sum(os.path.getsize(f) for f in glob.glob(glob.escape(prefix) + '.data-*'))
     if have < needed:
         raise CheckpointError(f'optimizer state {prefix}: the .data file holds {have:,} bytes but the slots need '
-                              f'{needed:,}; it is truncated')
+                              f'{needed:,}; it is truncated: {fresh}')
     return reader
 
 
@@ -172,11 +208,11 @@ def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict,
         if index[:-len('.index')] != state:
             checkpoint.remove_bundle(index[:-len('.index')])
     checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
-    if not os.path.exists(os.path.join(run_dir, 'hparams.json')):
-        model.hparams.to_json(os.path.join(run_dir, 'hparams.json'))
-    for target, source in zip(('encoder.json', 'vocab.bpe'), vocabulary or bundled_vocabulary()):
-        if not os.path.exists(os.path.join(run_dir, target)):
-            shutil.copyfile(source, os.path.join(run_dir, target))
+    hparams = os.path.join(run_dir, 'hparams.json')
+    if not os.path.exists(hparams):
+        model.hparams.to_json(f'{hparams}.tmp-{os.getpid()}')
+        os.replace(f'{hparams}.tmp-{os.getpid()}', hparams)
+    copy_vocabulary(run_dir, vocabulary)
     return os.path.join(run_dir, lora.WEIGHTS)
 
 

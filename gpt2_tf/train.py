@@ -369,8 +369,7 @@ class Run:
             self.sampler.skip(self.trainer.steps, config.batch_size * config.accumulate_gradients)
             found = self.run_dir if config.lora_rank else checkpoint.find_checkpoint(self.run_dir)
             self.log(f'Loading checkpoint {found} (step {self.trainer.steps})')
-        files = [os.path.join(model_dir, f) for f in ('encoder.json', 'vocab.bpe')]
-        self.vocabulary = files if all(map(os.path.exists, files)) else None  # else the bundled one
+        self.vocabulary = run_vocabulary(model_dir)
         self.saved = self.trainer.steps if resume else None  # the step the run folder holds, when known
 
     def _check_folders(self) -> None:
@@ -433,8 +432,9 @@ class Run:
         start, first, average = time.time(), trainer.steps, (0.0, 0.0)
         while config.steps < 0 or trainer.steps - first < config.steps:
             if self.validation and _due(trainer.steps, config.val_every):
-                self.log(f'[{trainer.steps} | {time.time() - start:.2f}] validation loss = '
-                         f'{validation_loss(self.model, self.validation):.4f}')
+                with self.saved_on_failure():
+                    held_out = validation_loss(self.model, self.validation)
+                self.log(f'[{trainer.steps} | {time.time() - start:.2f}] validation loss = {held_out:.4f}')
             loss = self.step()
             if _due(trainer.steps, config.print_every):  # gpt-2-simple's decayed mean of the printed losses
                 average = (average[0] * 0.99 + loss, average[1] * 0.99 + 1.0)
@@ -443,9 +443,23 @@ class Run:
             if _due(trainer.steps, config.save_every):
                 self.save()
             if _due(trainer.steps, config.sample_every):
-                self.samples()
+                with self.saved_on_failure():
+                    self.samples()
             if stop is not None and stop(trainer.steps):
                 break
+
+    @contextlib.contextmanager
+    def saved_on_failure(self):
+        """Between steps (validation, samples): a failure saves the step reached before it is raised, so that
+        the steps since the last save are kept (an update is whole: the step before it ended)."""
+        try:
+            yield
+        except Exception:
+            try:
+                self.save()
+            except Exception as e:  # the first failure is the one to report; this one is logged
+                self.log(f'could not save step {self.trainer.steps} either: {first_line(e)}')
+            raise
 
     def step(self) -> float:
         """One update on a fresh batch of batch_size * accumulate_gradients windows."""
@@ -453,9 +467,9 @@ class Run:
         try:
             return self.trainer.step(batch)
         except tf.errors.OpError as e:
-            if self.strategy is None or isinstance(e, (tf.errors.ResourceExhaustedError,
-                                                       tf.errors.InvalidArgumentError)):
-                raise  # out of memory, or a bad input: this process's own, not the cluster's
+            if not isinstance(self.strategy, tf.distribute.MultiWorkerMirroredStrategy) or isinstance(
+                    e, (tf.errors.ResourceExhaustedError, tf.errors.InvalidArgumentError)):
+                raise  # one host's devices, out of memory, or a bad input: this process's own, not the cluster's
             raise ClusterError(
                 f'step {self.trainer.steps + 1}: the cluster stopped answering ({type(e).__name__}: '
                 f'{first_line(e)[:200]}); rerun every worker with --restore_from latest '
@@ -473,6 +487,10 @@ class Run:
                 current = checkpoint.checkpoint_state(self.run_dir)[0]
             except OSError:
                 current = None
+            if current == f'model-{self.trainer.steps}':  # switched to: the counter or the vocabulary failed
+                raise OSError(e.errno, f'step {self.trainer.steps} is saved in {self.run_dir} ({current}), but '
+                                       f'finishing the save failed ({e.strerror}); free the space, then resume '
+                                       f'with restore_from latest') from None
             raise OSError(e.errno, f'cannot save step {self.trainer.steps} in {self.run_dir} ({e.strerror}); the '
                                    f'previous checkpoint ({current or "none"}) is intact') from None
         self.saved = self.trainer.steps
@@ -493,10 +511,24 @@ class Run:
                  for number, row in enumerate(out, start=1)]
         folder = os.path.join(config.sample_dir, config.run_name)
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f'samples-{step}'), 'w', encoding='utf-8') as f:
-            f.write('\n'.join(texts))
+        checkpoint.replace_atomically(os.path.join(folder, f'samples-{step}'), '\n'.join(texts))
         for text in texts:
             self.log(text)
+
+
+def run_vocabulary(model_dir) -> Optional[dict]:
+    """What a run folder holds of its base model's vocabulary ({name there: source}): the original's files, an
+    HF folder's under the original's names (the same formats), or its tokenizer.json; None: the bundled one."""
+    from .encoder import vocabulary_files
+
+    try:
+        files = vocabulary_files(model_dir)
+    except GPT2Error:  # half a pair: refused where text is read; a token file trains without it
+        files = None
+    if files:
+        return dict(zip(('encoder.json', 'vocab.bpe'), files))
+    tokenizer = os.path.join(model_dir, 'tokenizer.json')
+    return {'tokenizer.json': tokenizer} if os.path.exists(tokenizer) else None
 
 
 def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *,

@@ -109,6 +109,15 @@ def check_positive(name: str, value) -> None:
         raise GPT2Error(f'{name} must be a finite number > 0, got {_shown(value)}')
 
 
+MAX_TIMEOUT = 1e6  # seconds (11.6 days): beyond it, the watchdog's wait overflows the platform's time
+
+
+def check_timeout(seconds) -> None:
+    check_positive('collective_timeout', seconds)
+    if seconds > MAX_TIMEOUT:
+        raise GPT2Error(f'collective_timeout must be at most {MAX_TIMEOUT:.0f} seconds, got {_shown(seconds)}')
+
+
 def check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise GPT2Error(f'{name} must be one of {choices}, got {_shown(value)}')
@@ -134,7 +143,7 @@ def check(config: FinetuneConfig) -> None:
     check_lora(config)
     check_choice('restore_from', config.restore_from, RESTORE_FROM)
     check_choice('strategy', config.strategy, (None,) + STRATEGIES)
-    check_positive('collective_timeout', config.collective_timeout)
+    check_timeout(config.collective_timeout)
     for name in ('run_name', 'checkpoint_dir', 'sample_dir'):
         if not isinstance(getattr(config, name), str) or not getattr(config, name):
             raise GPT2Error(f'{name} must be a non-empty string, got {_shown(getattr(config, name))}')

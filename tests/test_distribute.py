@@ -259,3 +259,49 @@ def test_a_worker_whose_peer_never_starts_gives_up_clearly(tmp_path):
     print(f'\nthe lone worker gave up after {waited:.1f} s')
     assert done.returncode == -signal.SIGKILL
     assert 'did not come together within 10 s' in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize('text, message', [
+    (None, '--strategy multiworker needs TF_CONFIG'),
+    ('garbage', 'TF_CONFIG is not JSON'),
+    ('{"task": {"type": "worker", "index": 0}}', 'TF_CONFIG needs "cluster"'),
+    ('{"cluster": {"worker": ["a:1", "b:2"]}}', 'TF_CONFIG needs "task"'),
+    ('{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "chief", "index": 0}}', 'TF_CONFIG needs "task"'),
+    ('{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 3}}',
+     r'task index must be an integer in \[0, 2\) for its 2 worker host\(s\), got 3'),
+])
+def test_a_bad_tf_config_is_one_line_naming_what_is_wrong(text, message):
+    from gpt2_tf.distribute import check_tf_config
+    from gpt2_tf.validate import GPT2Error
+
+    with pytest.raises(GPT2Error, match=message) as refused:
+        check_tf_config(text)
+    assert '\n' not in str(refused.value)
+
+
+def test_the_command_line_refuses_a_bad_tf_config_in_one_line(tmp_path):
+    (tmp_path / 'corpus.txt').write_text('one two three four. ' * 100)
+    env = dict(os.environ, TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 1}}')
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--model_name', 'test',
+                           '--strategy', 'multiworker', '--steps', '1'], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith('gpt2-tf: error: TF_CONFIG'), \
+        done.stderr
+
+
+def test_a_device_error_on_one_host_is_not_taken_for_a_dead_cluster():
+    import types
+
+    import tensorflow as tf
+
+    from gpt2_tf import train
+
+    def fails(batch):
+        raise tf.errors.InternalError(None, None, 'cuDNN launch failure')
+
+    run = types.SimpleNamespace(sampler=types.SimpleNamespace(sample=lambda n: None),
+                                config=types.SimpleNamespace(batch_size=1, accumulate_gradients=1),
+                                trainer=types.SimpleNamespace(step=fails, steps=0),
+                                strategy=tf.distribute.MirroredStrategy(['/CPU:0']))
+    with pytest.raises(tf.errors.InternalError, match='cuDNN launch failure'):
+        train.Run.step(run)

@@ -569,3 +569,101 @@ def test_val_dataset_takes_a_token_file_and_val_fraction_needs_one(tmp_path):
     (tmp_path / 'corpus.txt').write_text(WORDS * 40)
     with pytest.raises(GPT2Error, match='val_fraction holds out documents of a token file'):
         finetune_lines(bundled_checkpoint(), tmp_path / 'corpus.txt', tmp_path, val_fraction=0.2, val_every=1)
+
+
+# --- the run folder: what a crash, a copy or another tool's save leaves ------------------------------
+
+def run_steps(tmp_path, steps, **options):
+    chunks = [np.random.default_rng(0).integers(0, HPARAMS.n_vocab, 500).astype(np.int32)]
+    common = dict(checkpoint_dir=str(tmp_path / 'checkpoint'), batch_size=2, accumulate_gradients=1, sample_every=0,
+                  seed=1, log=lambda line: None)
+    return finetune(str(HOT), chunks, steps=steps, **{**common, **options})
+
+
+def test_a_counter_left_behind_by_a_cut_save_resumes_at_the_step_saved(tmp_path):
+    run_steps(tmp_path, 4)
+    run = tmp_path / 'checkpoint' / 'run1'
+    (run / 'counter').write_text('2\n')  # the step before: killed between the save's switch and the counter
+    assert run_steps(tmp_path, 1).steps == 5 and (run / 'model-5.index').exists()
+
+
+def test_a_fresh_run_over_a_folder_never_pairs_one_runs_model_with_anothers_optimizer(tmp_path, monkeypatch):
+    run = tmp_path / 'checkpoint' / 'run1'
+    run_steps(tmp_path, 2)
+    (run / '.saving-killed').mkdir()  # a staging folder a killed save left
+    (run / '.saving-killed' / 'bundle.data-00000-of-00001').write_bytes(b'x' * 100)
+    writes = []
+
+    def full_at_the_model(prefix, tensors, write=gpt2_tf.checkpoint.write_tensors):
+        writes.append(prefix)
+        if os.path.basename(prefix) == 'model-2':  # the optimizer's state was written, the model's fails
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        write(prefix, tensors)
+
+    monkeypatch.setattr(gpt2_tf.checkpoint, 'write_tensors', full_at_the_model)
+    with pytest.raises(OSError, match='cannot save step 2'):
+        run_steps(tmp_path, 2, restore_from='fresh', seed=7, learning_rate=0.05)
+    monkeypatch.undo()
+    assert [os.path.basename(w) for w in writes] == ['optimizer-2', 'model-2']
+    assert not (run / '.saving-killed').exists()
+    # The earlier run's model-2 was dropped before the new one was written: nothing pairs the two runs' files.
+    assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == (None, []) and not (run / 'model-2.index').exists()
+    assert run_steps(tmp_path, 2, optimizer='sgd').steps == 2  # starts afresh; SGD saves no slots,
+    assert not (run / 'optimizer-2.index').exists()  # and the failed run's optimizer-2 is gone
+
+
+def test_a_run_folder_saved_with_tf1_adams_slots_resumes_with_them(tmp_path):
+    model = gpt2_tf.load_model(HOT)
+    rng = np.random.default_rng(3)
+    weights = {name: v.numpy() for name, v in model.variables_by_name().items()}
+    slots = {'beta1_power': np.float32(0.9 ** 5), 'beta2_power': np.float32(0.999 ** 5)}
+    for name, value in weights.items():
+        slots[f'{name}/Adam'] = rng.normal(0, 1e-3, value.shape).astype(np.float32)
+        slots[f'{name}/Adam_1'] = rng.uniform(0, 1e-5, value.shape).astype(np.float32)
+    run = tmp_path / 'checkpoint' / 'run1'
+    run.mkdir(parents=True)
+    gpt2_tf.checkpoint.write_tensors(str(run / 'model-5'), {**weights, **slots})  # a Saver over every variable
+    (run / 'checkpoint').write_text('model_checkpoint_path: "model-5"\nall_model_checkpoint_paths: "model-5"\n')
+    shutil.copy(HOT / 'hparams.json', run)
+    lines = []
+    trainer = run_steps(tmp_path, 0, log=lines.append)
+    assert trainer.steps == 5 and any('step 5' in line for line in lines)
+    for name, value in slots.items():
+        np.testing.assert_array_equal(trainer.slots[name].numpy(), value, name)
+
+
+def test_a_copied_run_folder_loads_its_own_files_not_those_its_checkpoint_file_names(tmp_path):
+    run_steps(tmp_path, 2)
+    original, copy = tmp_path / 'checkpoint' / 'run1', tmp_path / 'copy'
+    shutil.copytree(original, copy)
+    (copy / 'checkpoint').write_text(f'model_checkpoint_path: "{original / "model-2"}"\n')  # TF1's absolute paths
+    run_steps(tmp_path, 2, restore_from='fresh', seed=9)  # the original folder goes on: another model-2 there
+    assert gpt2_tf.checkpoint.find_checkpoint(copy) == str(copy / 'model-2')
+
+
+def test_a_damaged_vocabulary_in_the_run_folder_is_replaced_whole_and_an_hf_bases_is_kept(tmp_path):
+    base = tmp_path / 'hf'
+    shutil.copytree(bundled_checkpoint(), base)
+    encoder, bpe = gpt2_tf.assets.bundled_vocabulary()
+    vocab = json.loads(pathlib.Path(encoder).read_text(encoding='utf-8'))
+    vocab = {symbol: (token + 1) % len(vocab) for symbol, token in vocab.items()}  # a vocabulary of its own
+    (base / 'vocab.json').write_text(json.dumps(vocab), encoding='utf-8')
+    shutil.copy(bpe, base / 'merges.txt')
+    run = tmp_path / 'checkpoint' / 'run1'
+    run.mkdir(parents=True)
+    (run / 'encoder.json').write_text(json.dumps(vocab)[:1000])  # what a save cut short left
+    text = tmp_path / 'corpus.txt'
+    text.write_text('one two three four five six seven eight nine ten. ' * 30)
+    finetune_lines(base, text, tmp_path, steps=1, restore_from='latest')
+    assert (run / 'encoder.json').read_bytes() == (base / 'vocab.json').read_bytes()
+    assert (run / 'vocab.bpe').read_bytes() == (base / 'merges.txt').read_bytes()
+
+
+def test_a_failure_between_steps_saves_the_steps_done_first(tmp_path, monkeypatch):
+    def fails(self):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+
+    monkeypatch.setattr(train.Run, 'samples', fails)
+    with pytest.raises(OSError, match='No space left'):
+        run_steps(tmp_path, 6, sample_every=3, save_every=1000)
+    assert gpt2_tf.checkpoint.checkpoint_state(str(tmp_path / 'checkpoint' / 'run1'))[0] == 'model-3'

@@ -80,6 +80,7 @@ def test_every_flags_help_ends_with_its_default():
     (dict(restore_from='newest'), "restore_from must be one of \\('latest', 'fresh'\\)"),
     (dict(strategy='tpu'), "strategy must be one of \\(None, 'mirrored', 'multiworker'\\)"),
     (dict(collective_timeout=0), 'collective_timeout must be a finite number > 0'),
+    (dict(collective_timeout=1e300), 'collective_timeout must be at most 1000000 seconds, got 1e[+]300'),
     (dict(seed=-1), 'seed must be an integer >= 0'),
     (dict(seed=2**63), r'seed 9223372036854775808 is out of range: use an integer in \[0, 9223372036854775807\]'),
     (dict(run_name=''), "run_name must be a non-empty string, got ''"),
