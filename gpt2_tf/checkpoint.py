@@ -58,7 +58,7 @@ BLOCK = 'h{i}/'
 # that starts, and what it does (the explorer's architecture table).
 ORIGINAL_CODE = {
     'wte': ('model', 154, 'token embedding: row i of wte is token i; the same matrix gives the logits (tied)'),
-    'wpe': ('model', 153, 'position embedding: row p is added to the token at position p'),
+    'wpe': ('model', 152, 'position embedding: row p is added to the token at position p'),
     'ln_1': ('norm', 28, 'LayerNorm before attention: mean 0, variance 1 over the features (epsilon 1e-5), '
                          'then a gain g and a bias b'),
     'attn.c_attn': ('conv1d', 50, 'one dense layer giving queries, keys and values for every head at once'),

@@ -270,3 +270,20 @@ def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, bat
             raise GPT2Error(f'repetition_penalty must be a number in [{low:g}, {high:g}] (1: none; above 1 '
                              f'discourages repeats), got {shown(x)}')
     return presence.astype(np.float32), frequency.astype(np.float32), repetition.astype(np.float32)
+
+
+PAGE_ATTENTION = 2 ** 24  # attention weights an explorer page holds at most (one byte each; n_layer·n_head·T²)
+
+
+def check_explorer_prompt(count: int, n_layer: int, n_head: int, n_ctx: int, *, name: str = 'the prompt') -> None:
+    """An explorer page's prompt: 1 to n_ctx tokens, and few enough that the page's n_layer·n_head·T² attention
+    weights stay within PAGE_ATTENTION (a browser draws each head's T x T map)."""
+    most = min(n_ctx, int((PAGE_ATTENTION / (n_layer * n_head)) ** 0.5))
+    if count == 0:
+        raise GPT2Error(f'{name} is empty: give some text')
+    if count > most:
+        why = (f'more than n_ctx = {n_ctx}' if most == n_ctx else
+               f'more than an explorer page draws for {n_layer} blocks of {n_head} heads ({most}; its attention '
+               f'maps hold n_layer·n_head·T² weights, at most {PAGE_ATTENTION:,})')
+        raise GPT2Error(f'{name} has {count} tokens, {why}: shorten it to at most {most} tokens')
+

@@ -78,12 +78,69 @@ def test_token_labels_show_spaces_and_stray_bytes():
     assert token_label(encoder, stray) == '\\xe3'
     assert token_label(encoder, encoder.encode('<b>')[0]) == '<'  # HTML-escaped where the page writes it
     assert [token_label(encoder, encoder.encode(c)[0]) for c in '\x00\r\n\t'] == ['\\x00', '\\x0d', '\\n', '\\t']
+    assert [token_label(encoder, encoder.encode(c)[0]) for c in '\u200b\u00ad'] == ['\\u200b', '\\u00ad']  # invisible
+    assert token_label(encoder, 50300) == '⟨id 50300⟩'  # a padded vocabulary's row: no text of its own
+
+
+def test_the_pages_data_holds_no_angle_bracket_that_could_end_or_hide_its_script(model):
+    from gpt2_tf.explorer.page import page_data
+
+    found = explore(model, gpt2_tf.encode('Hi there'))
+    data = page_data(model, found, ['<!--<script>', '</script>'])
+    assert '<' not in data and json.loads(data)['tokens'] == ['<!--<script>', '</script>']
+
+
+def test_one_block_draws_a_dot_per_token_across_the_blocks():
+    from gpt2_tf.explorer.figures import line_chart
+
+    assert line_chart(np.ones([1, 2]), ['a', 'b'], 'norms').count('<circle') == 2
+    assert line_chart(np.ones([3, 2]), ['a', 'b'], 'norms').count('<circle') == 0
+
+
+def test_explore_names_a_batch_or_text_and_activations_that_are_not_finite(model):
+    with pytest.raises(gpt2_tf.GPT2Error, match=r"explore takes one prompt's token ids, int \[T\]; got int64 of shape"):
+        explore(model, [[464, 2068]])
+    with pytest.raises(gpt2_tf.GPT2Error, match="explore takes one prompt's token ids"):
+        explore(model, 'hello')
+    broken = gpt2_tf.load_model(bundled_checkpoint())
+    bias = broken.variables_by_name()['model/h1/mlp/c_proj/b']
+    bias.assign(tf.tensor_scatter_nd_update(bias, [[0]], [np.inf]))
+    with pytest.raises(gpt2_tf.GPT2Error, match='not finite from block h1 on .*--dtype float32'):
+        explore(broken, gpt2_tf.encode('Hi there'))
+
+
+def test_a_checkpoints_training_state_is_not_counted_as_parameters(model, tmp_path):
+    folder = tmp_path / 'with-adam'
+    shutil.copytree(bundled_checkpoint(), folder)
+    reader = tf.train.load_checkpoint(str(folder / 'model.ckpt'))
+    tensors = {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+    tensors['model/wte/Adam'] = np.zeros_like(tensors['model/wte'])
+    gpt2_tf.checkpoint.write_tensors(str(folder / 'model.ckpt'), tensors)
+    page = pathlib.Path(write_report(model, get_encoder(), PROMPT, str(tmp_path / 'p.html'), model_dir=str(folder)))
+    text = page.read_text(encoding='utf-8')
+    total = sum(int(np.prod(v.shape)) for v in model.variables)
+    assert re.search(r'id="total">([^<]*)<', text).group(1) == f'{total:,}'
+    assert f'{total:,} parameters in {len(model.variables)} tensors; 1 other tensor(s)' in text
+
+
+def test_a_page_holds_at_most_2_to_the_24_attention_weights():
+    from gpt2_tf.validate import check_explorer_prompt
+
+    check_explorer_prompt(118, 48, 25, 1024)  # 1558M's blocks and heads: 118² · 1200 < 2^24
+    check_explorer_prompt(341, 12, 12, 1024)  # 124M's
+    with pytest.raises(gpt2_tf.GPT2Error, match='at most 341 tokens'):
+        check_explorer_prompt(342, 12, 12, 1024)
+    with pytest.raises(gpt2_tf.GPT2Error, match='the prompt has 119 tokens, more than an explorer page draws for '
+                                                '48 blocks of 25 heads .*: shorten it to at most 118 tokens'):
+        check_explorer_prompt(119, 48, 25, 1024)
 
 
 @pytest.mark.parametrize('argv, message', [
     (['--prompt', ''], '--prompt is empty'),
-    (['--prompt', 'word ' * 200], '--prompt has 201 tokens, more than n_ctx = 128'),
+    (['--prompt', 'word ' * 200], '--prompt has 201 tokens, more than n_ctx = 128: shorten it to at most 128'),
     (['--prompt', 'Hi', '-o', '/nonexistent/report.html'], 'cannot write /nonexistent/report.html'),
+    (['--prompt', 'Hi', '-o', '.'], "-o '.' is not a file name: give the page's path, e.g. ./report.html"),
+    (['--prompt', 'Hi', '-o', ''], "-o '' is not a file name: give the page's path, e.g. report.html"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path):
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'explore', bundled_checkpoint(), *argv],

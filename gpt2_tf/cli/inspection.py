@@ -28,11 +28,13 @@ def cmd_explore(args):
     """One self-contained HTML page of the block, for a checkpoint and a prompt."""
     folder = model_folder(args)
     hparams, encoder = folder.hparams(), folder.encoder()
+    from ..validate import check_explorer_prompt
+
     tokens = encoder.encode(args.prompt)
-    if not tokens:
-        raise CommandError('--prompt is empty: give some text')
-    if len(tokens) > hparams.n_ctx:
-        raise CommandError(f'--prompt has {len(tokens)} tokens, more than n_ctx = {hparams.n_ctx}')
+    check_explorer_prompt(len(tokens), hparams.n_layer, hparams.n_head, hparams.n_ctx, name='--prompt')
+    if not args.output or os.path.isdir(args.output):
+        raise CommandError(f'-o {args.output!r} is not a file name: give the page\'s path, e.g. '
+                           f'{os.path.join(args.output, "report.html") if args.output else "report.html"}')
     out = os.path.abspath(args.output)
     if not os.path.isdir(os.path.dirname(out)) or not os.access(os.path.dirname(out), os.W_OK):
         raise CommandError(f'cannot write {args.output}: {os.path.dirname(out)} is not a writable folder')

@@ -40,6 +40,9 @@ def line_chart(series: np.ndarray, labels: list, title: str) -> str:
         points = ' '.join(f'{left + i * scale_x:.1f},{ys[i]:.1f}' for i in range(layers))
         parts.append(f'<polyline fill="none" stroke="{token_color(k, tokens)}" stroke-width="1.5" points="{points}">'
                      f'<title>{html.escape(labels[k])}</title></polyline>')
+        if layers == 1:  # a line of one point draws nothing: a dot
+            parts.append(f'<circle cx="{left}" cy="{ys[0]:.1f}" r="3" fill="{token_color(k, tokens)}">'
+                         f'<title>{html.escape(labels[k])}</title></circle>')
     return ''.join(parts) + '</svg>'
 
 

@@ -39,9 +39,17 @@ def explore(model: Graph, tokens) -> dict:
     prompt_log_probs [T - 1]         log p of each prompt token after the ones before it (scoring)
     """
     tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or tokens.size == 0:
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise GPT2Error(f'explore takes one prompt\'s token ids, int [T]; got {tokens.dtype} of shape '
+                        f'{tokens.shape} (encode text first; for a batch, one prompt at a time)')
+    if tokens.size == 0:
         raise GPT2Error('the prompt is empty: give at least one token')
     states = trace(model, tokens[None], attention_weights=True)
+    broken = [n for n, block in enumerate(states) if not np.isfinite(block['out']).all()]
+    if broken:
+        raise GPT2Error(f'the activations are not finite from block h{broken[0]} on (an overflow in a reduced '
+                        f'precision, or a damaged checkpoint): explore it with --dtype float32 (dtype="float32"), '
+                        f'or check the checkpoint with gpt2-tf inspect')
     names = ['x', 'attn', 'x_attn', 'mlp', 'out']
     norms = np.stack([np.stack([np.linalg.norm(block[n][0], axis=-1) for n in names], axis=-1) for block in states])
     outs = tf.constant(np.stack([block['out'][0] for block in states]))  # [n_layer, T, n_embd]

@@ -21,11 +21,11 @@ import numpy as np
 from ..checkpoint import ORIGINAL_CODE
 from ..encoder import Encoder, well_formed
 from ..model import Graph
-from ..validate import GPT2Error
+from ..validate import check_explorer_prompt
 from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
-from .panels import (LN_1, LN_2, LN_F, INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, original_link, source_code,
-                     stored_shapes)
+from .panels import (LN_1, LN_2, LN_F, INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, claimed,
+                     original_link, source_code, stored_shapes)
 
 STYLE = '''body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1320px}
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
@@ -146,14 +146,18 @@ SCRIPT = r'''(function () {
 
 def token_label(encoder: Encoder, token: int) -> str:
     """A token as readable text: a leading space as ·, \\n and \\t as written, other control characters and bytes
-    that are not UTF-8 on their own as \\xNN."""
+    that are not UTF-8 on their own as \\xNN, invisible format characters and separators as \\uNNNN; an id the
+    vocabulary does not have (a model's padded rows) as ⟨id N⟩."""
+    if int(token) not in encoder.decoder:
+        return f'⟨id {int(token)}⟩'
     raw = bytes(encoder.byte_decoder[c] for c in encoder.decoder[int(token)])
     try:
         text = raw.decode('utf-8')
     except UnicodeDecodeError:
         text = raw.decode('utf-8', errors='backslashreplace')
     text = text.replace('\n', '\\n').replace('\t', '\\t')
-    text = ''.join(f'\\x{ord(c):02x}' if unicodedata.category(c) == 'Cc' else c for c in text)
+    text = ''.join(f'\\x{ord(c):02x}' if unicodedata.category(c) == 'Cc' else
+                   f'\\u{ord(c):04x}' if unicodedata.category(c) in ('Cf', 'Zl', 'Zp') else c for c in text)
     return '·' + text[1:] if text.startswith(' ') else text
 
 
@@ -172,7 +176,8 @@ def page_data(model: Graph, found: dict, labels: list) -> str:
             'norm_stats': _rounded(found['norm_stats']), 'residual': _rounded(found['residual_norms']),
             'gelu': [{'range': _rounded(r), 'histogram': h.tolist(), 'near_zero': round(float(z), 5)}
                      for r, h, z in zip(found['gelu_range'], found['gelu_histogram'], found['near_zero'])]}
-    return json.dumps(data, separators=(',', ':')).replace('</', '<\\/')
+    # Every < escaped: neither </script> nor <!-- <script> in a token's text can end or hide the script.
+    return json.dumps(data, separators=(',', ':'), allow_nan=False).replace('<', '\\u003c')
 
 
 def panel_html(name: str, hp, counted: dict, source: str, measured: str, T: int) -> str:
@@ -223,11 +228,11 @@ def _explorer(model: Graph, encoder: Encoder, found: dict, labels: list, model_d
            hp.to_dict().items()) + '. Pick a component in the diagram (or Tab to it and press Enter).</p>',
            f'<div class="explorer"><div class="side">{diagram(hp.n_layer)}<p class="picker"><label for="block">'
            f'Block: </label><select id="block">{options}</select> of {hp.n_layer}</p></div>'
-           f'<div class="panels">{panels}</div></div>', _summary(counted, source, stored), '</section>']
+           f'<div class="panels">{panels}</div></div>', _summary(hp, counted, source, stored), '</section>']
     return ''.join(out)
 
 
-def _summary(counted: dict, source: str, stored: dict) -> str:
+def _summary(hp, counted: dict, source: str, stored: dict) -> str:
     out = ['<h3>Every component</h3><table id="accounting"><tr><th class="l">component</th><th class="l">original '
            'code</th><th class="l">Calculation</th><th>per instance</th><th>instances</th><th>parameters</th>'
            '<th class="l">what it does</th></tr>']
@@ -237,11 +242,14 @@ def _summary(counted: dict, source: str, stored: dict) -> str:
                    f'#L{line}"><code>{function}</code>, line {line}</a></td><td class="l calc">{c["calculation"]}'
                    f'</td><td>{c["per_instance"]:,}</td><td>{c["instances"]}</td><td>{c["across"]:,}</td>'
                    f'<td class="l">{html.escape(what)}</td></tr>')
-    total = sum(int(np.prod(s)) for s in stored.values())
+    total = sum(c['across'] for c in counted.values())
+    outside = sorted(set(stored) - claimed(hp))
     out.append(f'<tr class="sum"><td class="l">in all</td><td></td><td></td><td></td><td></td><td id="total">'
                f'{total:,}</td><td class="l">the logits reuse wte (tied): no parameters of their own</td></tr>'
                f'</table><p class="note">Counted from the tensors of {html.escape(source)}: {total:,} parameters '
-               f'in {len(stored)} tensors.</p>')
+               f'in {len(stored) - len(outside)} tensors'
+               + (f'; {len(outside)} other tensor(s) there are not the model\'s and not counted (training state '
+                  f'such as {html.escape(outside[0])})' if outside else '') + '.</p>')
     return ''.join(out)
 
 
@@ -304,10 +312,8 @@ def write_report(model: Graph, encoder: Encoder, prompt: str, path: str, *, mode
     surrogates in prompt (undecodable bytes) show as U+FFFD, as the encoder takes them."""
     prompt = well_formed(prompt)
     tokens = encoder.encode(prompt)
-    if not tokens:
-        raise GPT2Error('the prompt is empty: give some text')
-    if len(tokens) > model.hparams.n_ctx:
-        raise GPT2Error(f'the prompt has {len(tokens)} tokens, more than n_ctx = {model.hparams.n_ctx}')
+    hp = model.hparams
+    check_explorer_prompt(len(tokens), hp.n_layer, hp.n_head, hp.n_ctx)
     page = render(model, encoder, explore(model, tokens), model_dir=model_dir, prompt=prompt)
     temporary = f'{path}.tmp-{os.getpid()}'
     try:

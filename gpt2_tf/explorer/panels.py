@@ -189,6 +189,12 @@ def accounting(hp: HParams, stored: dict) -> dict:
     return found
 
 
+def claimed(hp: HParams) -> set:
+    """Every tensor name the components count: the model's own (a checkpoint may hold training state too)."""
+    return {variable_name(scope, v, i) for _, scope, variables, instances in components(hp)
+            for i in range(instances) for v in variables}
+
+
 def accounting_table(parts: tuple, counted: dict, source: str, n_layer: int) -> str:
     """The panel's table: each component's tensors, its Calculation, per instance and across the blocks."""
     rows = ['<table class="accounting"><tr><th class="l">component</th>'
