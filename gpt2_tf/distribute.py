@@ -91,6 +91,18 @@ def _deadline(seconds: float, message: str):
         watchdog.wait()
 
 
+def check_same_step(strategy, step: int, run_dir: str) -> None:
+    """On several hosts, every worker must start from the same step (each resumes from the run folder it
+    sees): a worker that cannot see the chief's checkpoints would train other weights. One collective."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return
+    steps = strategy.gather(strategy.run(lambda: tf.constant([step], tf.int64)), axis=0).numpy().tolist()
+    if len(set(steps)) > 1:
+        raise GPT2Error(f'the workers start from different steps ({", ".join(map(str, steps))}, one per replica): '
+                        f'each resumes from {run_dir} as it sees it, so --checkpoint_dir must be storage every '
+                        f'worker shares; rerun every worker with it (or with --restore_from fresh)')
+
+
 def is_chief(strategy) -> bool:
     """Whether this process writes checkpoints and samples: always without a cluster, else the chief
     (or worker 0 when the cluster has no chief)."""

@@ -26,7 +26,7 @@ import tensorflow as tf
 from . import checkpoint, kernels, loading, lora, runfolder
 from .checkpoint import CheckpointError
 from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
-from .distribute import is_chief, make_strategy  # noqa: F401
+from .distribute import check_same_step, is_chief, make_strategy  # noqa: F401
 from .encoder import END_OF_TEXT, encoder_for
 from .runtime import Model
 from .sample import sample_sequence
@@ -369,6 +369,7 @@ class Run:
             self.sampler.skip(self.trainer.steps, config.batch_size * config.accumulate_gradients)
             found = self.run_dir if config.lora_rank else checkpoint.find_checkpoint(self.run_dir)
             self.log(f'Loading checkpoint {found} (step {self.trainer.steps})')
+        check_same_step(strategy, self.trainer.steps, self.run_dir)
         self.vocabulary = run_vocabulary(model_dir)
         self.saved = self.trainer.steps if resume else None  # the step the run folder holds, when known
 

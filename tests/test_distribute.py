@@ -7,6 +7,8 @@ strategy, and a timeout on every subprocess.
 
 import json
 import os
+import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -305,3 +307,34 @@ def test_a_device_error_on_one_host_is_not_taken_for_a_dead_cluster():
                                 strategy=tf.distribute.MirroredStrategy(['/CPU:0']))
     with pytest.raises(tf.errors.InternalError, match='cuDNN launch failure'):
         train.Run.step(run)
+
+
+@pytest.mark.slow  # two workers, each starting TensorFlow
+def test_workers_that_see_different_run_folders_are_refused_before_a_step(tmp_path):
+    # Worker 0 finds a saved run at step 3; worker 1, with another working folder, finds none: the
+    # checkpoint_dir is not shared. Training on would average gradients of two different models.
+    (tmp_path / 'corpus.txt').write_text('alpha beta gamma delta epsilon zeta eta theta. ' * 200)
+    folders = [tmp_path / 'w0', tmp_path / 'w1']
+    run = folders[0] / 'checkpoint' / 'run1'
+    run.mkdir(parents=True)
+    folders[1].mkdir()
+    for name in ('model.ckpt.data-00000-of-00001', 'model.ckpt.index'):
+        shutil.copy(pathlib.Path(bundled_checkpoint()) / name, run / name.replace('model.ckpt', 'model-3'))
+    shutil.copy(pathlib.Path(bundled_checkpoint()) / 'hparams.json', run)
+    (run / 'checkpoint').write_text('model_checkpoint_path: "model-3"\n')
+    ports = free_ports(2)
+    command = [sys.executable, '-m', 'gpt2_tf.cli', 'finetune', str(tmp_path / 'corpus.txt'), '--model_dir',
+               bundled_checkpoint(), '--steps', '1', '--batch_size', '2', '--accumulate_gradients', '1',
+               '--sample_every', '0', '--strategy', 'multiworker', '--collective_timeout', '60']
+    workers = [subprocess.Popen(command, env=cluster_env(ports, i), cwd=folders[i], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outputs = [w.communicate(timeout=300) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    for w, (_, err) in zip(workers, outputs):
+        assert w.returncode == 2, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith('gpt2-tf: error: the workers start from different steps '
+                                                       '(3, 0, one per replica)'), err[-3000:]
+    assert not (run / 'model-4.index').exists()
