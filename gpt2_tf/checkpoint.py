@@ -221,6 +221,11 @@ def _checked_reader(prefix: str, expected: dict, hparams: HParams, *, strict: bo
     if not data_files:
         raise FileNotFoundError(f'checkpoint {prefix}: no {os.path.basename(prefix)}.data-* file: copy it in '
                                 f'beside {os.path.basename(prefix)}.index (or download the checkpoint again)')
+    for shards in {int(m.group(1)) for m in map(re.compile(r'\.data-\d{5}-of-(\d{5})$').search, data_files) if m}:
+        for shard in (f'{prefix}.data-{i:05d}-of-{shards:05d}' for i in range(shards)):
+            if not os.path.exists(shard):
+                raise FileNotFoundError(f'checkpoint {prefix}: {os.path.basename(shard)} is missing: copy it in '
+                                        f'beside the other shards (or download the checkpoint again)')
     have = sum(os.path.getsize(f) for f in data_files)
     if have < needed:
         raise CheckpointError(
@@ -395,6 +400,9 @@ def write_tensors(prefix: str, tensors: dict) -> None:
         names = sorted(tensors)
         tf.raw_ops.SaveV2(prefix=os.path.join(staging, 'bundle'), tensor_names=names,
                           shape_and_slices=[''] * len(names), tensors=[tensors[n] for n in names])
+        for suffix in ('.data-00000-of-00001', '.index'):  # on the disk before a `checkpoint` file names them
+            with open(os.path.join(staging, 'bundle' + suffix), 'rb') as f:
+                os.fsync(f.fileno())
         for suffix in ('.data-00000-of-00001', '.index'):
             os.replace(os.path.join(staging, 'bundle' + suffix), prefix + suffix)
 

@@ -39,9 +39,11 @@ class HParams:
         unknown = sorted(set(values) - set(names))
         missing = [n for n in names if n not in values]
         if unknown:
-            raise GPT2Error(f'{source}: unknown key(s) {unknown}; expected exactly {names}')
+            raise GPT2Error(f'{source}: unknown key(s) {unknown}; expected exactly {names}: remove them (the '
+                            f'original code refuses them too)')
         if missing:
-            raise GPT2Error(f'{source}: missing key(s) {missing}; expected exactly {names}')
+            raise GPT2Error(f'{source}: missing key(s) {missing}; expected exactly {names}: add them with the '
+                            f'values of the model the checkpoint holds')
         try:
             return cls(**values)
         except GPT2Error as e:

@@ -31,7 +31,8 @@ from .encoder import END_OF_TEXT, encoder_for
 from .runtime import Model
 from .sample import sample_sequence
 from .scoring import mean_loss, score
-from .train_config import OPTIMIZERS, STRATEGIES, FinetuneConfig, check_optimizer, configure  # noqa: F401
+from .train_config import (OPTIMIZERS, STRATEGIES, FinetuneConfig, check_optimizer, check_positive,  # noqa: F401
+                           configure)
 from .validate import GPT2Error, first_line
 
 BETA1, BETA2, EPSILON = 0.9, 0.999, 1e-8  # tf.compat.v1.train.AdamOptimizer's defaults, which the original used
@@ -89,7 +90,7 @@ class Trainer:
             raise GPT2Error(f'full fine-tuning needs float32 weights; this model holds {model.dtype} (load it '
                             f'with dtype="float32", or train LoRA adapters over it with lora_rank)')
         self.model = model
-        self.learning_rate = float(learning_rate)
+        self.learning_rate = learning_rate
         self.optimizer = optimizer
         self.accumulate = accumulate_gradients
         self.recompute = recompute
@@ -108,6 +109,16 @@ class Trainer:
         self.strategy = model.strategy  # data-parallel when load_model created the model under a strategy
         self.slots = self._create_slots()
         self._step = tf.function(self._update, jit_compile=jit_compile, autograph=False)
+
+    @property
+    def learning_rate(self) -> float:
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value) -> None:
+        """Checked here, and taken by the next step (a schedule may set it between steps)."""
+        check_positive('learning_rate', value)
+        self._learning_rate = float(value)
 
     def _create_slots(self) -> dict:
         """The optimizer state, named after the variables it shadows, as TF1's Adam names its slots."""
@@ -159,9 +170,8 @@ class Trainer:
             tape.watch(self.variables)
             yield tape
 
-    def _apply(self, grads) -> None:
+    def _apply(self, grads, lr) -> None:
         """One update of every trained variable (of this replica's copy, under a strategy) by raw kernels."""
-        lr = tf.constant(self.learning_rate)
         if self.optimizer == 'sgd':
             for v, g in zip(self.variables, grads):
                 tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=lr, delta=g)
@@ -179,10 +189,10 @@ class Trainer:
             for b, power, beta in ((b1, powers[0], BETA1), (b2, powers[1], BETA2)):
                 tf.raw_ops.AssignVariableOp(resource=b.handle, value=power * beta)
 
-    def _update(self, tokens):
+    def _update(self, tokens, lr):
         if self.strategy is None:
             loss, grads = self._gradients(tokens)
-            self._apply(grads)
+            self._apply(grads, lr)
             return loss
 
         def replica(tokens):  # every replica sees the global batch and takes its own slice of it
@@ -191,7 +201,7 @@ class Trainer:
             replica_id = tf.cast(context.replica_id_in_sync_group, tf.int32)
             loss, grads = self._gradients(tokens[replica_id * rows:(replica_id + 1) * rows], replica_id)
             reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [loss] + grads)  # equal slices: the batch's mean
-            self._apply(reduced[1:])
+            self._apply(reduced[1:], lr)
             return reduced[0]
 
         return self.strategy.experimental_local_results(self.strategy.run(replica, args=(tokens,)))[0]
@@ -210,7 +220,7 @@ class Trainer:
         # the attention keeps its kernel, which has one
         with interrupts_deferred():  # the update and its count together: a Ctrl-C takes effect after both
             with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops(products_only=True):
-                loss = float(self._step(tf.constant(tokens, tf.int32)))
+                loss = float(self._step(tf.constant(tokens, tf.int32), tf.constant(self.learning_rate)))
             self.steps += 1
             if self.adapters:
                 next(iter(self.adapters.values())).counter.value.assign_add(1)  # one counter: the next step's masks

@@ -81,6 +81,15 @@ def test_missing_data_file(tiny_copy):
         gpt2_tf.load_model(tiny_copy)
 
 
+def test_a_missing_shard_of_several_is_named(tiny_copy):
+    data = tiny_copy / 'model.ckpt.data-00000-of-00001'
+    data.rename(tiny_copy / 'model.ckpt.data-00001-of-00002')  # the second of two shards; the first is gone
+    with pytest.raises(FileNotFoundError, match='model.ckpt.data-00000-of-00002 is missing: copy it in beside the '
+                                                'other shards') as missing:
+        gpt2_tf.load_model(tiny_copy)
+    assert '\n' not in str(missing.value)
+
+
 def test_truncated_data_file(tiny_copy):
     data = tiny_copy / 'model.ckpt.data-00000-of-00001'
     data.write_bytes(data.read_bytes()[:50_000])

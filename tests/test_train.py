@@ -374,8 +374,8 @@ def test_a_ctrl_c_inside_a_step_takes_effect_after_its_update_and_its_count():
     trainer = Trainer(gpt2_tf.load_model(HOT), 1e-2, 'sgd')
     compiled_step = trainer._step
 
-    def update_then_ctrl_c(tokens):
-        loss = compiled_step(tokens)
+    def update_then_ctrl_c(tokens, learning_rate):
+        loss = compiled_step(tokens, learning_rate)
         os.kill(os.getpid(), signal.SIGINT)  # after the variables moved, before the step is counted
         return loss
 
@@ -667,3 +667,18 @@ def test_a_failure_between_steps_saves_the_steps_done_first(tmp_path, monkeypatc
     with pytest.raises(OSError, match='No space left'):
         run_steps(tmp_path, 6, sample_every=3, save_every=1000)
     assert gpt2_tf.checkpoint.checkpoint_state(str(tmp_path / 'checkpoint' / 'run1'))[0] == 'model-3'
+
+
+def test_a_learning_rate_set_between_steps_is_the_next_steps():
+    first, second = batches(2)
+    scheduled = Trainer(gpt2_tf.load_model(HOT), 1e-2, 'sgd')
+    scheduled.step(first)
+    scheduled.learning_rate = 5e-2
+    scheduled.step(second)
+    model = gpt2_tf.load_model(HOT)  # SGD has no state: two trainers over one model take the two rates
+    Trainer(model, 1e-2, 'sgd').step(first)
+    Trainer(model, 5e-2, 'sgd').step(second)
+    for name, variable in model.variables_by_name().items():
+        np.testing.assert_array_equal(scheduled.model.variables_by_name()[name].numpy(), variable.numpy(), name)
+    with pytest.raises(GPT2Error, match='learning_rate must be a finite number > 0, got 0'):
+        scheduled.learning_rate = 0
