@@ -195,4 +195,5 @@ def test_a_broken_hparams_json_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"gpt2-tf: error: {tmp_path / 'broken' / 'hparams.json'}: missing key(s) "
                                         f"['n_embd', 'n_head', 'n_layer']; expected exactly "
-                                        f"['n_vocab', 'n_ctx', 'n_embd', 'n_head', 'n_layer']"]
+                                        f"['n_vocab', 'n_ctx', 'n_embd', 'n_head', 'n_layer']: add them with the "
+                                        f"values of the model the checkpoint holds"]
