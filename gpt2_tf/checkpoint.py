@@ -122,10 +122,12 @@ def find_checkpoint(path: str | os.PathLike) -> str:
             raise CheckpointError(f'{state_file}: no model_checkpoint_path line; remove the file to load '
                                   f'{CHECKPOINT_PREFIX}, or write the line naming the checkpoint to load')
         # Fine-tuned checkpoints often name a path on another machine, or this one's path of the folder they
-        # were copied from: the files are the ones beside the `checkpoint` file, never another folder's.
-        beside = os.path.join(path, file_name(named))
-        if os.path.isfile(beside + '.index'):
-            return beside
+        # were copied from: the files are the ones beside the `checkpoint` file, never another folder's. A
+        # relative name inside the folder is relative to that file (as TF reads it), else beside it too.
+        inside = not (os.path.isabs(named) or ntpath.isabs(named)) and '..' not in re.split(r'[/\\]', named)
+        for candidate in ([os.path.join(path, named)] if inside else []) + [os.path.join(path, file_name(named))]:
+            if os.path.isfile(candidate + '.index'):
+                return candidate
         others = sorted(os.path.basename(f)[:-len('.index')] for f in glob.glob(os.path.join(glob.escape(path),
                                                                                              '*.index')))
         raise FileNotFoundError(
@@ -403,8 +405,14 @@ def write_tensors(prefix: str, tensors: dict) -> None:
         for suffix in ('.data-00000-of-00001', '.index'):  # on the disk before a `checkpoint` file names them
             with open(os.path.join(staging, 'bundle' + suffix), 'rb') as f:
                 os.fsync(f.fileno())
-        for suffix in ('.data-00000-of-00001', '.index'):
-            os.replace(os.path.join(staging, 'bundle' + suffix), prefix + suffix)
+        move_bundle(os.path.join(staging, 'bundle'), prefix)
+
+
+def move_bundle(source: str, prefix: str) -> None:
+    """A bundle written by write_tensors renamed to prefix (the same file system), data first, so a reader
+    never finds an index whose data is missing."""
+    for suffix in ('.data-00000-of-00001', '.index'):
+        os.replace(source + suffix, prefix + suffix)
 
 
 def remove_bundle(prefix: str) -> None:
@@ -440,6 +448,21 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     checkpoint loadable. The folder's other files stay. A folder whose hparams.json
     describes another model size is refused. Attached LoRA adapters are written merged (stored_weights).
     """
+    model_dir = check_save(model, model_dir)
+    current, _ = checkpoint_state(model_dir)
+    if name is None:
+        name = CHECKPOINT_PREFIX
+        number = 0
+        while name == current or os.path.exists(os.path.join(model_dir, name + '.index')):
+            number += 1
+            name = f'{CHECKPOINT_PREFIX}-{number}'
+    write_tensors(os.path.join(model_dir, name), stored_weights(model))
+    return publish(model, model_dir, name, keep=keep)
+
+
+def check_save(model: Model, model_dir: str | os.PathLike) -> str:
+    """The folder a save of the model may write into (created), before anything is written: an int8 model,
+    and a folder holding a model of another size, are refused."""
     if model.dtype == 'int8':
         raise CheckpointError('an int8 model cannot be saved: the original format holds float32 weights, '
                               'and int8 ones are a lossy copy of them; save the float32 model (dtype="float32")')
@@ -450,21 +473,20 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
         if existing != model.hparams:
             raise CheckpointError(f'{model_dir} holds a model of another size ({existing}); '
                                   f'save to another folder')
-    current, listed = checkpoint_state(model_dir)
-    if name is None:
-        name = CHECKPOINT_PREFIX
-        number = 0
-        while name == current or os.path.exists(os.path.join(model_dir, name + '.index')):
-            number += 1
-            name = f'{CHECKPOINT_PREFIX}-{number}'
-    prefix = os.path.join(model_dir, name)
-    write_tensors(prefix, stored_weights(model))
+    return model_dir
+
+
+def publish(model: Model, model_dir: str, name: str, *, keep: int = 1) -> str:
+    """After prefix `name`'s files are in place: hparams.json when missing, the `checkpoint` file switched to
+    name, then the prefixes beyond the `keep` newest removed. Returns the prefix."""
+    hparams_path = os.path.join(model_dir, 'hparams.json')
     if not os.path.exists(hparams_path):
         temporary = f'{hparams_path}.tmp-{os.getpid()}'
         model.hparams.to_json(temporary)
         os.replace(temporary, hparams_path)  # whole or absent, as the `checkpoint` file
+    _, listed = checkpoint_state(model_dir)
     kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]
     write_state(model_dir, kept)
     for old in set(listed) - set(kept):  # only once the `checkpoint` file names the new one
         remove_bundle(os.path.join(model_dir, old))
-    return prefix
+    return os.path.join(model_dir, name)

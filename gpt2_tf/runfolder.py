@@ -45,37 +45,52 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
     vocabulary ({file name in the run folder: source path}; None: the bundled GPT-2 one); keeps the newest
     max_checkpoints. Returns the model's prefix.
 
-    The `checkpoint` file switches to the new step only once its files are complete. An earlier save of
-    the same step (a fresh start over the folder) is dropped from it first, and a discarded run's
-    optimizer-<step> removed, so that no crash leaves one run's model beside another's optimizer state.
+    Both bundles are written whole in a staging folder first; only then is an earlier save of the same
+    step (a fresh start over the folder, or the same step saved again) dropped from the `checkpoint` file
+    and replaced, with a discarded run's optimizer-<step>, and the `checkpoint` file switched to the new
+    step: no crash leaves one run's model beside another's optimizer state, and a failed write leaves the
+    folder as it was.
     """
-    os.makedirs(run_dir, exist_ok=True)
+    run_dir = checkpoint.check_save(model, run_dir)
     for stale in glob.glob(os.path.join(glob.escape(run_dir), '.saving-*')):  # a killed save's staging
         shutil.rmtree(stale, ignore_errors=True)
     name = f'model-{step}'
     state = optimizer_prefix(os.path.join(run_dir, name))
-    checkpoint.forget(run_dir, name)
-    checkpoint.remove_bundle(state)
-    if slots:
-        checkpoint.write_tensors(state, {n: v.read_value() for n, v in slots.items()})
-    _, before = checkpoint.checkpoint_state(run_dir)
-    prefix = checkpoint.save_checkpoint(model, run_dir, name=name, keep=max_checkpoints)
+    with checkpoint.staged(run_dir) as staging:
+        checkpoint.write_tensors(os.path.join(staging, 'model'), checkpoint.stored_weights(model))
+        if slots:
+            checkpoint.write_tensors(os.path.join(staging, 'optimizer'), {n: v.read_value() for n, v in slots.items()})
+        _, before = checkpoint.checkpoint_state(run_dir)
+        checkpoint.forget(run_dir, name)
+        checkpoint.remove_bundle(state)
+        if slots:
+            checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)
+        checkpoint.move_bundle(os.path.join(staging, 'model'), os.path.join(run_dir, name))
+    prefix = checkpoint.publish(model, run_dir, name, keep=max_checkpoints)
     _, after = checkpoint.checkpoint_state(run_dir)
     for gone in set(before) - set(after):
         if optimizer_prefix(gone):
             checkpoint.remove_bundle(optimizer_prefix(os.path.join(run_dir, gone)))
-    checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
-    copy_vocabulary(run_dir, vocabulary)
+    try:
+        checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
+        copy_vocabulary(run_dir, vocabulary)
+    except OSError as e:
+        raise Unfinished(e.errno, e.strerror) from None
     return prefix
 
 
+class Unfinished(OSError):
+    """The step is saved (the `checkpoint` file names it), but writing the counter or the vocabulary failed."""
+
+
 def copy_vocabulary(run_dir: str, vocabulary=None) -> None:
-    """{name: source} into the run folder (None: the bundled GPT-2 files), each whole or not at all (a file
-    there that differs, cut short by a crash or another base's, is replaced)."""
+    """{name: source} into the run folder, each whole or not at all: a file there that differs (another base's,
+    or one cut short) is replaced. None: the bundled GPT-2 files, where the run folder has none."""
+    replace = vocabulary is not None
     vocabulary = vocabulary or dict(zip(('encoder.json', 'vocab.bpe'), bundled_vocabulary()))
     for name, source in vocabulary.items():
         target = os.path.join(run_dir, name)
-        if os.path.exists(target) and filecmp.cmp(target, source, shallow=False):
+        if os.path.exists(target) and (not replace or filecmp.cmp(target, source, shallow=False)):
             continue
         temporary = f'{target}.tmp-{os.getpid()}'
         shutil.copyfile(source, temporary)

@@ -382,6 +382,7 @@ class Run:
         check_same_step(strategy, self.trainer.steps, self.run_dir)
         self.vocabulary = run_vocabulary(model_dir)
         self.saved = self.trainer.steps if resume else None  # the step the run folder holds, when known
+        self.first = self.trainer.steps  # where loop() starts
 
     def _check_folders(self) -> None:
         """Before any step: the run folder takes this model's size (fresh or resumed), and it and the sample
@@ -441,6 +442,7 @@ class Run:
         sampling on their schedules."""
         config, trainer = self.config, self.trainer
         start, first, average = time.time(), trainer.steps, (0.0, 0.0)
+        self.first = first
         while config.steps < 0 or trainer.steps - first < config.steps:
             if self.validation and _due(trainer.steps, config.val_every):
                 with self.saved_on_failure():
@@ -462,10 +464,13 @@ class Run:
     @contextlib.contextmanager
     def saved_on_failure(self):
         """Between steps (validation, samples): a failure saves the step reached before it is raised, so that
-        the steps since the last save are kept (an update is whole: the step before it ended)."""
+        the steps since the last save are kept (an update is whole: the step before it ended); before this
+        run's first step there is nothing to keep."""
         try:
             yield
         except Exception:
+            if self.trainer.steps == self.first:
+                raise
             try:
                 self.save()
             except Exception as e:  # the first failure is the one to report; this one is logged
@@ -493,15 +498,15 @@ class Run:
         try:
             prefix = self.trainer.save(self.run_dir, max_checkpoints=self.config.max_checkpoints,
                                        vocabulary=self.vocabulary)
+        except runfolder.Unfinished as e:
+            raise OSError(e.errno, f'step {self.trainer.steps} is saved in {self.run_dir}, but writing its counter '
+                                   f'or vocabulary failed ({e.strerror}); free the space, then resume with '
+                                   f'restore_from latest') from None
         except OSError as e:
             try:
                 current = checkpoint.checkpoint_state(self.run_dir)[0]
             except OSError:
                 current = None
-            if current == f'model-{self.trainer.steps}':  # switched to: the counter or the vocabulary failed
-                raise OSError(e.errno, f'step {self.trainer.steps} is saved in {self.run_dir} ({current}), but '
-                                       f'finishing the save failed ({e.strerror}); free the space, then resume '
-                                       f'with restore_from latest') from None
             raise OSError(e.errno, f'cannot save step {self.trainer.steps} in {self.run_dir} ({e.strerror}); the '
                                    f'previous checkpoint ({current or "none"}) is intact') from None
         self.saved = self.trainer.steps

@@ -35,6 +35,14 @@ def test_checkpoint_found_by_folder_or_prefix(tiny_copy):
     assert find_checkpoint(tiny_copy / 'model.ckpt') == str(tiny_copy / 'model.ckpt')
 
 
+def test_checkpoint_file_with_a_relative_path_into_a_subfolder(tiny_copy):
+    (tiny_copy / 'inner').mkdir()
+    for f in ('model.ckpt.index', 'model.ckpt.data-00000-of-00001'):
+        (tiny_copy / f).rename(tiny_copy / 'inner' / f)
+    (tiny_copy / 'checkpoint').write_text('model_checkpoint_path: "inner/model.ckpt"\n')
+    assert find_checkpoint(tiny_copy) == str(tiny_copy / 'inner' / 'model.ckpt')  # as TF's latest_checkpoint
+
+
 def test_checkpoint_file_with_a_foreign_absolute_path(tiny_copy):
     (tiny_copy / 'checkpoint').write_text('model_checkpoint_path: "/home/someone/run1/model.ckpt"\n')
     assert find_checkpoint(tiny_copy) == str(tiny_copy / 'model.ckpt')

@@ -590,26 +590,50 @@ def test_a_counter_left_behind_by_a_cut_save_resumes_at_the_step_saved(tmp_path)
 def test_a_fresh_run_over_a_folder_never_pairs_one_runs_model_with_anothers_optimizer(tmp_path, monkeypatch):
     run = tmp_path / 'checkpoint' / 'run1'
     run_steps(tmp_path, 2)
+    earlier = {f.name: f.read_bytes() for f in run.iterdir() if f.name.startswith(('model-2', 'optimizer-2'))}
     (run / '.saving-killed').mkdir()  # a staging folder a killed save left
     (run / '.saving-killed' / 'bundle.data-00000-of-00001').write_bytes(b'x' * 100)
     writes = []
 
-    def full_at_the_model(prefix, tensors, write=gpt2_tf.checkpoint.write_tensors):
-        writes.append(prefix)
-        if os.path.basename(prefix) == 'model-2':  # the optimizer's state was written, the model's fails
+    def full_at_the_last(prefix, tensors, write=gpt2_tf.checkpoint.write_tensors):
+        writes.append(os.path.basename(prefix))
+        if len(writes) == 2:  # the new run's model was written, its optimizer state fails
             raise OSError(errno.ENOSPC, 'No space left on device')
         write(prefix, tensors)
 
-    monkeypatch.setattr(gpt2_tf.checkpoint, 'write_tensors', full_at_the_model)
-    with pytest.raises(OSError, match='cannot save step 2'):
+    monkeypatch.setattr(gpt2_tf.checkpoint, 'write_tensors', full_at_the_last)
+    with pytest.raises(OSError, match=r'cannot save step 2 .* the previous checkpoint \(model-2\) is intact'):
         run_steps(tmp_path, 2, restore_from='fresh', seed=7, learning_rate=0.05)
     monkeypatch.undo()
-    assert [os.path.basename(w) for w in writes] == ['optimizer-2', 'model-2']
-    assert not (run / '.saving-killed').exists()
-    # The earlier run's model-2 was dropped before the new one was written: nothing pairs the two runs' files.
-    assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == (None, []) and not (run / 'model-2.index').exists()
-    assert run_steps(tmp_path, 2, optimizer='sgd').steps == 2  # starts afresh; SGD saves no slots,
-    assert not (run / 'optimizer-2.index').exists()  # and the failed run's optimizer-2 is gone
+    assert writes == ['model', 'optimizer'] and not (run / '.saving-killed').exists()
+    # Both new bundles are written before the earlier run's are touched: that run's pair is as it was.
+    assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == ('model-2', ['model-2'])
+    assert {name: (run / name).read_bytes() for name in earlier} == earlier
+    assert run_steps(tmp_path, 2, restore_from='fresh', optimizer='sgd').steps == 2  # SGD saves no slots,
+    assert not (run / 'optimizer-2.index').exists()  # and the earlier run's optimizer-2 goes with its model
+
+
+def test_a_refused_save_leaves_the_folder_as_it_was(tmp_path):
+    trainer = Trainer(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), 1e-3)
+    trainer.save(str(tmp_path))  # model-0 of another model size
+    files = sorted(f.name for f in tmp_path.iterdir())
+    with pytest.raises(gpt2_tf.CheckpointError, match='holds a model of another size'):
+        Trainer(gpt2_tf.load_model(HOT), 1e-3).save(str(tmp_path))
+    assert sorted(f.name for f in tmp_path.iterdir()) == files
+
+
+def test_a_failure_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
+    run_steps(tmp_path, 4)
+    run = tmp_path / 'checkpoint' / 'run1'
+
+    def fails(model, batches):
+        raise MemoryError('validation ran out of memory')
+
+    monkeypatch.setattr(train, 'validation_loss', fails)
+    np.savez(tmp_path / 'held.npz', np.random.default_rng(1).integers(0, HPARAMS.n_vocab, 500).astype(np.int32))
+    with pytest.raises(MemoryError):  # at step 0, before the fresh run's first step
+        run_steps(tmp_path, 2, restore_from='fresh', val_dataset=str(tmp_path / 'held.npz'), val_every=2)
+    assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == ('model-4', ['model-4'])  # the earlier run's
 
 
 def test_a_run_folder_saved_with_tf1_adams_slots_resumes_with_them(tmp_path):
@@ -682,3 +706,27 @@ def test_a_learning_rate_set_between_steps_is_the_next_steps():
         np.testing.assert_array_equal(scheduled.model.variables_by_name()[name].numpy(), variable.numpy(), name)
     with pytest.raises(GPT2Error, match='learning_rate must be a finite number > 0, got 0'):
         scheduled.learning_rate = 0
+
+
+def test_a_save_whose_counter_cannot_be_written_says_the_step_is_saved(tmp_path, monkeypatch):
+    def full(path, text, replace=gpt2_tf.checkpoint.replace_atomically):
+        if os.path.basename(path) == 'counter':
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        replace(path, text)
+
+    monkeypatch.setattr(gpt2_tf.checkpoint, 'replace_atomically', full)
+    with pytest.raises(OSError, match=r'step 2 is saved in .*, but writing its counter or vocabulary failed'):
+        run_steps(tmp_path, 2)
+    monkeypatch.undo()
+    assert run_steps(tmp_path, 1).steps == 3  # resumed from model-2, whose name says its step
+
+
+def test_the_bundled_vocabulary_never_replaces_one_a_run_folder_has(tmp_path):
+    from gpt2_tf.runfolder import copy_vocabulary
+
+    (tmp_path / 'encoder.json').write_text('{"a": 0}')  # placed by hand: the base model had none
+    copy_vocabulary(str(tmp_path), None)
+    assert (tmp_path / 'encoder.json').read_text() == '{"a": 0}' and (tmp_path / 'vocab.bpe').exists()
+    (tmp_path / 'base.json').write_text('{"b": 0}')
+    copy_vocabulary(str(tmp_path), {'encoder.json': str(tmp_path / 'base.json')})  # a base's own: replaced
+    assert (tmp_path / 'encoder.json').read_text() == '{"b": 0}'
