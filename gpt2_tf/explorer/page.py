@@ -248,8 +248,8 @@ def _summary(hp, counted: dict, source: str, stored: dict) -> str:
                f'{total:,}</td><td class="l">the logits reuse wte (tied): no parameters of their own</td></tr>'
                f'</table><p class="note">Counted from the tensors of {html.escape(source)}: {total:,} parameters '
                f'in {len(stored) - len(outside)} tensors'
-               + (f'; {len(outside)} other tensor(s) there are not the model\'s and not counted (training state '
-                  f'such as {html.escape(outside[0])})' if outside else '') + '.</p>')
+               + (f'; {len(outside)} other tensor(s) there are not the model\'s and not counted (the first: '
+                  f'{html.escape(outside[0])})' if outside else '') + '.</p>')
     return ''.join(out)
 
 
