@@ -60,7 +60,6 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
         checkpoint.write_tensors(os.path.join(staging, 'model'), checkpoint.stored_weights(model))
         if slots:
             checkpoint.write_tensors(os.path.join(staging, 'optimizer'), {n: v.read_value() for n, v in slots.items()})
-        _, before = checkpoint.checkpoint_state(run_dir)
         checkpoint.forget(run_dir, name)
         checkpoint.remove_bundle(state)
         if slots:
@@ -68,9 +67,11 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
         checkpoint.move_bundle(os.path.join(staging, 'model'), os.path.join(run_dir, name))
     prefix = checkpoint.publish(model, run_dir, name, keep=max_checkpoints)
     _, after = checkpoint.checkpoint_state(run_dir)
-    for gone in set(before) - set(after):
-        if optimizer_prefix(gone):
-            checkpoint.remove_bundle(optimizer_prefix(os.path.join(run_dir, gone)))
+    # Optimizer states are of no use without their model: those of models no longer listed go (also ones an
+    # interrupted save left behind). Unlisted models stay: a copy kept by hand is the user's.
+    for index in glob.glob(os.path.join(glob.escape(run_dir), 'optimizer-*.index')):
+        if 'model-' + os.path.basename(index)[len('optimizer-'):-len('.index')] not in after:
+            checkpoint.remove_bundle(index[:-len('.index')])
     try:
         checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
         copy_vocabulary(run_dir, vocabulary)

@@ -730,3 +730,14 @@ def test_the_bundled_vocabulary_never_replaces_one_a_run_folder_has(tmp_path):
     (tmp_path / 'base.json').write_text('{"b": 0}')
     copy_vocabulary(str(tmp_path), {'encoder.json': str(tmp_path / 'base.json')})  # a base's own: replaced
     assert (tmp_path / 'encoder.json').read_text() == '{"b": 0}'
+
+
+def test_an_optimizer_state_whose_model_is_gone_is_removed_at_the_next_save(tmp_path):
+    run = tmp_path / 'checkpoint' / 'run1'
+    run_steps(tmp_path, 2)
+    for suffix in ('.index', '.data-00000-of-00001'):  # what a save interrupted while it removed model-1 left
+        shutil.copy(run / f'optimizer-2{suffix}', run / f'optimizer-1{suffix}')
+    shutil.copy(run / 'model-2.index', run / 'model-0.index')  # an unlisted model: kept, it may be the user's
+    run_steps(tmp_path, 1)
+    assert sorted(f.name for f in run.glob('optimizer-*.index')) == ['optimizer-3.index']
+    assert (run / 'model-0.index').exists()
