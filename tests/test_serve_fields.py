@@ -112,7 +112,8 @@ def test_best_of_returns_the_n_likeliest_of_its_draws_and_counts_them_all(served
         likeliest = [drawn[i].text for i in sorted(range(4), key=lambda i: -means[i])[:2]]
         assert [c.text for c in best.choices[prompt * 2:(prompt + 1) * 2]] == likeliest
     assert best.usage.completion_tokens == 2 * 4 * 6  # every draw, kept or not (no end of text: banned)
-    assert best.usage.prompt_tokens == every.usage.prompt_tokens // 2  # once per returned choice
+    prompts = len(gpt2_tf.encode('Hello there')) + len(gpt2_tf.encode('One two'))
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens == prompts  # once per prompt, whatever n
 
 
 @pytest.mark.parametrize('seed', range(4))

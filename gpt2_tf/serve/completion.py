@@ -229,9 +229,9 @@ class Completion:
                 yield choice, text, False
 
     def usage(self) -> Usage:
-        """Prompt tokens (as sent) once per returned choice; completion tokens of every choice drawn (best_of of
-        them), each up to its stop string."""
-        prompt = sum(len(p) for p in self.sampling.given) * self.request.n
+        """Prompt tokens (as sent) once per prompt, whatever n and best_of, as OpenAI and vLLM count them;
+        completion tokens of every choice drawn (best_of of them), each up to its stop string."""
+        prompt = sum(len(p) for p in self.sampling.given)
         completion = sum(c.kept() for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
