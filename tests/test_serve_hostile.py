@@ -269,7 +269,7 @@ def test_a_client_that_leaves_before_a_whole_response_frees_its_rows(model, monk
     monkeypatch.setattr(app.state.batcher, 'submit', drip)
     with running(app) as port:
         with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
-            body = json.dumps({'prompt': 'Hi', 'max_tokens': 120, 'n': 3}).encode()  # not streamed
+            body = json.dumps({'prompt': 'Hi', 'max_tokens': 120, 'n': 3}).encode()  # not streamed; 'Hi': 1 token
             sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
                          b'Content-Length: %d\r\n\r\n%s' % (len(body), body))
             settled(lambda: drip.delivered, lambda delivered: delivered >= 3)  # decoding has begun
@@ -278,7 +278,7 @@ def test_a_client_that_leaves_before_a_whole_response_frees_its_rows(model, monk
         assert drip.delivered < 3 * 120
         got = settled(lambda: samples(port), lambda got: any(name == 'gpt2_tf_requests_total' for name, _ in got))
     assert got[('gpt2_tf_requests_total', frozenset({'code': '499', 'outcome': 'disconnected'}.items()))] == 1
-    assert re.fullmatch(r'gpt2-tf: POST /v1/completions 499 prompt_tokens=3 completion_tokens=\d+ latency_ms=\d+',
+    assert re.fullmatch(r'gpt2-tf: POST /v1/completions 499 prompt_tokens=1 completion_tokens=\d+ latency_ms=\d+',
                         log.getvalue().strip()), log.getvalue()
 
 
