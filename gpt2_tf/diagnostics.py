@@ -61,7 +61,6 @@ COMPARED_STATES = ['x', 'z1', 'attn_weights', 'attn', 'x_attn', 'z2', 'mlp', 'ou
 
 def parameter_table(model_dir: str | os.PathLike) -> dict:
     """Per component: shapes and counts from the hparams, and the count in the folder's own tensors (either layout)."""
-    model_dir = os.fspath(model_dir)
     folder = loading.resolve(model_dir)
     hp, stored = folder.hparams(), loading.stored_shapes(folder)
     rows, claimed = [], set()
@@ -92,7 +91,8 @@ def parameter_table(model_dir: str | os.PathLike) -> dict:
                   for row in rows if not row['match']]
     if unclaimed:
         mismatches.append(f'{len(unclaimed)} checkpoint variable(s) outside the model: {", ".join(unclaimed[:5])}')
-    return {'model_dir': model_dir, 'hparams': hp.to_dict(), 'rows': rows, 'groups': subtotals,
+    shown = folder.checkpoint or folder.path if isinstance(model_dir, loading.ModelFolder) else os.fspath(model_dir)
+    return {'model_dir': shown, 'hparams': hp.to_dict(), 'rows': rows, 'groups': subtotals,
             'total_expected': sum(r['expected'] for r in rows),
             'total_checkpoint': sum(int(np.prod(s)) for s in stored.values()),
             'mismatches': mismatches}
@@ -149,9 +149,9 @@ def compare(model_dir: str | os.PathLike, tokens: Sequence, *, model: Optional[M
     from .tf1_reference import Reference
 
     folder = loading.resolve(model_dir).original()
-    model = model or load_model(folder.path, strict=strict)
+    model = model or load_model(folder, strict=strict)
     tokens = model.check_inputs(tokens).astype(np.int32)
-    reference = Reference(model.hparams, find_checkpoint(folder.path))
+    reference = Reference(model.hparams, folder.prefix())
     try:
         theirs = reference.trace(tokens)
         their_logits = reference(tokens)['logits']

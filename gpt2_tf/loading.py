@@ -44,6 +44,13 @@ class ModelFolder:
     layout: str  # 'original' (OpenAI's layout, and fine-tuning run folders) or 'hf'
     names: tuple  # the ids a server answers to: the folder's name first, then its published name or 'test'
     notice: Optional[str] = None  # a line to show before loading it (why the bundled checkpoint is used)
+    checkpoint: Optional[str] = None  # one save of the folder, when named (checkpoint/run1/model-2)
+
+    def prefix(self) -> str:
+        """The checkpoint to read: the save named, else the one the folder's `checkpoint` file names."""
+        from .checkpoint import find_checkpoint
+
+        return self.checkpoint or find_checkpoint(self.path)
 
     @property
     def name(self) -> str:
@@ -104,6 +111,15 @@ def _folder(path: str, *, names: Optional[tuple] = None, notice: Optional[str] =
     return ModelFolder(path, layout, names or _names(path), notice)
 
 
+def _one_save(prefix: str) -> ModelFolder:
+    """One save of a folder in the original layout, named by its prefix (gpt-2-simple's checkpoint='model-2')."""
+    folder = _folder(os.path.dirname(prefix) or '.')
+    if folder.layout != 'original':
+        raise ModelNotFound(f'{prefix}: a checkpoint prefix names one save of a folder in the original layout '
+                            f'(hparams.json beside it); give the folder itself')
+    return dataclasses.replace(folder, checkpoint=prefix)
+
+
 def _bundled(notice: Optional[str] = None) -> ModelFolder:
     return _folder(bundled_checkpoint(), notice=notice)
 
@@ -121,8 +137,12 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
     bundled test checkpoint, with a notice saying so. Raises ModelNotFound
     with the command that gets the model.
     """
+    if isinstance(model_dir, ModelFolder):
+        return model_dir
     if model_dir is not None:
         model_dir = os.fspath(model_dir)
+        if os.path.isfile(model_dir + '.index') and not os.path.isdir(model_dir):
+            return _one_save(model_dir)
         if os.path.exists(model_dir) or os.sep in model_dir or not model_dir:
             if not os.path.exists(model_dir):
                 raise ModelNotFound(f'no model folder at {model_dir}: check the path, or give a model name '
@@ -192,11 +212,11 @@ def load_model(model_dir, *, device: Optional[str] = None, strict: bool = True, 
     write it merged.
     """
     from . import lora, precision
-    from .checkpoint import find_checkpoint, restore
+    from .checkpoint import restore
     from .runtime import Model
 
     folder = model_dir if isinstance(model_dir, ModelFolder) else resolve(model_dir)
-    prefix = find_checkpoint(folder.path) if folder.layout == 'original' else None
+    prefix = folder.prefix() if folder.layout == 'original' else None
     hparams = folder.hparams()
     with strategy.scope() if strategy else contextlib.nullcontext():
         with precision.unfilled():  # every variable is assigned below, or the model is dropped
@@ -239,6 +259,6 @@ def stored_shapes(model_dir) -> dict:
         read, extra = hf.read_tensors(folder.path), []
         tensors = hf.to_original(read, folder.hparams(), source=folder.path, strict=False, dropped=extra)
         return {name: tuple(np.shape(value)) for name, value in {**tensors, **{n: read[n] for n in extra}}.items()}
-    from .checkpoint import checkpoint_shapes, find_checkpoint
+    from .checkpoint import checkpoint_shapes
 
-    return checkpoint_shapes(find_checkpoint(folder.path))
+    return checkpoint_shapes(folder.prefix())

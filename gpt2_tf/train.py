@@ -352,6 +352,8 @@ class Run:
 
     def __init__(self, model_dir: str, dataset, config: FinetuneConfig, *, strategy=None,
                  log: Callable[[str], None] = print):
+        base = loading.resolve(model_dir)  # a folder, a name, or one save of a folder (checkpoint/run1/model-2)
+        model_dir = base.path  # where its vocabulary is
         self.config, self.strategy = config, strategy
         self.run_dir = os.path.join(config.checkpoint_dir, config.run_name)
         self.chief = is_chief(strategy)
@@ -360,7 +362,7 @@ class Run:
         resume = config.restore_from == 'latest' and saved(self.run_dir)
         if not resume:  # a new run here must not mix with a run of the other kind
             runfolder.check_mode(self.run_dir, lora=bool(config.lora_rank))
-        self.model = loading.load_model(model_dir, strategy=strategy, dtype=config.dtype)
+        self.model = loading.load_model(base, strategy=strategy, dtype=config.dtype)
         self._check_folders()
         replicas = strategy.num_replicas_in_sync if strategy else 1
         if config.batch_size % replicas:
@@ -371,7 +373,7 @@ class Run:
         self.trainer = Trainer(self.model, config.learning_rate, config.optimizer, config.accumulate_gradients,
                                config.recompute, config.only_train_transformer_layers, lora_rank=config.lora_rank,
                                lora_alpha=config.lora_alpha, lora_targets=config.lora_targets,
-                               lora_dropout=config.lora_dropout, base_model=str(getattr(model_dir, 'path', model_dir)),
+                               lora_dropout=config.lora_dropout, base_model=base.checkpoint or base.path,
                                seed=config.seed)
         if resume:
             self.trainer.restore(self.run_dir)

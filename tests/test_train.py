@@ -741,3 +741,25 @@ def test_an_optimizer_state_whose_model_is_gone_is_removed_at_the_next_save(tmp_
     run_steps(tmp_path, 1)
     assert sorted(f.name for f in run.glob('optimizer-*.index')) == ['optimizer-3.index']
     assert (run / 'model-0.index').exists()
+
+
+def test_one_save_of_a_run_folder_loads_by_its_prefix(tmp_path, capsys):
+    from gpt2_tf.cli import main
+
+    run = tmp_path / 'checkpoint' / 'run1'
+    run_steps(tmp_path, 2, max_checkpoints=2)
+    at_2 = {n: v.numpy() for n, v in gpt2_tf.load_model(run).variables_by_name().items()}
+    run_steps(tmp_path, 2, max_checkpoints=2)  # model-4 is current now
+    assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == ('model-4', ['model-2', 'model-4'])
+    for name, value in gpt2_tf.load_model(run / 'model-2').variables_by_name().items():
+        np.testing.assert_array_equal(value.numpy(), at_2[name], name)  # gpt-2-simple's checkpoint='model-2'
+    assert main(['inspect', str(run / 'model-2')]) == 0 and str(run / 'model-2') in capsys.readouterr().out
+    assert main(['compare', str(run / 'model-2'), '--tokens', '1 2 3']) == 0  # the TF1 graph reads that save
+    assert 'all states within tolerance' in capsys.readouterr().out
+    lines = []
+    trainer = finetune(str(run / 'model-2'), [np.arange(400, dtype=np.int32) % HPARAMS.n_vocab], steps=0,
+                       checkpoint_dir=str(tmp_path / 'again'), log=lines.append, sample_every=0)
+    for name, value in trainer.model.variables_by_name().items():  # a new run from that save
+        np.testing.assert_array_equal(value.numpy(), at_2[name], name)
+    with pytest.raises(gpt2_tf.loading.ModelNotFound, match='no model folder at'):
+        gpt2_tf.load_model(run / 'model-3')

@@ -16,7 +16,7 @@ def cmd_inspect(args):
     start_tensorflow(args, folder)
     from ..diagnostics import format_table, parameter_table
 
-    table = parameter_table(folder.path)
+    table = parameter_table(folder)
     print(json.dumps(table, indent=2) if args.json else format_table(table))
     if table['mismatches']:
         settings = 'config.json' if folder.layout == 'hf' else 'hparams.json'
@@ -63,7 +63,7 @@ def cmd_compare(args):
     start_tensorflow(args, folder)
     from ..diagnostics import compare, format_comparison
 
-    report = compare(folder.path, [tokens], strict=not args.no_strict)
+    report = compare(folder, [tokens], strict=not args.no_strict)
     print(format_comparison(report))
     if report['first_divergence'] is not None:
         sys.exit(1)

@@ -15,7 +15,7 @@ def cmd_finetune(args):
     start_tensorflow(args, folder)
     from ..train import finetune
 
-    finetune(folder.path, args.dataset, config, log=lambda line: print(line, flush=True))
+    finetune(folder, args.dataset, config, log=lambda line: print(line, flush=True))
 
 
 def cmd_encode(args):
