@@ -137,6 +137,9 @@ def find_checkpoint(path: str | os.PathLike) -> str:
     prefix = os.path.join(path, CHECKPOINT_PREFIX)
     if os.path.isfile(prefix + '.index'):
         return prefix
+    if os.path.isfile(os.path.join(path, 'adapter_config.json')):
+        raise FileNotFoundError(f'{path} is a LoRA adapter folder, which holds the adapter alone: give its base '
+                                f'model, with --adapter {path} (load_model(base, adapter=...))')
     raise FileNotFoundError(
         f'no checkpoint in {path}: expected a `checkpoint` file or {CHECKPOINT_PREFIX}.index '
         f'(download one with: python download_model.py 124M)')
@@ -387,9 +390,16 @@ def whole_folder(path):
     os.makedirs(parent, exist_ok=True)
     with staged(parent, prefix=f'.{name}.partial-') as staging:
         yield staging
+        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's folder is private (0700); a save's is not
         if os.path.isdir(path):
             os.rmdir(path)  # empty
         os.replace(staging, path)
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_tensors(prefix: str, tensors: dict) -> None:

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import errno
 import json
+import math
 import os
 import re
+import shutil
 from typing import Optional
 
 import numpy as np
@@ -30,12 +33,16 @@ from .validate import GPT2Error, first_line
 
 CONFIG, WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.transformer.'
-UNSUPPORTED = {'use_rslora': False, 'use_dora': False, 'bias': 'none', 'lora_bias': False, 'modules_to_save': None,
+UNSUPPORTED = {'use_dora': False, 'bias': 'none', 'lora_bias': False, 'modules_to_save': None,
                'rank_pattern': {}, 'alpha_pattern': {}, 'layers_to_transform': None, 'layers_pattern': None,
                'exclude_modules': None, 'trainable_token_indices': None, 'layer_replication': None,
-               'alora_invocation_tokens': None}  # PEFT's options that change the math, which we do not do
-PLAIN_INIT = (True, False, 'gaussian')  # init_lora_weights that start from the base as it is; PiSSA, OLoRA, CorDA
-# and LoftQ change the base weights themselves (PEFT saves the adapter against that changed base)
+               'alora_invocation_tokens': None, 'velora_config': None, 'use_qalora': False,
+               'monteclora_config': None, 'target_parameters': None, 'use_bdlora': None, 'arrow_config': None,
+               'kasa_config': None, 'megatron_config': None}  # PEFT's options that change the math, not done here
+PLAIN_INIT = (True, False, 'gaussian', 'orthogonal', 'eva')  # init_lora_weights that start from the base as it
+# is (they only draw A and B); PiSSA, OLoRA, CorDA and LoftQ change the base weights themselves (PEFT saves the
+# adapter against that changed base)
+MERGE = 'merge it with PEFT (merge_and_unload, save_pretrained) and load the merged model'
 BIN = 'adapter_model.bin'  # PEFT's PyTorch file (save_pretrained(safe_serialization=False))
 
 
@@ -213,6 +220,11 @@ def peft_tensors(adapters: dict) -> dict:
     return tensors
 
 
+def _unset(value) -> bool:
+    """None, False or empty: an option left off (0 is a value: layer 0)."""
+    return value is None or value is False or value == {} or value == []
+
+
 def is_adapter_folder(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), CONFIG))
 
@@ -225,13 +237,21 @@ def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = Non
     os.makedirs(folder, exist_ok=True)
     weights, temporary = os.path.join(folder, WEIGHTS), os.path.join(folder, f'{WEIGHTS}.tmp-{os.getpid()}')
     metadata = {'format': 'pt'} if step is None else {'format': 'pt', 'step': str(step)}
-    save_file(peft_tensors(adapters), temporary, metadata=metadata)
-    os.replace(temporary, weights)
     text = json.dumps(config, indent=2) + '\n'
-    temporary = os.path.join(folder, f'{CONFIG}.tmp-{os.getpid()}')
-    with open(temporary, 'w', encoding='utf-8') as f:
+    settings = os.path.join(folder, f'{CONFIG}.tmp-{os.getpid()}')
+    with open(settings, 'w', encoding='utf-8') as f:
         f.write(text)
-    os.replace(temporary, os.path.join(folder, CONFIG))
+    try:
+        save_file(peft_tensors(adapters), temporary, metadata=metadata)
+    except Exception as e:  # safetensors' own error type (a full disk, say), or OSError
+        for path in (temporary, settings):
+            if os.path.isfile(path):
+                os.remove(path)
+        raise OSError(getattr(e, 'errno', None) or errno.EIO, f'{weights} cannot be written ({first_line(e)})') \
+            from None
+    shutil.copymode(settings, temporary)  # safetensors writes through a private (0600) file
+    os.replace(temporary, weights)
+    os.replace(settings, os.path.join(folder, CONFIG))
 
 
 def read_config(folder: str) -> dict:
@@ -246,12 +266,14 @@ def read_config(folder: str) -> dict:
                            f'only LORA adapters load here')
     for key, plain in UNSUPPORTED.items():
         value = config.get(key, plain)
-        if value != plain and not (plain in (None, {}) and value in (None, {}, [])):  # 0 is layer 0, not unset
-            raise AdapterError(f'{path}: {key}={value!r} is not supported here (plain LoRA only: {key}={plain!r})')
+        if value != plain and not (_unset(plain) and _unset(value)):
+            raise AdapterError(f'{path}: {key}={value!r} is not supported here (plain LoRA only: {key}={plain!r}); '
+                               f'{MERGE}')
+    if not isinstance(config.get('use_rslora', False), bool):
+        raise AdapterError(f'{path}: use_rslora must be true or false, got {config["use_rslora"]!r}')
     init = config.get('init_lora_weights', True)
     if not any(init is plain or init == plain and isinstance(init, str) for plain in PLAIN_INIT):
-        raise AdapterError(f'{path}: init_lora_weights={init!r} adapts a changed base model, not this one; merge it '
-                           f'with PEFT (merge_and_unload, save_pretrained) and load the merged model')
+        raise AdapterError(f'{path}: init_lora_weights={init!r} adapts a changed base model, not this one; {MERGE}')
     for key in ('r', 'lora_alpha'):
         if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
             raise AdapterError(f'{path}: {key} must be a positive number, got {config.get(key)!r}')
@@ -341,7 +363,9 @@ def _tensor(tensors: dict, key: str, shape: tuple, path: str) -> np.ndarray:
 
 
 def scale_of(config: dict) -> float:
-    return float(config['lora_alpha']) / float(config['r'])
+    """What A·B is scaled by: alpha / r, or alpha / sqrt(r) with rank-stabilized LoRA (PEFT's use_rslora)."""
+    rank = float(config['r'])
+    return float(config['lora_alpha']) / (math.sqrt(rank) if config.get('use_rslora') else rank)
 
 
 class Deltas(collections.abc.Mapping):
@@ -384,7 +408,7 @@ def check_fits(adapters: dict, config: dict, pairs: dict, folder) -> None:
     (alpha scales what was trained; dropout is part of the run)."""
     first = next(iter(adapters.values()))
     rank = first.A.shape[-1]
-    if float(config['lora_alpha']) / rank != first.scale or float(config.get('lora_dropout', 0.0)) != first.dropout:
+    if scale_of(config) != first.scale or float(config.get('lora_dropout', 0.0)) != first.dropout:
         raise AdapterError(f'{os.path.join(os.fspath(folder), CONFIG)}: lora_alpha {config["lora_alpha"]}, lora_dropout '
                            f'{config.get("lora_dropout", 0.0)}; this run has lora_alpha {first.scale * rank:g}, '
                            f'lora_dropout {first.dropout:g}: resume with the same lora options')

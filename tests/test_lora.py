@@ -2,11 +2,13 @@
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import gpt2_tf
 from gpt2_tf import HParams, load_model, lora, scoring
 from gpt2_tf.checkpoint import save_checkpoint
 from gpt2_tf.hf import save_hf
@@ -196,13 +198,14 @@ def test_the_merged_checkpoint_gives_the_adapted_logits_in_the_original_graph(pe
     assert_close(reference, peft_logits(folder / 'hf', folder / 'run', tokens), 'TF1 graph on merged vs PEFT')
 
 
-def test_an_adapter_made_by_peft_loads_here(peft_setup, tmp_path):
+@pytest.mark.parametrize('options', [{}, {'use_rslora': True}, {'init_lora_weights': 'orthogonal'}])
+def test_an_adapter_made_by_peft_loads_here(peft_setup, tmp_path, options):
     torch, transformers, peft = require('torch'), require('transformers'), require('peft')
     folder, _ = peft_setup
     torch.manual_seed(0)
     base = transformers.GPT2LMHeadModel.from_pretrained(folder / 'hf')
     config = peft.LoraConfig(r=4, lora_alpha=7, target_modules=['c_attn', 'c_proj'], fan_in_fan_out=True,
-                             task_type='CAUSAL_LM')
+                             task_type='CAUSAL_LM', **options)  # rsLoRA scales by alpha / sqrt(r)
     model = peft.get_peft_model(base, config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -243,6 +246,8 @@ KEY = 'base_model.model.transformer.h.1.mlp.c_fc.lora_A.weight'
     (dict(config=lambda c: c | {'lora_bias': True}), 'lora_bias=True is not supported'),
     (dict(config=lambda c: c | {'alora_invocation_tokens': [50256]}), r'alora_invocation_tokens=\[50256\] is not'),
     (dict(config=lambda c: c | {'init_lora_weights': 'pissa'}), "init_lora_weights='pissa' adapts a changed base"),
+    (dict(config=lambda c: c | {'use_qalora': True}), 'use_qalora=True is not supported here .*; merge it with PEFT'),
+    (dict(config=lambda c: c | {'velora_config': {'rank': 2}}), 'velora_config=.* is not supported here'),
     (dict(config=lambda c: c | {'target_modules': ['transformer.h.0.attn.c_attn']}),
      'adapts attn.c_attn in some blocks only'),
     (dict(config=lambda c: c | {'target_modules': '(attn'}), r"target_modules '\(attn' is not a regular expression"),
@@ -337,3 +342,33 @@ def test_a_run_folder_of_the_other_kind_is_refused_not_overwritten(tmp_path):
     with pytest.raises(lora.AdapterError, match='lora_alpha 4.0, lora_dropout 0.0; this run has lora_alpha 16, '
                                                 'lora_dropout 0: resume with the same lora options'):
         finetune(str(TINY), chunks, run_name='adapters', lora_rank=2, lora_alpha=16.0, **options)
+
+
+def test_options_left_off_in_any_spelling_load_and_a_failed_save_is_an_os_error(peft_setup, tmp_path):
+    folder, adapted = peft_setup
+    rewrite(folder / 'run', tmp_path / 'off', config=lambda c: c | {'use_bdlora': False, 'velora_config': None,
+                                                                     'target_parameters': [], 'use_qalora': False})
+    tokens = batch(1, 8, seed=3)
+    assert_close(load_model(TINY, adapter=tmp_path / 'off')(tokens)['logits'], adapted(tokens)['logits'], 'off')
+    (tmp_path / 'full').mkdir()
+    (tmp_path / 'full' / f'{lora.WEIGHTS}.tmp-{os.getpid()}').mkdir()  # the write fails, as on a full disk
+    with pytest.raises(OSError, match='adapter_model.safetensors cannot be written'):
+        lora.save(str(tmp_path / 'full'), {}, {'peft_type': 'LORA'})
+    assert sorted(f.name for f in (tmp_path / 'full').iterdir()) == [f'{lora.WEIGHTS}.tmp-{os.getpid()}']
+
+
+def test_saved_adapters_and_converted_folders_are_readable_by_others(peft_setup, tmp_path):
+    folder, _ = peft_setup
+    mask = gpt2_tf.checkpoint.current_umask()
+    assert (folder / 'run' / lora.WEIGHTS).stat().st_mode & 0o777 == 0o666 & ~mask
+    with gpt2_tf.checkpoint.whole_folder(tmp_path / 'made') as staging:
+        pathlib.Path(staging, 'x').write_text('x')
+    assert (tmp_path / 'made').stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+
+def test_a_lora_run_folder_given_as_the_model_names_its_base_and_adapter(peft_setup):
+    folder, _ = peft_setup
+    with pytest.raises(FileNotFoundError, match=r'is a LoRA adapter folder, which holds the adapter alone: give '
+                                                r'its base model, with --adapter'):
+        load_model(folder / 'run')
