@@ -251,13 +251,15 @@ def _prompts(context, start_token, batch_size) -> list:
     return [[int(t) for t in row] for row in rows]
 
 
-def _check_loop_options(mode, chunk, logprobs) -> None:
+def _check_loop_options(mode, chunk, logprobs, n_vocab: int) -> None:
     if mode not in MODES:
         raise GPT2Error(f'mode must be one of {MODES}, got {validate.shown(mode)}')
     if chunk is not None and (not validate.is_int(chunk) or chunk < 1):
         raise GPT2Error(f'chunk must be a positive integer, got {validate.shown(chunk)}')
-    if logprobs is not None and (not validate.is_int(logprobs) or not 0 <= logprobs <= 20):
-        raise GPT2Error(f'logprobs must be an integer in [0, 20], got {validate.shown(logprobs)}')
+    most = min(20, n_vocab)
+    if logprobs is not None and (not validate.is_int(logprobs) or not 0 <= logprobs <= most):
+        raise GPT2Error(f'logprobs must be an integer in [0, {most}], got {validate.shown(logprobs)}'
+                        + (f' (the vocabulary has {n_vocab} tokens)' if most < 20 else ''))
 
 
 class Request:
@@ -277,7 +279,7 @@ class Request:
         self.keys = row_keys(seed, len(self.rows))
         self.penalties = penalties.penalties_for(len(self.rows), hp.n_vocab, **penalty)  # None: none set
         self.length, self.mode = length, mode or compiled.default_mode(model)
-        _check_loop_options(self.mode, chunk, logprobs)
+        _check_loop_options(self.mode, chunk, logprobs, hp.n_vocab)
         self.plan = plan_for(self.temperature, self.top_k, hp.n_vocab,
                              chunk=min(chunk or DEFAULT_CHUNK, bucket(length)), logprobs=logprobs,
                              penalized=self.penalties is not None)

@@ -155,8 +155,10 @@ def score(model: Model, tokens, *, top: int = 0, mode: Optional[str] = None):
     """
     hp = model.hparams
     rows = _rows(tokens, hp.n_vocab, hp.n_ctx)
-    if not validate.is_int(top) or not 0 <= top <= 50:
-        raise validate.GPT2Error(f'top must be an integer in [0, 50], got {validate.shown(top)}')
+    most = min(50, hp.n_vocab)
+    if not validate.is_int(top) or not 0 <= top <= most:
+        raise validate.GPT2Error(f'top must be an integer in [0, {most}], got {validate.shown(top)}'
+                                 + (f' (the vocabulary has {hp.n_vocab} tokens)' if most < 50 else ''))
     top = int(top)  # a Python int: it picks the compiled variant (a NumPy integer would reach the graph)
     length = compiled.bucket(max(len(row) for row in rows), hp.n_ctx)
     padded = np.zeros([len(rows), length], np.int32)

@@ -11,6 +11,7 @@ import pytest
 import gpt2_tf
 from gpt2_tf import HParams, compiled, scoring
 from gpt2_tf.assets import bundled_checkpoint
+from gpt2_tf.sample import Request
 from gpt2_tf.tf1_reference import Reference
 
 from conftest import FIXTURES, FLOAT32, assert_close
@@ -270,3 +271,13 @@ def test_bad_input_raises_the_projects_error_which_the_package_exports():
                  lambda: gpt2_tf.score_completion(model, [], [1]), lambda: gpt2_tf.load_model('test', dtype='int4')):
         with pytest.raises(gpt2_tf.GPT2Error):  # a plain ValueError before
             call()
+
+
+def test_more_top_tokens_than_the_vocabulary_holds_is_one_line(random_checkpoint):
+    model = gpt2_tf.load_model(random_checkpoint(HParams(n_vocab=12, n_ctx=16, n_embd=8, n_head=2, n_layer=1)))
+    with pytest.raises(gpt2_tf.GPT2Error, match=r'top must be an integer in \[0, 12\], got 20 \(the vocabulary '
+                                                r'has 12 tokens\)'):
+        gpt2_tf.score(model, [[1, 2, 3]], top=20)
+    with pytest.raises(gpt2_tf.GPT2Error, match=r'logprobs must be an integer in \[0, 12\], got 13'):
+        Request(model, 2, [[1, 2]], None, None, 1, 0, 1, None, None, None, logprobs=13)
+    assert gpt2_tf.score(model, [[1, 2, 3]], top=12)[1].shape == (1, 2, 12)
