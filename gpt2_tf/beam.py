@@ -88,7 +88,8 @@ class GPT2ModelHandler(ModelHandler):
             validate.check_length(length, folder.hparams().n_ctx)
         validate.check_seed(seed, 1)
         validate.check_stride(stride, folder.hparams().n_ctx)
-        self.model_dir, self.task, self.length, self.seed, self.stride = folder.path, task, length, seed, stride
+        self.model_dir = folder.checkpoint or folder.path  # one save of a folder, when named
+        self.task, self.length, self.seed, self.stride = task, length, seed, stride
         self.options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.max_batch_size = min(max_batch_size, BATCH_SIZES[-1])
         self.threads = threads  # TensorFlow's threads per worker (None: its own choice, every core)

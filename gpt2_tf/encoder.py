@@ -258,7 +258,7 @@ def encoder_for(model_dir: str | os.PathLike) -> Encoder:
     <|endoftext|>) and a folder with only a tokenizer.json are refused: the model
     itself still loads.
     """
-    model_dir = os.fspath(model_dir)
+    model_dir = folder_of(os.fspath(model_dir))
     has = lambda name: os.path.exists(os.path.join(model_dir, name))  # noqa: E731
     files = vocabulary_files(model_dir)
     if files and files[0].endswith('encoder.json'):
@@ -275,9 +275,16 @@ def encoder_for(model_dir: str | os.PathLike) -> Encoder:
     return get_encoder()
 
 
+def folder_of(path: str) -> str:
+    """The folder a checkpoint prefix's save sits in (checkpoint/run1/model-2 -> checkpoint/run1); a folder
+    as it is: where its vocabulary is."""
+    return (os.path.dirname(path) or '.') if os.path.isfile(path + '.index') and not os.path.isdir(path) else path
+
+
 def vocabulary_files(model_dir: str | os.PathLike) -> Optional[tuple]:
     """A folder's (encoder.json, vocab.bpe), or HF's (vocab.json, merges.txt) when it has either of those
     but not the first pair; None when it has neither. One file of a pair without the other is refused."""
+    model_dir = folder_of(os.fspath(model_dir))
     for names in (('encoder.json', 'vocab.bpe'), ('vocab.json', 'merges.txt')):
         paths = tuple(os.path.join(os.fspath(model_dir), name) for name in names)
         there = [os.path.exists(p) for p in paths]

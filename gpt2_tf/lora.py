@@ -241,8 +241,9 @@ def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = Non
     settings = os.path.join(folder, f'{CONFIG}.tmp-{os.getpid()}')
     with open(settings, 'w', encoding='utf-8') as f:
         f.write(text)
+    tensors = peft_tensors(adapters)
     try:
-        save_file(peft_tensors(adapters), temporary, metadata=metadata)
+        save_file(tensors, temporary, metadata=metadata)
     except Exception as e:  # safetensors' own error type (a full disk, say), or OSError
         for path in (temporary, settings):
             if os.path.isfile(path):

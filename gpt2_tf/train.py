@@ -360,6 +360,9 @@ class Run:
         self.log = log if self.chief else (lambda line: None)  # the chief speaks for the cluster
         saved = runfolder.is_adapter_run if config.lora_rank else runfolder.has_checkpoint
         resume = config.restore_from == 'latest' and saved(self.run_dir)
+        if resume and base.checkpoint and os.path.samefile(os.path.dirname(base.checkpoint) or '.', self.run_dir):
+            raise GPT2Error(f'{base.checkpoint} is a save of the run folder this run would resume (from its latest '
+                            f'save): give --restore_from fresh to start a run there from it, or another --run_name')
         if not resume:  # a new run here must not mix with a run of the other kind
             runfolder.check_mode(self.run_dir, lora=bool(config.lora_rank))
         self.model = loading.load_model(base, strategy=strategy, dtype=config.dtype)

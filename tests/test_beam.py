@@ -223,3 +223,25 @@ def test_direct_runner_workers_on_this_machine_share_its_cores():
     assert local_threads(workers(str(cores * 4))) == 1
     assert local_threads(PipelineOptions([])) is None  # one process: TensorFlow's own choice
     assert local_threads(PipelineOptions(['--runner', 'DataflowRunner'])) is None  # workers of their own
+
+
+def test_one_save_of_a_folder_is_the_one_the_pipeline_loads_with_the_folders_vocabulary(tmp_path):
+    import shutil
+
+    from gpt2_tf.assets import bundled_vocabulary
+
+    folder = tmp_path / 'run1'
+    shutil.copytree(bundled_checkpoint(), folder)
+    model = gpt2_tf.load_model(folder)
+    gpt2_tf.save_checkpoint(model, folder, name='model-2', keep=2)
+    model.wte.assign(model.wte * 2)
+    gpt2_tf.save_checkpoint(model, folder, name='model-4', keep=2)  # the current save
+    vocab = json.loads(open(bundled_vocabulary()[0], encoding="utf-8").read())
+    vocab['!'], vocab['"'] = vocab['"'], vocab['!']  # the folder's own vocabulary
+    (folder / 'encoder.json').write_text(json.dumps(vocab), encoding='utf-8')
+    shutil.copy(bundled_vocabulary()[1], folder / "vocab.bpe")
+    loaded = GPT2ModelHandler(str(folder / 'model-2'), 'score').load_model()
+    np.testing.assert_array_equal(loaded.model.wte.numpy(), gpt2_tf.load_model(folder / 'model-2').wte.numpy())
+    assert not np.array_equal(loaded.model.wte.numpy(), gpt2_tf.load_model(folder).wte.numpy())
+    assert loaded.encoder.encode('!') == [1]  # the folder's, not GPT-2's bundled one
+    assert gpt2_tf.encoder.encoder_for(folder / 'model-2').encode('!') == [1]

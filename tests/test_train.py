@@ -761,5 +761,8 @@ def test_one_save_of_a_run_folder_loads_by_its_prefix(tmp_path, capsys):
                        checkpoint_dir=str(tmp_path / 'again'), log=lines.append, sample_every=0)
     for name, value in trainer.model.variables_by_name().items():  # a new run from that save
         np.testing.assert_array_equal(value.numpy(), at_2[name], name)
+    with pytest.raises(GPT2Error, match='is a save of the run folder this run would resume .*--restore_from fresh'):
+        finetune(str(run / 'model-2'), [np.arange(400, dtype=np.int32) % HPARAMS.n_vocab], steps=1,
+                 checkpoint_dir=str(tmp_path / 'checkpoint'), log=lines.append, sample_every=0)
     with pytest.raises(gpt2_tf.loading.ModelNotFound, match='no model folder at'):
         gpt2_tf.load_model(run / 'model-3')

@@ -41,7 +41,7 @@ def cmd_explore(args):
     model = open_model(args, folder)
     from ..explorer import write_report
 
-    write_report(model, encoder, args.prompt, out, model_dir=folder.path)
+    write_report(model, encoder, args.prompt, out, model_dir=folder.checkpoint or folder.path)
     print(f'{args.output}: written ({len(tokens)} tokens, {hparams.n_layer} blocks)')
 
 
