@@ -66,18 +66,22 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
             checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)
         checkpoint.move_bundle(os.path.join(staging, 'model'), os.path.join(run_dir, name))
     prefix = checkpoint.publish(model, run_dir, name, keep=max_checkpoints)
-    _, after = checkpoint.checkpoint_state(run_dir)
-    # Optimizer states are of no use without their model: those of models no longer listed go (also ones an
-    # interrupted save left behind). Unlisted models stay: a copy kept by hand is the user's.
-    for index in glob.glob(os.path.join(glob.escape(run_dir), 'optimizer-*.index')):
-        if 'model-' + os.path.basename(index)[len('optimizer-'):-len('.index')] not in after:
-            checkpoint.remove_bundle(index[:-len('.index')])
+    remove_orphan_states(run_dir)
     try:
         checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
         copy_vocabulary(run_dir, vocabulary)
     except OSError as e:
         raise Unfinished(e.errno, e.strerror) from None
     return prefix
+
+
+def remove_orphan_states(run_dir: str) -> None:
+    """Optimizer states are of no use without their model: those of models the `checkpoint` file no longer
+    lists go (also ones an interrupted save left behind). Unlisted models stay: a copy kept by hand is the user's."""
+    _, listed = checkpoint.checkpoint_state(run_dir)
+    for index in glob.glob(os.path.join(glob.escape(run_dir), 'optimizer-*.index')):
+        if 'model-' + os.path.basename(index)[len('optimizer-'):-len('.index')] not in listed:
+            checkpoint.remove_bundle(index[:-len('.index')])
 
 
 class Unfinished(OSError):
