@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .checkpoint import VARIABLES, find_checkpoint, in_block, variable_shapes
+from .checkpoint import VARIABLES, in_block, variable_shapes
 from . import loading
 from .loading import load_model
 from .hparams import HParams

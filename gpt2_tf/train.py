@@ -27,7 +27,7 @@ from . import checkpoint, kernels, loading, lora, runfolder
 from .checkpoint import CheckpointError
 from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
 from .distribute import check_same_step, is_chief, make_strategy  # noqa: F401
-from .encoder import END_OF_TEXT, encoder_for
+from .encoder import encoder_for
 from .runtime import Model
 from .sample import sample_sequence
 from .scoring import mean_loss, score
