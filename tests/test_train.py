@@ -481,8 +481,9 @@ def token_file(tmp_path, train_docs=6, val_docs=3):
 
 def finetune_lines(model_dir, dataset, tmp_path, **options):
     lines = []
-    common = dict(steps=3, checkpoint_dir=str(tmp_path / 'checkpoint'), restore_from='fresh', batch_size=2,
-                  accumulate_gradients=1, learning_rate=1e-3, sample_every=0, save_every=0, log=lines.append)
+    common = dict(steps=3, checkpoint_dir=str(tmp_path / 'checkpoint'), sample_dir=str(tmp_path / 'samples'),
+                  restore_from='fresh', batch_size=2, accumulate_gradients=1, learning_rate=1e-3, sample_every=0,
+                  save_every=0, log=lines.append)
     trainer = finetune(str(model_dir), str(dataset), **{**common, **options})
     return trainer, lines
 
@@ -490,7 +491,8 @@ def finetune_lines(model_dir, dataset, tmp_path, **options):
 def test_finetune_on_a_token_file_is_seeded_and_holds_out_whole_documents(tmp_path):
     path, words, digits = token_file(tmp_path)
     run = train.Run(bundled_checkpoint(), str(path), train.configure(seed=4, val_fraction=0.3, val_every=1,
-                                                                       val_batch_count=4, sample_every=0))
+                                                                       val_batch_count=4, sample_every=0,
+                                                                       checkpoint_dir=str(tmp_path / 'checkpoint')))
     end = {50256}
     for _ in range(20):  # training windows only from the word documents, validation ones only from the digits
         assert set(run.sampler.sample(4).ravel().tolist()) <= words | end
@@ -563,7 +565,8 @@ def test_val_dataset_takes_a_token_file_and_val_fraction_needs_one(tmp_path):
     (tmp_path / 'held' / 'h.txt').write_text((DIGITS * 40).strip())
     corpus.encode_corpus([tmp_path / 'held'], tmp_path / 'held.bin')
     run = train.Run(bundled_checkpoint(), str(path), train.configure(
-        seed=1, val_dataset=str(tmp_path / 'held.bin'), val_every=1, val_batch_count=3, sample_every=0))
+        seed=1, val_dataset=str(tmp_path / 'held.bin'), val_every=1, val_batch_count=3, sample_every=0,
+        checkpoint_dir=str(tmp_path / 'checkpoint')))
     assert len(run.validation) == 3 and all(set(b.ravel().tolist()) <= digits | {50256} for b in run.validation)
     assert set(run.sampler.sample(8).ravel().tolist()) & words  # the whole file trains: no split asked
     (tmp_path / 'corpus.txt').write_text(WORDS * 40)
@@ -575,8 +578,8 @@ def test_val_dataset_takes_a_token_file_and_val_fraction_needs_one(tmp_path):
 
 def run_steps(tmp_path, steps, **options):
     chunks = [np.random.default_rng(0).integers(0, HPARAMS.n_vocab, 500).astype(np.int32)]
-    common = dict(checkpoint_dir=str(tmp_path / 'checkpoint'), batch_size=2, accumulate_gradients=1, sample_every=0,
-                  seed=1, log=lambda line: None)
+    common = dict(checkpoint_dir=str(tmp_path / 'checkpoint'), sample_dir=str(tmp_path / 'samples'), batch_size=2,
+                  accumulate_gradients=1, sample_every=0, seed=1, log=lambda line: None)
     return finetune(str(HOT), chunks, steps=steps, **{**common, **options})
 
 
