@@ -491,9 +491,7 @@ def publish(model: Model, model_dir: str, name: str, *, keep: int = 1) -> str:
     name, then the prefixes beyond the `keep` newest removed. Returns the prefix."""
     hparams_path = os.path.join(model_dir, 'hparams.json')
     if not os.path.exists(hparams_path):
-        temporary = f'{hparams_path}.tmp-{os.getpid()}'
-        model.hparams.to_json(temporary)
-        os.replace(temporary, hparams_path)  # whole or absent, as the `checkpoint` file
+        model.hparams.to_json(hparams_path)  # whole or absent, as the `checkpoint` file
     _, listed = checkpoint_state(model_dir)
     kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]
     write_state(model_dir, kept)

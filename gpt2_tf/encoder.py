@@ -278,7 +278,12 @@ def encoder_for(model_dir: str | os.PathLike) -> Encoder:
 def folder_of(path: str) -> str:
     """The folder a checkpoint prefix's save sits in (checkpoint/run1/model-2 -> checkpoint/run1); a folder
     as it is: where its vocabulary is."""
-    return (os.path.dirname(path) or '.') if os.path.isfile(path + '.index') and not os.path.isdir(path) else path
+    return (os.path.dirname(path) or '.') if is_save(path) else path
+
+
+def is_save(path: str) -> bool:
+    """Whether path names one save of a folder by its prefix (model-2 beside model-2.index), not a folder."""
+    return os.path.isfile(path + '.index') and not os.path.isdir(path)
 
 
 def vocabulary_files(model_dir: str | os.PathLike) -> Optional[tuple]:

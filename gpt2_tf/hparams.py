@@ -75,9 +75,12 @@ class HParams:
         return dataclasses.asdict(self)
 
     def to_json(self, path: str | os.PathLike) -> None:
-        with open(path, 'w', encoding='utf-8') as f:
+        """Writes the file whole or not at all (beside it first, then renamed over it)."""
+        temporary = f'{os.fspath(path)}.tmp-{os.getpid()}'
+        with open(temporary, 'w', encoding='utf-8') as f:
             json.dump(self.to_dict(), f, indent=2)
             f.write('\n')
+        os.replace(temporary, path)
 
 
 PUBLISHED = {

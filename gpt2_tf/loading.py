@@ -24,7 +24,7 @@ import numpy as np
 from . import hf
 from .assets import bundled_checkpoint
 from .download import partial_folder
-from .encoder import Encoder, encoder_for, vocabulary_files
+from .encoder import Encoder, encoder_for, is_save, vocabulary_files
 from .hparams import OLD_NAMES, PUBLISHED, HParams
 from .validate import GPT2Error
 
@@ -141,7 +141,7 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
         return model_dir
     if model_dir is not None:
         model_dir = os.fspath(model_dir)
-        if os.path.isfile(model_dir + '.index') and not os.path.isdir(model_dir):
+        if is_save(model_dir):
             return _one_save(model_dir)
         if os.path.exists(model_dir) or os.sep in model_dir or not model_dir:
             if not os.path.exists(model_dir):

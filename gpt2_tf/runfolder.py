@@ -228,10 +228,8 @@ def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict,
         if index[:-len('.index')] != state:
             checkpoint.remove_bundle(index[:-len('.index')])
     checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
-    hparams = os.path.join(run_dir, 'hparams.json')
-    if not os.path.exists(hparams):
-        model.hparams.to_json(f'{hparams}.tmp-{os.getpid()}')
-        os.replace(f'{hparams}.tmp-{os.getpid()}', hparams)
+    if not os.path.exists(os.path.join(run_dir, 'hparams.json')):
+        model.hparams.to_json(os.path.join(run_dir, 'hparams.json'))
     copy_vocabulary(run_dir, vocabulary)
     return os.path.join(run_dir, lora.WEIGHTS)
 
