@@ -44,6 +44,10 @@ DECAY_POWER, EPSILON1, CLIP = 0.8, 1e-30, 1.0
 
 # --- one training step ---------------------------------------------------------------------------
 
+class Diverged(GPT2Error):
+    """A step's loss or a gradient was not finite: its update was not applied, the model is the step before."""
+
+
 def recomputed(block):
     """The block as h -> h with each half's activations recomputed in the backward pass (Block.halves):
     a half's backward then runs only what its gradients read, so frozen products whose outputs only the
@@ -190,10 +194,10 @@ class Trainer:
                 tf.raw_ops.AssignVariableOp(resource=b.handle, value=power * beta)
 
     def _update(self, tokens, lr):
+        """One step -> (the batch's mean loss before it, bool []: whether its update was applied)."""
         if self.strategy is None:
             loss, grads = self._gradients(tokens)
-            self._apply(grads, lr)
-            return loss
+            return loss, self._apply_if_finite(loss, grads, lr)
 
         def replica(tokens):  # every replica sees the global batch and takes its own slice of it
             context = tf.distribute.get_replica_context()
@@ -201,13 +205,25 @@ class Trainer:
             replica_id = tf.cast(context.replica_id_in_sync_group, tf.int32)
             loss, grads = self._gradients(tokens[replica_id * rows:(replica_id + 1) * rows], replica_id)
             reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [loss] + grads)  # equal slices: the batch's mean
-            self._apply(reduced[1:], lr)
-            return reduced[0]
+            return reduced[0], self._apply_if_finite(reduced[0], reduced[1:], lr)  # the same on every replica
 
         return self.strategy.experimental_local_results(self.strategy.run(replica, args=(tokens,)))[0]
 
+    def _apply_if_finite(self, loss, grads, lr):
+        """Applies grads when the loss and every gradient are finite (the original would write NaN into every
+        weight and optimizer slot); -> bool []: whether it did."""
+        values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(x)) for x in [loss, *values]]))
+
+        def apply():
+            self._apply(grads, lr)
+            return tf.constant(True)
+
+        return tf.cond(finite, apply, lambda: tf.constant(False))
+
     def step(self, tokens) -> float:
-        """ONE optimizer update on tokens int32 [batch, T]; returns the batch's mean loss before it."""
+        """ONE optimizer update on tokens int32 [batch, T]; returns the batch's mean loss before it. Raises
+        Diverged, and changes nothing, when the loss or a gradient is not finite."""
         tokens = self.model.check_inputs(tokens)
         if tokens.shape[1] < 2:
             raise GPT2Error(f'training needs at least 2 tokens per row, got {tokens.shape[1]}')
@@ -220,7 +236,12 @@ class Trainer:
         # the attention keeps its kernel, which has one
         with interrupts_deferred():  # the update and its count together: a Ctrl-C takes effect after both
             with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops(products_only=True):
-                loss = float(self._step(tf.constant(tokens, tf.int32), tf.constant(self.learning_rate)))
+                loss, applied = self._step(tf.constant(tokens, tf.int32), tf.constant(self.learning_rate))
+            loss = float(loss)
+            if not applied:
+                what = f'the loss is {loss}' if not np.isfinite(loss) else 'a gradient is not finite'
+                raise Diverged(f'step {self.steps + 1}: {what}, so its update was not applied (the model stays at '
+                               f'step {self.steps}); lower the learning rate, or check the weights for NaN')
             self.steps += 1
             if self.adapters:
                 next(iter(self.adapters.values())).counter.value.assign_add(1)  # one counter: the next step's masks
@@ -453,7 +474,8 @@ class Run:
                 with self.saved_on_failure():
                     held_out = validation_loss(self.model, self.validation)
                 self.log(f'[{trainer.steps} | {time.time() - start:.2f}] validation loss = {held_out:.4f}')
-            loss = self.step()
+            with self.saved_on_failure(Diverged):  # the model is the step before: kept
+                loss = self.step()
             if _due(trainer.steps, config.print_every):  # gpt-2-simple's decayed mean of the printed losses
                 average = (average[0] * 0.99 + loss, average[1] * 0.99 + 1.0)
                 self.log(f'[{trainer.steps} | {time.time() - start:.2f}] loss={loss:.4f} '
@@ -467,13 +489,13 @@ class Run:
                 break
 
     @contextlib.contextmanager
-    def saved_on_failure(self):
-        """Between steps (validation, samples): a failure saves the step reached before it is raised, so that
-        the steps since the last save are kept (an update is whole: the step before it ended); before this
-        run's first step there is nothing to keep."""
+    def saved_on_failure(self, kinds=Exception):
+        """Between steps (validation, samples) or a step that changed nothing (Diverged): a failure of `kinds`
+        saves the step reached before it is raised, so that the steps since the last save are kept (an update
+        is whole: the step before it ended); before this run's first step there is nothing to keep."""
         try:
             yield
-        except Exception:
+        except kinds:
             if self.trainer.steps == self.first:
                 raise
             try:

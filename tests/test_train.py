@@ -769,3 +769,33 @@ def test_one_save_of_a_run_folder_loads_by_its_prefix(tmp_path, capsys):
                  checkpoint_dir=str(tmp_path / 'checkpoint'), log=lines.append, sample_every=0)
     with pytest.raises(gpt2_tf.loading.ModelNotFound, match='no model folder at'):
         gpt2_tf.load_model(run / 'model-3')
+
+
+@pytest.mark.parametrize('optimizer', ['adam', 'sgd'])
+def test_a_step_whose_loss_is_not_finite_changes_nothing_and_says_so(optimizer):
+    trainer = Trainer(gpt2_tf.load_model(HOT), 1e-2, optimizer)
+    trainer.step(batches(1)[0])
+    before = {name: v.numpy().copy() for name, v in [*trainer.model.variables_by_name().items(),
+                                                      *trainer.slots.items()]}
+    gain = trainer.model.h[1].ln_1.g
+    gain.assign(tf.tensor_scatter_nd_update(gain, [[3]], [np.nan]))  # one broken weight: every logit is NaN
+    before['model/h1/ln_1/g'] = gain.numpy().copy()
+    with pytest.raises(train.Diverged, match=r'^step 2: the loss is nan, so its update was not applied \(the model '
+                                             r'stays at step 1\); lower the learning rate'):
+        trainer.step(batches(2)[1])
+    assert trainer.steps == 1
+    for name, v in [*trainer.model.variables_by_name().items(), *trainer.slots.items()]:
+        np.testing.assert_array_equal(v.numpy(), before[name], name)
+
+
+def test_a_run_that_diverges_saves_the_last_finite_step_and_stops(tmp_path):
+    # SGD at 10^6: the first updates are finite and throw the weights so far that a later step's are not
+    with pytest.raises(train.Diverged, match=r'^step \d+: (the loss is|a gradient is not finite)') as refused:
+        run_steps(tmp_path, 5, optimizer='sgd', learning_rate=1e6, save_every=1000)
+    reached = int(re.match(r'step (\d+)', str(refused.value))[1]) - 1
+    assert reached >= 1
+    run = tmp_path / 'checkpoint' / 'run1'
+    assert gpt2_tf.checkpoint.checkpoint_state(str(run))[0] == f'model-{reached}'
+    saved = gpt2_tf.load_model(str(run))
+    assert all(np.isfinite(v.numpy()).all() for v in saved.variables)
+    assert np.isfinite(gpt2_tf.score(saved, batches(1, batch=1)[0])).all()
