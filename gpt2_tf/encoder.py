@@ -158,7 +158,7 @@ class Encoder:
     def decode_whole(self, tokens: Iterable[int]) -> str:
         """decode(tokens) without a character the last tokens leave unfinished (a token may end inside a UTF-8
         character): the text before the next token's bytes, as the whole text has it."""
-        raw = b''.join(bytes(self.byte_decoder[c] for c in self.decoder[t]) for t in self._ids(tokens))
+        raw = b''.join(map(self.token_bytes, self._ids(tokens)))
         for back in range(1, min(4, len(raw)) + 1):  # the last lead byte, and whether its character is complete
             byte = raw[-back]
             if byte >= 0xC0:
@@ -168,6 +168,10 @@ class Encoder:
             if byte < 0x80:
                 break
         return raw.decode('utf-8', errors=self.errors)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token id of this vocabulary."""
+        return bytes(self.byte_decoder[c] for c in self.decoder[token])
 
     def _ids(self, tokens: Iterable[int]) -> list:
         """tokens as Python ints, each an id of this vocabulary."""

@@ -130,13 +130,27 @@ def test_echo_logprobs_with_no_new_tokens_equals_score(client, model):
     assert got[0] is None and len(got) == len(ids)
     np.testing.assert_allclose(got[1:], expected, atol=1e-4)
     assert ''.join(choice.logprobs.tokens) == text
-    assert all(len(top) == 3 for top in choice.logprobs.top_logprobs[1:])
+    # the 3 likeliest, and the prompt's own token always (OpenAI's "up to logprobs + 1")
+    for piece, top in zip(choice.logprobs.tokens[1:], choice.logprobs.top_logprobs[1:]):
+        assert piece in top and len(top) == 3 + (piece not in sorted(top, key=top.get)[-3:])
+
+
+def test_echoes_of_several_prompts_of_different_lengths_each_equal_score(client, model):
+    texts = ['The quick brown fox jumps over the lazy dog', 'Hi there', 'A', 'Once upon a time, in a land far away']
+    done = client.completions.create(model=MODEL, prompt=texts, max_tokens=0, echo=True, logprobs=1)
+    for text, choice in zip(texts, sorted(done.choices, key=lambda c: c.index)):
+        ids = gpt2_tf.encode(text)
+        assert choice.text == text and len(choice.logprobs.token_logprobs) == len(ids)
+        if len(ids) > 1:
+            np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], gpt2_tf.score(model, [ids])[0], atol=1e-4)
 
 
 def test_generated_logprobs_come_from_the_models_distribution(client, model):
     done = client.completions.create(model=MODEL, prompt='Hello', max_tokens=6, logprobs=2, seed=9, temperature=0.8)
     lp = done.choices[0].logprobs
-    assert len(lp.token_logprobs) == len(lp.tokens) and all(len(t) == 2 for t in lp.top_logprobs)
+    assert len(lp.token_logprobs) == len(lp.tokens)
+    for piece, drawn, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[piece] == drawn and len(top) in (2, 3)  # the 2 likeliest, and the drawn token's always
     full = gpt2_tf.encode('Hello' + ''.join(lp.tokens))
     scored = gpt2_tf.score(model, [full])[0][-len(lp.tokens):]
     np.testing.assert_allclose(lp.token_logprobs, scored, atol=1e-3)

@@ -193,6 +193,22 @@ def test_the_text_offsets_of_tokens_inside_a_character_stay_on_it():
     assert choice.entries['text_offset'] == [0, 1, 1, 1, 2]  # 'b' at 2, as in 'a\U0001d11eb'; none past it
 
 
+def test_an_echoed_prompts_offsets_count_as_its_generated_tokens_do(model):
+    from gpt2_tf.encoder import get_encoder
+    from gpt2_tf.serve.completion import echo_logprobs
+
+    encoder = get_encoder()
+    ids = encoder.encode('a\U0001d11eb')
+    entries, = echo_logprobs(model, encoder, [ids], 1)
+    assert entries['text_offset'] == [0, 1, 1, 1, 2]
+    rng = np.random.default_rng(0)
+    alphabet = list('ab .é€日本\U0001f600\U0001d11e')  # one to four UTF-8 bytes: BPE splits some characters
+    for _ in range(20):
+        ids = encoder.encode(''.join(rng.choice(alphabet, 10)))[:40]
+        entries, = echo_logprobs(model, encoder, [ids], 1)
+        assert entries['text_offset'] == [len(encoder.decode_whole(ids[:i])) for i in range(len(ids))]
+
+
 def test_an_empty_prompt_echoes_as_nothing(served):
     done = complete(served, prompt=['', 'A'], max_tokens=0, echo=True)
     assert [c.text for c in done.choices] == ['', 'A']

@@ -187,6 +187,93 @@ def test_a_request_with_more_rows_than_the_queue_ever_holds_is_400_not_503(serve
     assert_openai_error(body, f'asks for 26 rows .* queues at most {QUEUE}')
 
 
+def test_choices_without_rows_count_against_the_queue_too(served):
+    # max_tokens 0 queues no row, but every choice is still built and answered: 13 prompts x 2 = 26 > 24
+    status, body = post(served.port, json.dumps({'prompt': [[1]] * 13, 'n': 2, 'max_tokens': 0}).encode())
+    assert status == 400
+    assert_openai_error(body, f'asks for 26 rows .* queues at most {QUEUE}')
+    status, body = post(served.port, json.dumps({'prompt': [[1]] * 12, 'n': 2, 'max_tokens': 0}).encode())
+    assert status == 200 and len(body['choices']) == 24
+
+
+def test_a_json_body_without_a_content_type_is_told_to_send_the_header(served):
+    connection = http.client.HTTPConnection('127.0.0.1', served.port, timeout=60)
+    connection.putrequest('POST', '/v1/completions', skip_accept_encoding=True)  # no Content-Type header at all
+    body = b'{"prompt": "Hi", "max_tokens": 2}'
+    connection.putheader('Content-Length', str(len(body)))
+    connection.endheaders(body)
+    response = connection.getresponse()
+    status, reply = response.status, json.loads(response.read())
+    connection.close()
+    assert status == 400
+    assert_openai_error(reply, '^the body was sent without a Content-Type header: send JSON, with the header '
+                               'Content-Type: application/json$')
+
+
+def test_a_client_that_leaves_during_an_echos_scoring_stops_it(model, monkeypatch):
+    from gpt2_tf.serve import completion
+
+    scored, score = [], completion.echo_logprobs
+
+    def slowly(*args):
+        scored.append(1)
+        time.sleep(0.3)
+        return score(*args)
+
+    monkeypatch.setattr(completion, 'echo_logprobs', slowly)
+    monkeypatch.setattr(completion, 'ECHO_TOKENS', 64)  # one prompt of 33..64 tokens a group: 20 groups
+    with running(make_app(model)) as port:
+        with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
+            body = json.dumps({'prompt': [[7] * 40] * 20, 'max_tokens': 0, 'echo': True, 'logprobs': 2}).encode()
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                         b'Content-Length: %d\r\n\r\n%s' % (len(body), body))
+            settled(lambda: len(scored), lambda n: n >= 1)
+        time.sleep(2)  # the server looks for a gone client every 0.25 s
+        stopped = len(scored)
+        time.sleep(1)
+        assert len(scored) == stopped < 20, 'the scoring went on after its client left'
+
+
+def test_a_token_the_vocabulary_cannot_write_fails_the_request_as_the_servers_fault(random_checkpoint):
+    from gpt2_tf.encoder import encoder_for
+    from gpt2_tf.serve import create_app
+
+    padded = gpt2_tf.load_model(random_checkpoint(HParams(n_vocab=50304, n_ctx=16, n_embd=16, n_head=2, n_layer=1)))
+    app = create_app(padded, encoder_for(bundled_checkpoint()), model_id='padded', mode='eager', capacity=2,
+                     queue_size=4)
+    request = {'prompt': 'Hi', 'max_tokens': 3, 'logit_bias': {'50300': 100}}  # id 50300 has no text
+    with running(app) as port:
+        status, body = post(port, json.dumps(request).encode())
+        assert status == 500 and body['error']['type'] == 'server_error', body
+        assert body['error']['message'].startswith('generation failed: token id 50300 is outside the vocabulary')
+        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
+        connection.request('POST', '/v1/completions', body=json.dumps({**request, 'stream': True}),
+                           headers={'Content-Type': 'application/json'})
+        events = connection.getresponse().read().decode().split('\n\n')
+        connection.close()
+    assert events[-3:] == [events[-3], 'data: [DONE]', ''], events
+    assert json.loads(events[-3].removeprefix('data: '))['error']['message'].startswith('generation failed: token id')
+
+
+def test_a_stream_that_meets_a_bug_still_ends_with_an_error_event_and_done(model, monkeypatch):
+    from gpt2_tf.serve.completion import Choice
+
+    def broken(self, tokens, log_probs):
+        raise KeyError('a bug')
+
+    monkeypatch.setattr(Choice, 'add', broken)
+    with running(make_app(model)) as port:
+        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
+        connection.request('POST', '/v1/completions', body=json.dumps({'prompt': 'Hi', 'max_tokens': 3, 'stream': True}),
+                           headers={'Content-Type': 'application/json'})
+        events = connection.getresponse().read().decode().split('\n\n')
+        connection.close()
+    assert events[-2:] == ['data: [DONE]', ''], events
+    assert json.loads(events[-3].removeprefix('data: '))['error'] == {
+        'message': 'the server failed on this request (KeyError); its log has the details', 'type': 'server_error',
+        'param': None, 'code': None}
+
+
 def test_a_request_that_can_never_fit_the_window_is_400(served):
     status, body = post(served.port, json.dumps({'prompt': [1] * 100, 'max_tokens': 100}).encode())
     assert status == 400

@@ -70,7 +70,7 @@ def create_app(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequen
     async def completions(request: CompletionRequest, http: Request):
         check_model(request.model, served)
         completion = Completion(request, request.to_sampling(encoder, model.hparams), encoder, model_id)
-        await completion.submit(model, batcher)
+        completion.submit(model, batcher)
         http.state.completion = completion  # for Gate's metrics and access log
         if request.stream:
             return StreamingResponse(completion.stream(), media_type='text/event-stream')

@@ -82,12 +82,16 @@ class Batcher:
         self.thread = threading.Thread(target=self._work, name='gpt2_tf-batcher', daemon=True)
         self.thread.start()
 
+    def check_rows(self, count: int) -> None:
+        """Raises APIError 400 when a request of `count` rows could never be queued."""
+        if count > self.queue_size:
+            raise APIError(400, f'the request asks for {count} rows (prompts times best_of, n by default); this server '
+                           f'queues at most {self.queue_size}: send fewer prompts, or a smaller n or best_of')
+
     def submit(self, rows: List[Row]) -> None:
         """Queues the rows, or raises APIError: 400 when they could never all be queued, 503 when the queue is
         full now. A row that cannot fit the window fails now."""
-        if len(rows) > self.queue_size:
-            raise APIError(400, f'the request asks for {len(rows)} rows (prompts times best_of, n by default); this server '
-                           f'queues at most {self.queue_size}: send fewer prompts, or a smaller n or best_of')
+        self.check_rows(len(rows))
         fitting = []
         for row in rows:
             try:

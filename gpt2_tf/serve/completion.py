@@ -10,25 +10,46 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import codecs
 import copy
 import functools
 import json
+import logging
 import secrets
 import time
 from typing import AsyncIterator, List, Optional
 
+from ..compiled import bucket
 from ..encoder import END_OF_TEXT, Encoder
+from ..validate import GPT2Error
 from ..runtime import Model
 from ..scoring import score
 from .batcher import Batcher, Row
 from .protocol import APIError, CompletionChoice, CompletionRequest, CompletionResponse, Sampling, Usage
 
 
+LOG = logging.getLogger(__name__)  # a failed stream's traceback: the client gets an error event
+
+
+class Offsets:
+    """Where each token of a text starts, in characters, as len(decode_whole(the tokens before it)) counts it
+    (on a character the tokens before it left unfinished), without decoding the text again for each."""
+
+    def __init__(self, encoder: Encoder):
+        self.encoder, self.length = encoder, 0
+        self.text = codecs.getincrementaldecoder('utf-8')(encoder.errors)  # holds an unfinished character back
+
+    def take(self, token: int) -> int:
+        """The next token's offset; then reads its bytes."""
+        at = self.length
+        self.length += len(self.text.decode(self.encoder.token_bytes(token)))
+        return at
+
+
 class Choice:
     """One choice as it grows: its text, finish reason and OpenAI logprobs object."""
 
-    def __init__(self, index: int, encoder: Encoder, stops: list, logprobs: Optional[int], prefix: str = '',
-                 prefix_logprobs: Optional[dict] = None):
+    def __init__(self, index: int, encoder: Encoder, stops: list, logprobs: Optional[int], prefix: str = ''):
         self.index, self.encoder, self.stops, self.logprobs = index, encoder, stops, logprobs
         self.end = encoder.encoder.get(END_OF_TEXT)  # None: a vocabulary without it never ends a choice there
         self.tokens: List[int] = []
@@ -38,7 +59,9 @@ class Choice:
         self.cut: Optional[int] = None  # where a stop string cut the text, if one did
         self.handed = 0  # logprobs entries already handed out (a stream's chunks)
         self.drawn: List[float] = []  # the log-prob of each token drawn, the end of text included (for best_of)
-        self.entries = prefix_logprobs or {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+        # the echoed prompt's entries first (Completion sets them), then each token's
+        self.entries = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+        self.offsets = Offsets(encoder)
 
     def add(self, tokens, log_probs) -> str:
         """Takes new tokens; returns the text ready to send (held back while a stop may still form)."""
@@ -52,10 +75,10 @@ class Choice:
                 break
             self.tokens.append(token)
             if self.logprobs is not None and log_probs is not None:
-                piece = self.encoder.decode([token])
-                offset = len(self.prefix) + len(self.encoder.decode_whole(self.tokens[:-1]))  # on its character
+                piece, offset = self.encoder.decode([token]), len(self.prefix) + self.offsets.take(token)
                 top = {self.encoder.decode([int(t)]): float(p) for t, p in
                        zip(log_probs['top_ids'][i][:self.logprobs], log_probs['top_log_probs'][i][:self.logprobs])}
+                top.setdefault(piece, float(log_probs['log_probs'][i]))  # the drawn token's, always (OpenAI's rule)
                 self._entry(piece, float(log_probs['log_probs'][i]), top, offset)
         text = self.stopped(self.encoder.decode(self.tokens))
         if not self.finish_reason:
@@ -123,18 +146,25 @@ class Choice:
         return sum(1 for offset in self.entries['text_offset'] if offset < limit)
 
 
-def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dict:
-    """The prompt's own logprobs object, from scoring (the first token has none)."""
+ECHO_TOKENS = 4096  # prompt tokens (padded) scored in one call for an echo's logprobs
+
+
+def echo_logprobs(model: Model, encoder: Encoder, prompts: list, top: int) -> list:
+    """Each prompt's own logprobs object, from scoring them in one call (a prompt's first token has none)."""
+    scorable = [i for i, prompt in enumerate(prompts) if len(prompt) >= 2]  # to_sampling checked the window
+    scored = dict(zip(scorable, zip(*score(model, [prompts[i] for i in scorable], top=max(top, 1))))) \
+        if scorable else {}
+    return [_echo_entries(encoder, prompt, *scored.get(i, (None, None, None)), top=top)
+            for i, prompt in enumerate(prompts)]
+
+
+def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) -> dict:
     entries = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
-    lp, ids, top_lp = (None, None, None)
-    if len(prompt) >= 2:  # CompletionRequest.to_sampling has checked that it fits the window
-        lp, ids, top_lp = score(model, [prompt], top=max(top, 1))
-        lp, ids, top_lp = lp[0], ids[0], top_lp[0]
-    offset = 0
+    offsets = Offsets(encoder)
     for i, token in enumerate(prompt):
         piece = encoder.decode([token])
         entries['tokens'].append(piece)
-        entries['text_offset'].append(offset)
+        entries['text_offset'].append(offsets.take(token))
         if i == 0 or lp is None:
             entries['token_logprobs'].append(None)
             entries['top_logprobs'].append(None)
@@ -142,8 +172,20 @@ def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dic
             entries['token_logprobs'].append(float(lp[i - 1]))
             entries['top_logprobs'].append({encoder.decode([int(t)]): float(p)
                                             for t, p in zip(ids[i - 1][:top], top_lp[i - 1][:top])})
-        offset += len(piece)
+            entries['top_logprobs'][-1].setdefault(piece, float(lp[i - 1]))  # the prompt's own token, always
     return entries
+
+
+def echo_groups(prompts: list, tokens: int = ECHO_TOKENS) -> list:
+    """The prompts' indices in order, in groups of at most `tokens` padded tokens (one prompt at least)."""
+    groups, group, longest = [], [], 0
+    for i, prompt in enumerate(prompts):
+        if group and (len(group) + 1) * bucket(max(longest, len(prompt))) > tokens:
+            groups.append(group)
+            group, longest = [], 0
+        group.append(i)
+        longest = max(longest, len(prompt))
+    return groups + [group] if group else groups
 
 
 class Completion:
@@ -168,26 +210,37 @@ class Completion:
         self.first_count = 0  # tokens of the first chunk: they arrive together, at first_token
         self.complete = False  # the whole response or stream was handed out
         self.failed = False  # a stream that failed after its first bytes (it ends with an error event)
+        self.scorer: Optional[Model] = None  # the model, when the echoed prompts' logprobs are to be scored
 
-    async def submit(self, model: Model, batcher: Batcher) -> None:
-        """Makes the choices (an echo's log-probs are scored off the event loop) and queues their rows."""
+    def submit(self, model: Model, batcher: Batcher) -> None:
+        """Makes the choices and queues their rows; an echo's log-probs are scored when its events start."""
         request, best_of = self.request, self.sampling.best_of
+        batcher.check_rows(len(self.sampling.prompts) * best_of)  # rows or not: every choice costs the loop work
         ranked = best_of > request.n and request.logprobs is None  # the ranking needs each token's log-prob
+        self.scorer = model if request.echo and request.logprobs is not None else None
         for i, (prompt, given) in enumerate(zip(self.sampling.prompts, self.sampling.given)):
             prefix = self.encoder.decode(given) if request.echo else ''  # an empty prompt echoes as ''
-            echoed = None
-            if given and request.echo and request.logprobs is not None:
-                echoed = await asyncio.to_thread(echo_logprobs, model, self.encoder, given, request.logprobs)
             for j in range(best_of):
                 index = i * best_of + j
-                self.choices.append(Choice(index, self.encoder, request.stop or [], request.logprobs, prefix,
-                                           copy.deepcopy(echoed)))
+                self.choices.append(Choice(index, self.encoder, request.stop or [], request.logprobs, prefix))
                 if request.max_tokens:
                     self.rows[index] = Row(prompt, request.max_tokens, self.sampling.options,
                                            (self.sampling.seed, index), 0 if ranked else request.logprobs,
                                            functools.partial(self._deliver, index))
         if self.rows:
             batcher.submit(list(self.rows.values()))
+
+    async def _score_echoes(self) -> None:
+        """The echoed prompts' logprobs, scored off the event loop a group at a time: a client that goes away
+        (its task cancelled) stops the scoring at the next group."""
+        given, best_of, top = self.sampling.given, self.sampling.best_of, self.request.logprobs
+        for group in echo_groups(given):
+            prompts = [given[i] for i in group]
+            scored = await asyncio.to_thread(echo_logprobs, self.scorer, self.encoder, prompts, top)
+            for i, entries in zip(group, scored):
+                if given[i]:  # an empty prompt echoes nothing
+                    for choice in self.choices[i * best_of:(i + 1) * best_of]:
+                        choice.entries = copy.deepcopy(entries)
 
     def _deliver(self, index: int, tokens, log_probs, *, error: Optional[str] = None) -> None:
         # Called on the Batcher's thread: hand over to the event loop.
@@ -203,6 +256,8 @@ class Completion:
 
     async def events(self) -> AsyncIterator[tuple]:
         """Yields (choice, new text, finished) as rows deliver; every choice ends with a finish."""
+        if self.scorer is not None:
+            await self._score_echoes()
         for choice in self.choices:
             if choice.prefix:
                 yield choice, choice.prefix, False
@@ -216,7 +271,10 @@ class Completion:
                 raise APIError(500, f'generation failed: {error}', kind='server_error')
             if index not in open_rows:
                 continue
-            text = choice.add(tokens, log_probs) if tokens is not None else ''
+            try:
+                text = choice.add(tokens, log_probs) if tokens is not None else ''
+            except GPT2Error as e:  # a token the model drew that its vocabulary cannot write (a padded n_vocab)
+                raise APIError(500, f'generation failed: {e}', kind='server_error') from None
             if tokens is not None and len(tokens):
                 self.last_token = time.monotonic()
                 if self.first_token is None:
@@ -277,8 +335,12 @@ class Completion:
                 yield f'data: {self.chunk([], self.usage()).model_dump_json()}\n\n'
             yield 'data: [DONE]\n\n'
             self.complete = True
-        except APIError as error:  # the headers have gone: an error event (as vLLM sends), then the end
+        except Exception as error:  # the headers have gone: an error event (as vLLM sends), then the end
             self.failed = True
+            if not isinstance(error, APIError):  # a bug: its traceback goes to the log, its name to the client
+                LOG.exception("a completion stream failed")
+                error = APIError(500, f'the server failed on this request ({type(error).__name__}); its log has '
+                                      f'the details', kind='server_error')
             yield f'data: {json.dumps(error.body())}\n\n'
             yield 'data: [DONE]\n\n'
         finally:  # also when the client goes away

@@ -47,9 +47,9 @@ def invalid_request(errors: Sequence[dict], content_type: str = 'application/jso
     """The first of pydantic's errors as a 400 (OpenAI answers 400 where FastAPI would answer 422); a body sent
     as another type (a form, plain text) is not read as JSON, so that is what the message names."""
     first = errors[0] if errors else {}
-    if content_type and 'json' not in content_type.lower() and tuple(first.get('loc', ())) == ('body',):
-        return APIError(400, f'the body was sent as {content_type.split(";")[0]}: send JSON, with the header '
-                             f'Content-Type: application/json')
+    if 'json' not in content_type.lower() and tuple(first.get('loc', ())) == ('body',):
+        sent = f'as {content_type.split(";")[0]}' if content_type else 'without a Content-Type header'
+        return APIError(400, f'the body was sent {sent}: send JSON, with the header Content-Type: application/json')
     if first.get('type') == 'json_invalid':  # loc is ('body', character offset)
         at = first.get('loc', ('body', '?'))[1:2] or ('?',)
         reason = (first.get('ctx') or {}).get('error', 'JSON decode error')
