@@ -383,17 +383,35 @@ def staged(folder: str, prefix: str = '.saving-'):
 
 @contextlib.contextmanager
 def whole_folder(path):
-    """A staging folder beside path (missing or empty, validate.check_new_folder) that becomes path when the
-    block ends without an error (staged, the folder itself moved): an export is there whole or not at all."""
+    """A staging folder whose files become the folder `path` (missing or empty, validate.check_new_folder)
+    when the block ends without an error: an export is there whole or not at all. A missing folder is staged
+    beside it and moved into place; an empty one (a mount point, the working folder) stays the same folder,
+    staged inside and its entries moved into it."""
     path = validate.check_new_folder(os.path.abspath(path))
+    if os.path.isdir(path):
+        with staged(path, prefix='.partial-') as staging:
+            yield staging
+            _move_entries(staging, path)
+        return
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     with staged(parent, prefix=f'.{name}.partial-') as staging:
         yield staging
         os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's folder is private (0700); a save's is not
-        if os.path.isdir(path):
-            os.rmdir(path)  # empty
         os.replace(staging, path)
+
+
+def _move_entries(staging: str, path: str) -> None:
+    """Every entry of staging moved into path (the same file system); on a failure, those moved go back."""
+    moved = []
+    try:
+        for entry in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, entry), os.path.join(path, entry))
+            moved.append(entry)
+    except OSError:
+        for entry in moved:
+            os.replace(os.path.join(path, entry), os.path.join(staging, entry))
+        raise
 
 
 def current_umask() -> int:

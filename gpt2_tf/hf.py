@@ -216,10 +216,10 @@ def check_head(tensors: dict, path) -> None:
 
 
 def config_for(hparams: HParams) -> dict:
-    """The HF config.json of a GPT-2 of these hparams; bos/eos_token_id only when the vocabulary has
-    <|endoftext|>'s id (transformers warns about ids past the vocabulary)."""
-    has_end = hparams.n_vocab > END_OF_TEXT_ID
-    special = {'bos_token_id': END_OF_TEXT_ID, 'eos_token_id': END_OF_TEXT_ID} if has_end else {}
+    """The HF config.json of a GPT-2 of these hparams; bos/eos_token_id null unless the vocabulary has
+    <|endoftext|>'s id (GPT2Config's default is 50256, about which transformers warns past the vocabulary)."""
+    end = END_OF_TEXT_ID if hparams.n_vocab > END_OF_TEXT_ID else None
+    special = {'bos_token_id': end, 'eos_token_id': end}
     return {'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': hparams.n_vocab,
             'n_positions': hparams.n_ctx, 'n_ctx': hparams.n_ctx, 'n_embd': hparams.n_embd,
             'n_head': hparams.n_head, 'n_layer': hparams.n_layer, 'n_inner': None,
@@ -289,6 +289,10 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     if os.path.isfile(os.path.join(path, 'hparams.json')):
         raise HFFormatError(f'{path} holds a model in the original layout (hparams.json), which would stay the one '
                             f'that loads from there; save the HF folder to another folder')
+    if os.path.isfile(os.path.join(path, CONFIG)):
+        existing = read_config(path)
+        if existing != model.hparams:
+            raise HFFormatError(f'{path} holds a model of another size ({existing}); save to another folder')
     stale = [name for name in OTHER_SAVES if os.path.exists(os.path.join(path, name))]
     if stale:
         raise HFFormatError(f'{path} holds {", ".join(stale)} of another save, which transformers would read with '

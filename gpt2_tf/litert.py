@@ -31,6 +31,7 @@ from . import kernels, validate
 from .checkpoint import whole_folder
 from .assets import bundled_vocabulary
 from .decoding import decode
+from .encoder import END_OF_TEXT
 from .runtime import Model
 from .validate import GPT2Error, is_int
 
@@ -88,9 +89,15 @@ def check_options(model: Model, dtype: str, max_len: Optional[int]) -> int:
     return max_len
 
 
-def describe(model: Model, max_len: int, *, dtype: str) -> dict:
-    """model.json: the signatures, the cache and the vocabulary a runner needs."""
+def describe(model: Model, max_len: int, *, dtype: str, vocabulary: Optional[tuple] = None) -> dict:
+    """model.json: the signatures, the cache and the vocabulary a runner needs (end_of_text: its id, when the
+    vocabulary's encoder.json has <|endoftext|> among the model's ids)."""
     hp = model.hparams
+    with open((vocabulary or bundled_vocabulary())[0], encoding='utf-8') as f:
+        end = json.load(f).get(END_OF_TEXT)
+    words = {'encoder': 'encoder.json', 'bpe': 'vocab.bpe'}
+    if is_int(end) and 0 <= end < hp.n_vocab:
+        words['end_of_text'] = end
     cache = {'dtype': 'float32', 'shape': cache_shape(model, max_len),
              'layout': '[n_layer, 2 (keys, values), batch 1, n_head, max_len, head_size]'}
     return {
@@ -104,7 +111,7 @@ def describe(model: Model, max_len: int, *, dtype: str) -> dict:
                        'outputs': {'logits': {'dtype': 'float32', 'shape': [1, hp.n_vocab]}, 'kv_cache': cache}},
         },
         'input_pos': 'consecutive positions: 0 .. T - 1 for the prompt, then one more per decoded token',
-        'vocabulary': {'encoder': 'encoder.json', 'bpe': 'vocab.bpe', 'end_of_text': 50256},
+        'vocabulary': words,
     }
 
 
@@ -123,7 +130,7 @@ def export_litert(model: Model, out_dir, *, dtype: Optional[str] = None, max_len
     converter = tf.lite.TFLiteConverter.from_concrete_functions(functions, signatures)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # the plain runtime, no TF ops
     flatbuffer = converter.convert()
-    description = describe(model, max_len, dtype=dtype)
+    description = describe(model, max_len, dtype=dtype, vocabulary=vocabulary)
     with whole_folder(out_dir) as staging:
         with open(os.path.join(staging, MODEL_FILE), 'wb') as f:
             f.write(flatbuffer)

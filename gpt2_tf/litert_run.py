@@ -54,29 +54,47 @@ def choose(logits: np.ndarray, step: int, *, top_k: int, temperature: float, key
     return int(np.argmax(noisy))
 
 
-def cache_of(folder: str) -> list:
-    """The kv_cache shape of an export folder (its model.json); a folder that is not one is refused in one line."""
+def export_of(folder: str) -> dict:
+    """An export folder's model.json; a folder that is not one is refused in one line."""
     try:
         with open(os.path.join(folder, 'model.json'), encoding='utf-8') as f:
-            shape = json.load(f)['signatures']['decode']['inputs']['kv_cache']['shape']
-    except (OSError, ValueError, KeyError, TypeError):
-        shape = None
-    if shape is None or not os.path.exists(os.path.join(folder, 'model.tflite')):
+            description = json.load(f)
+        description['signatures']['decode']['inputs']['kv_cache']['shape'][4], description['hparams']['n_vocab']
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        description = None
+    if description is None or not os.path.exists(os.path.join(folder, 'model.tflite')):
         raise GPT2Error(f'{folder} is not a LiteRT export (model.tflite and its model.json): write one with '
                         f'gpt2-tf export MODEL {folder} --format litert')
-    return shape
+    return description
+
+
+def check_fits(description: dict, ids: list, length: int) -> None:
+    """The prompt's ids are the model's, and the prompt and length fit the export's cache."""
+    if not ids:
+        raise GPT2Error('the prompt is empty: give some text')
+    validate.check_token_ids(np.asarray(ids), description['hparams']['n_vocab'], name="the prompt's token")
+    positions, n_ctx = description['signatures']['decode']['inputs']['kv_cache']['shape'][4], \
+        description['hparams']['n_ctx']
+    need = len(ids) + length - 1 if validate.is_int(length) and length >= 1 else 0  # the last is not fed back
+    if need > positions and positions < n_ctx:
+        raise GPT2Error(f'the prompt ({len(ids)} tokens) and length {length} need {need} positions; '
+                        f'this export\'s cache has {positions}: export again with a larger --max-len (at most '
+                        f'n_ctx = {n_ctx}), or ask for fewer tokens')
+    validate.check_length(length, positions)
+    validate.check_window(len(ids), length, positions, what='the prompt')
 
 
 def generate(folder: str, ids: list, length: int, *, top_k: int = 0, temperature: float = 1.0,
              seed=None, threads: int = 2) -> list:
     """length new token ids after the prompt ids, through the folder's model.tflite."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    cache_shape = cache_of(folder)
-    if not ids:
-        raise GPT2Error('the prompt is empty: give some text')
-    validate.check_length(length, cache_shape[4])
-    validate.check_window(len(ids), length, cache_shape[4], what='the prompt')
+    description = export_of(folder)
+    check_fits(description, ids, length)
+    try:
+        from ai_edge_litert.interpreter import Interpreter
+    except ImportError:
+        raise GPT2Error("running a LiteRT export needs the LiteRT runtime: pip install -e '.[litert]' "
+                        "(or pip install ai-edge-litert)") from None
+    cache_shape = description['signatures']['decode']['inputs']['kv_cache']['shape']
     interpreter = Interpreter(model_path=os.path.join(folder, 'model.tflite'), num_threads=threads)
     prefill, decode = interpreter.get_signature_runner('prefill'), interpreter.get_signature_runner('decode')
     key = None if seed is None else (seed, 0)
@@ -101,7 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument('--seed', type=int, default=0, help='for --top_k draws (default: 0)')
     args = parser.parse_args(argv)
     try:  # the library's rules, in one line each
-        cache_of(args.folder)
+        export_of(args.folder)
         validate.check_sampling(args.temperature, args.top_k, 1.0, 1)
         validate.check_seed(args.seed, 1)
         encoder = get_encoder(args.folder)

@@ -52,6 +52,11 @@ def check_new_folder(path) -> str:
         raise GPT2Error(f'{path} is a file: give a new folder to write into')
     if os.path.isdir(path) and os.listdir(path):
         raise GPT2Error(f'{path} exists and is not empty: write into a new folder')
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(above):  # the first folder above that exists: it must be a folder
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise GPT2Error(f'{above} is a file, so {path} cannot be made: give a folder outside it')
     return path
 
 

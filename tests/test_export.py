@@ -102,6 +102,9 @@ def test_export_refuses_a_folder_in_use(tmp_path):
     assert done.returncode == 2 and 'exists and is not empty' in done.stderr
     with pytest.raises(GPT2Error, match='exists and is not empty: write into a new folder'):
         gpt2_tf.export.export_saved_model(gpt2_tf.load_model(HOT), tmp_path)
+    with pytest.raises(GPT2Error, match=f'^{tmp_path / "x"} is a file, so {tmp_path / "x" / "out"} cannot be made: '
+                                        f'give a folder outside it$'):
+        gpt2_tf.export.export_saved_model(gpt2_tf.load_model(HOT), tmp_path / 'x' / 'out')
 
 
 def test_a_failed_export_leaves_nothing_and_a_retry_works(tmp_path, monkeypatch):

@@ -307,7 +307,14 @@ def test_every_file_gets_the_same_mode(tmp_path):
 def test_special_token_ids_only_when_the_vocabulary_has_them(tmp_path):
     gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'small')  # 512 tokens
     config = json.loads((tmp_path / 'small' / 'config.json').read_text())
-    assert 'bos_token_id' not in config and 'eos_token_id' not in config
+    assert config['bos_token_id'] is None and config['eos_token_id'] is None  # GPT2Config's default would be 50256
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / 'small')
+    assert loaded.bos_token_id is None and loaded.eos_token_id is None
+    with pytest.raises(hf.HFFormatError, match=r'small holds a model of another size \(HParams\(n_vocab=512.*save to '
+                                               r'another folder$'):
+        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot'), tmp_path / 'small')
+    assert json.loads((tmp_path / 'small' / 'config.json').read_text()) == config  # untouched
+    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'small')  # the same size: saved again
     gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path / 'gpt2')  # 50257 tokens
     config = json.loads((tmp_path / 'gpt2' / 'config.json').read_text())
     assert config['bos_token_id'] == config['eos_token_id'] == 50256

@@ -88,6 +88,39 @@ def test_description_and_a_short_cache(tmp_path):
     check_against_library(model, tmp_path, [3, 1, 4, 1, 5], 12)
 
 
+def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkeypatch):
+    import shutil
+
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    mounted = tmp_path / 'mounted'  # a mount point, or the working folder: it cannot be replaced by another
+    mounted.mkdir()
+    inode = mounted.stat().st_ino
+    monkeypatch.chdir(mounted)
+    export_litert(model, '.', max_len=8)
+    assert mounted.stat().st_ino == inode
+    assert sorted(os.listdir(mounted)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
+    # the bundled vocabulary's <|endoftext|> (50256) is not among this model's 512 ids: no end_of_text to stop at
+    assert json.loads((mounted / 'model.json').read_text())['vocabulary'] == {'encoder': 'encoder.json',
+                                                                               'bpe': 'vocab.bpe'}
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    monkeypatch.setattr(shutil, 'copyfile', lambda *a: (_ for _ in ()).throw(OSError(28, 'No space left on device')))
+    with pytest.raises(OSError, match='No space left'):
+        export_litert(model, empty, max_len=8)
+    assert empty.stat().st_ino and os.listdir(empty) == []  # still there, still empty
+
+
+def test_an_export_takes_the_vocabulary_convert_would_and_refuses_one_it_cannot_hold(tmp_path, capsys):
+    from gpt2_tf.cli import main
+    from gpt2_tf.hf import save_hf
+
+    save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'added')
+    (tmp_path / 'added' / 'added_tokens.json').write_text('{"<pad>": 511}')
+    assert main(['export', str(tmp_path / 'added'), str(tmp_path / 'out'), '--format', 'litert']) == 2
+    assert 'added tokens' in capsys.readouterr().err
+    assert not (tmp_path / 'out').exists()
+
+
 def test_int8_keeps_a_third_of_the_bytes_and_the_int8_model_s_logits(tmp_path):
     model = gpt2_tf.load_model(ROOT / 'gpt2_tf' / 'assets' / 'test-checkpoint')  # 0.81M parameters
     quantized = gpt2_tf.load_model(ROOT / 'gpt2_tf' / 'assets' / 'test-checkpoint', dtype='int8')
@@ -123,7 +156,9 @@ def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(t
     done = cli('export', str(half), str(tmp_path / 'out'), '--format', 'litert')
     assert done.returncode == 2 and done.stderr.strip().endswith('has encoder.json but not vocab.bpe: copy both '
                                                                  'files of the vocabulary in (or neither, for the '
-                                                                 'bundled GPT-2 one)'), done.stderr
+                                                                 'bundled GPT-2 one) (export writes only the '
+                                                                 'vocabulary pair: encoder.json and vocab.bpe, or '
+                                                                 'vocab.json and merges.txt)'), done.stderr
     monkeypatch.setattr(shutil, 'copyfile', lambda *a: (_ for _ in ()).throw(OSError(28, 'No space left on device')))
     with pytest.raises(OSError, match='No space left'):
         export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'out', max_len=8)
@@ -138,6 +173,11 @@ def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(t
     (['Hi', '--length', '2', '--top_k', '-5'], 'top_k must be an integer >= 0'),
     (['Hi', '--length', '2', '--top_k', '5', '--temperature', '-1'], r'temperature must be in \[0, 2\]'),
     (['Hi', '--length', '2', '--seed', str(2 ** 64)], 'seed 18446744073709551616 is out of range'),
+    (['Hi', '--length', '9', '--n_ctx', '16'], r'the prompt \(1 tokens\) and length 9 need 9 positions; this '
+                                                r"export's cache has 8: export again with a larger --max-len \(at most "
+                                                r'n_ctx = 16\), or ask for fewer tokens'),
+    (['Hello', '--length', '2', '--n_vocab', '300'], "the prompt's token id 15496 is outside the vocabulary "
+                                                      r'\[0, 300\)'),
 ])
 def test_the_runner_checks_its_arguments_by_the_librarys_rules(tmp_path, capsys, argv, message):
     import shutil
@@ -147,8 +187,13 @@ def test_the_runner_checks_its_arguments_by_the_librarys_rules(tmp_path, capsys,
     folder = tmp_path / 'export'  # checked before the interpreter loads: model.json's cache of 8 positions
     folder.mkdir()
     (folder / 'model.tflite').write_bytes(b'')
-    (folder / 'model.json').write_text(json.dumps({'signatures': {'decode': {'inputs': {'kv_cache': {
-        'shape': [1, 2, 1, 2, 8, 4]}}}}}))
+    hparams = {'n_ctx': 8, 'n_vocab': 50257}
+    for name in list(hparams):  # the export's own hparams, where a case sets them
+        if f'--{name}' in argv:
+            at = argv.index(f'--{name}')
+            hparams[name], argv = int(argv[at + 1]), argv[:at] + argv[at + 2:]
+    (folder / 'model.json').write_text(json.dumps({'hparams': hparams, 'signatures': {'decode': {'inputs': {
+        'kv_cache': {'shape': [1, 2, 1, 2, 8, 4]}}}}}))
     for path, name in zip(bundled_vocabulary(), ('encoder.json', 'vocab.bpe')):
         shutil.copyfile(path, folder / name)
     with pytest.raises(SystemExit):

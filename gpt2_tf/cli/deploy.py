@@ -39,7 +39,7 @@ def export_litert(args, folder, hparams) -> None:
     if args.xla:
         raise CommandError('--xla is for a SavedModel; a LiteRT model runs in the LiteRT interpreter')
     check_new_folder(args.out_dir)
-    vocabulary = vocabulary_files(folder.path)  # both files of a pair, or none
+    vocabulary = carried_vocabulary(folder, 'export')
     model = open_model(args, folder, device='/CPU:0')
     from ..litert import export_litert as write
 
@@ -98,15 +98,17 @@ def cmd_convert(args):
     print(f'{args.destination}: written ({args.to})')
 
 
-def carried_vocabulary(source) -> tuple:
-    """The vocabulary files a converted folder gets: the source's own pair under either naming, else the bundled
-    GPT-2 one; a vocabulary they cannot hold (added tokens, a tokenizer.json alone) is refused, not replaced."""
+def carried_vocabulary(source, command: str = 'convert') -> tuple:
+    """The vocabulary files a converted or exported folder gets: the source's own pair under either naming,
+    else the bundled GPT-2 one; a vocabulary they cannot hold (added tokens, a tokenizer.json alone) is
+    refused, not replaced."""
     from ..assets import bundled_vocabulary
 
     try:
         source.encoder()  # the rules by which the source's text is read
     except GPT2Error as e:
-        raise CommandError(f'{first_line(e)} (convert writes only the vocab.json/merges.txt pair)') from None
+        raise CommandError(f'{first_line(e)} ({command} writes only the vocabulary pair: encoder.json and '
+                           f'vocab.bpe, or vocab.json and merges.txt)') from None
     return vocabulary_files(source.path) or bundled_vocabulary()
 
 
