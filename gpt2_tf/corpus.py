@@ -44,20 +44,24 @@ from .validate import GPT2Error
 PIECE = 1 << 20  # characters read and encoded at a time
 SIDECAR = '.json'  # train.bin -> train.bin.json
 
-# A position where every encoding of the text has a token boundary: after a letter before a non-letter, or after
-# a digit before a non-digit (whitespace included). No alternative of encoder.PATTERN crosses such a point
-# (letter and digit runs stop there, punctuation runs hold neither letters, digits nor whitespace, whitespace
-# runs hold only whitespace, contractions start with ' and stay within letters), and none looks ahead across
-# it, so the two sides encode as they do within the whole text. Text of letters and spaces alone cuts too.
-CUT = regex.compile(r'(?<=\p{L})(?=\P{L})|(?<=\p{N})(?=\P{N})')
+# A position where every encoding of the text has a token boundary: after a letter before a non-letter, after
+# a digit before a non-digit, after other non-space characters (punctuation, symbols) before whitespace, or
+# after one whitespace character other than a space that stands between non-space characters (a single line
+# break). No alternative of encoder.PATTERN crosses such a point (letter and digit runs stop there, punctuation
+# runs hold neither letters, digits nor whitespace, whitespace runs hold only whitespace and only a space joins
+# what follows it, contractions start with ' and stay within letters), and none looks ahead across it (the one
+# lookahead, \s+(?!\S), ends a whitespace run: before a lone line break it sees what the piece holds), so the
+# two sides encode as they do within the whole text. Text of letters and spaces alone cuts too.
+CUT = regex.compile(r'(?<=\p{L})(?=\P{L})|(?<=\p{N})(?=\P{N})|(?<=[^\s\p{L}\p{N}])(?=\s)|(?<=\S[^\S ])(?=\S)')
 TAILS = (256, 4096)  # characters searched, from the end, for the last cut before the whole piece is
 
 
-def cut(text: str) -> int:
-    """The last position in text where it may be cut (see CUT), or 0 when there is none."""
-    for start in [max(0, len(text) - tail) for tail in TAILS] + [0]:
+def cut(text: str, start: int = 1) -> int:
+    """The last position in text where it may be cut (see CUT), or 0 when there is none at start or after it
+    (the positions before start are known to have none: a piece that found none is not searched again)."""
+    for begin in [max(start, len(text) - tail) for tail in TAILS] + [start]:
         last = 0
-        for match in CUT.finditer(text, pos=max(start, 1)):
+        for match in CUT.finditer(text, pos=max(begin, 1)):
             last = match.start()
         if last:
             return last
@@ -95,6 +99,7 @@ def pieces(readable, size: int = PIECE) -> Iterator[Optional[str]]:
     document's end), and None after each document. Documents are the parts between separator lines (see
     `lines`); empty ones are left out, but a stream without a separator is one document, even empty."""
     buffer, length, started, separated = [], 0, False, False
+    searched = 1  # the buffer's positions before this have no cut (each needs the character after it)
     for block in lines(readable, size):
         if block is not None:
             buffer.append(block)
@@ -102,18 +107,19 @@ def pieces(readable, size: int = PIECE) -> Iterator[Optional[str]]:
             if length < size:
                 continue
             text = ''.join(buffer)
-            at = cut(text)
-            if at == 0:  # no cut in it (a run of spaces, say): keep reading
-                buffer, length = [text], len(text)
+            at = cut(text, searched)
+            if at == 0:  # no cut in it (a run of spaces, say): keep reading, searching only what is new
+                buffer, length, searched = [text], len(text), len(text)
                 continue
             yield text[:at]
             started, buffer, length = True, [text[at:]], len(text) - at
+            searched = max(length, 1)  # the last cut was at `at`: none after it
             continue
         if buffer or started:
             if buffer:
                 yield ''.join(buffer)
             yield None
-        buffer, length, started, separated = [], 0, False, True
+        buffer, length, started, separated, searched = [], 0, False, True, 1
     if buffer or started or not separated:
         if buffer:
             yield ''.join(buffer)

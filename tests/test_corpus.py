@@ -106,8 +106,8 @@ def test_streamed_documents_follow_the_separator_rule(words, size):
     assert documents == documents_by_hand(text), text
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.text(alphabet="ab1 2'\n\t.,sdmlltrve\u00e9\u65e5\u00a0-_", max_size=40))
+@settings(max_examples=600, deadline=None)
+@given(st.text(alphabet="ab1 2'\n\r\t\x0b.,sdmlltrve\u00e9\u65e5\u00a0\u2028\u3000-_", max_size=40))
 def test_every_cut_is_a_boundary_of_the_pretokenizer(text):
     # The property the streaming rests on: splitting at a cut changes no pre-token, so no id.
     for match in corpus.CUT.finditer(text, pos=1):
@@ -132,6 +132,31 @@ def test_text_of_letters_and_spaces_alone_is_cut_into_pieces():
     assert end is None and len(parts) > 20 and max(map(len, parts)) < 2 * 256  # the carry stays bounded
     assert ''.join(parts) == text
     assert sum((pretokens(p) for p in parts), []) == pretokens(text)
+
+
+def test_text_without_letters_or_digits_is_cut_into_pieces_too():
+    import io
+
+    text = '-- :) ** ==\n#!\t>>\n' * 300  # punctuation, spaces, tabs and line breaks only
+    *parts, end = corpus.pieces(io.StringIO(text), size=256)
+    assert end is None and len(parts) > 20 and max(map(len, parts)) < 2 * 256
+    assert ''.join(parts) == text
+    assert sum((pretokens(p) for p in parts), []) == pretokens(text)
+
+
+def test_a_run_without_cuts_is_searched_once_not_again_at_every_read(monkeypatch):
+    import io
+
+    searched, cut = [], corpus.cut
+
+    def counted(text, start=1):
+        searched.append(len(text) - start)
+        return cut(text, start)
+
+    monkeypatch.setattr(corpus, 'cut', counted)
+    text = '=' * 20_000 + ' a'  # no cut until the end: the buffer grows by 256 characters a read
+    assert ''.join(p for p in corpus.pieces(io.StringIO(text), size=256) if p is not None) == text
+    assert sum(searched) < 4 * len(text)  # each read searches what it added (searching all again: 40x this)
 
 
 def test_ids_outside_the_vocabulary_are_refused_before_any_window(tmp_path):
