@@ -267,8 +267,6 @@ class EncodeFile(beam.DoFn):
         self.dtype = corpus.dtype_for(self.encoder.n_vocab)
 
     def process(self, element):
-        import io
-
         from apache_beam.io.filesystem import CompressionTypes
 
         index, path = element
@@ -276,15 +274,10 @@ class EncodeFile(beam.DoFn):
         end = np.asarray([self.encoder.encoder['<|endoftext|>']], self.dtype)
         raw = CompressionTypes.UNCOMPRESSED
         with FileSystems.open(path, compression_type=raw) as f, FileSystems.create(shard, compression_type=raw) as out:
-            text = io.TextIOWrapper(f, encoding='utf-8', newline='')  # the text as it is, as encode_corpus reads it
-            try:
-                for piece in corpus.pieces(text, self.piece):
-                    ids = end if piece is None else corpus.ids_of(self.encoder, piece)
-                    out.write(ids.tobytes())
-                    tokens, documents = tokens + ids.size, documents + (piece is None)
-            except UnicodeDecodeError as e:
-                raise validate.GPT2Error(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); '
-                                         f'convert it to UTF-8 or leave it out') from None
+            for piece in corpus.file_pieces(path, self.piece, binary=f):  # as encode_corpus reads it
+                ids = end if piece is None else corpus.ids_of(self.encoder, piece)
+                out.write(ids.tobytes())
+                tokens, documents = tokens + ids.size, documents + (piece is None)
         yield index, shard, tokens, documents
 
 

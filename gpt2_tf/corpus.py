@@ -8,8 +8,10 @@ up to 65,536 ids (GPT-2's 50,257) and uint32 above, as nanoGPT's train.bin; a
 small JSON sidecar beside it (train.bin.json) records the dtype, the
 vocabulary's sha256, and the token and document counts. A .bin without a
 sidecar reads as uint16. Each document (a file or standard input, or each part
-of one between lines that are exactly <|endoftext|>) is its text's ids followed
-by <|endoftext|>; the text is the file's own, line endings included.
+of one between lines that are exactly <|endoftext|>; a .csv's rows, as
+gpt-2-simple reads them) is its text's ids followed by <|endoftext|>; the text
+is read as Python's text mode reads it (line breaks as \n), without line
+breaks at the document's ends, as fine-tuning's text path reads it.
 
 Text is read and encoded in pieces of about a million characters, cut only
 where the pre-tokenizer always cuts (see `cut`), so the ids equal those of
@@ -70,9 +72,10 @@ def cut(text: str, start: int = 1) -> int:
 
 def lines(readable, size: int = PIECE) -> Iterator[Optional[str]]:
     """A text stream in blocks of about `size` characters, None for each line that is exactly <|endoftext|> (a
-    separator: the line breaks next to it, blank lines included, go with it). Blocks holding no <|endoftext|>
-    pass whole; only those that do are read line by line."""
-    pending, breaks, line_start = '', '', True  # breaks: those read last, held until what follows is known
+    separator: the line breaks next to it, blank lines included, go with it, as those at the stream's start
+    and end go with its edges). Blocks holding no <|endoftext|> pass whole; only those that do are read line
+    by line."""
+    pending, breaks, line_start = '', None, True  # breaks: those read last, held until what follows is known
     while text := pending + (block := readable.read(size)):
         last = text[max(text.rfind('\n'), text.rfind('\r')) + 1:]
         pending = last if block and (END_OF_TEXT + '\r').startswith(last) else ''  # a separator may be forming
@@ -90,15 +93,13 @@ def lines(readable, size: int = PIECE) -> Iterator[Optional[str]]:
                 breaks = ''
             if breaks is not None:
                 breaks += line[len(body):]
-    if breaks:
-        yield breaks
 
 
 def pieces(readable, size: int = PIECE) -> Iterator[Optional[str]]:
     """A text stream's documents in pieces of about `size` characters, each ending at a cut (the last at the
     document's end), and None after each document. Documents are the parts between separator lines (see
-    `lines`); empty ones are left out, but a stream without a separator is one document, even empty."""
-    buffer, length, started, separated = [], 0, False, False
+    `lines`), without line breaks at their ends; empty ones are left out."""
+    buffer, length, started = [], 0, False
     searched = 1  # the buffer's positions before this have no cut (each needs the character after it)
     for block in lines(readable, size):
         if block is not None:
@@ -119,8 +120,8 @@ def pieces(readable, size: int = PIECE) -> Iterator[Optional[str]]:
             if buffer:
                 yield ''.join(buffer)
             yield None
-        buffer, length, started, separated, searched = [], 0, False, True, 1
-    if buffer or started or not separated:
+        buffer, length, started, searched = [], 0, False, 1
+    if buffer or started:
         if buffer:
             yield ''.join(buffer)
         yield None
@@ -156,10 +157,67 @@ def documents(inputs: Sequence[str], *, glob: str = '*.txt') -> list:
     return found
 
 
-def _open(path: str):
+def _open(path: str, newline: Optional[str] = None):
+    """A text file (or '-', standard input) read as UTF-8, its line breaks as '\n' (Python's text mode)."""
     if path == '-':
-        return open(sys.stdin.fileno(), encoding='utf-8', newline='', closefd=False)
-    return open(path, encoding='utf-8', newline='')  # the text as it is: '\r\n' stays two characters
+        return open(sys.stdin.fileno(), encoding='utf-8', newline=newline, closefd=False)
+    return open(path, encoding='utf-8', newline=newline)
+
+
+CSV_START = '<|startoftext|>'  # gpt-2-simple's start marker for each CSV row, kept as text
+
+
+def _csv_rows(f) -> Iterator[str]:
+    """gpt-2-simple's CSV convention: the header skipped, each row's first column a document, after
+    <|startoftext|> (its line breaks as '\n')."""
+    import csv
+
+    reader = csv.reader(f)
+    next(reader, None)
+    for row in reader:
+        if row and row[0]:
+            yield CSV_START + row[0].replace('\r\n', '\n').replace('\r', '\n')
+
+
+def file_pieces(path: str, size: int = PIECE, *, binary=None) -> Iterator[Optional[str]]:
+    """A file's documents (`pieces`; a .csv's rows, gpt-2-simple's way) in pieces, None after each; a file
+    that is not UTF-8 is refused naming its first invalid byte. binary: the file's bytes as an open stream (a
+    Beam file system's), else the file is opened here."""
+    newline = '' if path.endswith('.csv') else None  # the csv module reads quoted line breaks itself
+    try:
+        with (io.TextIOWrapper(binary, encoding='utf-8', newline=newline) if binary is not None
+              else _open(path, newline)) as f:
+            if path.endswith('.csv'):
+                for row in _csv_rows(f):
+                    yield from pieces(io.StringIO(row), size)
+            else:
+                yield from pieces(f, size)
+    except UnicodeDecodeError as e:
+        where = f' at byte {_first_invalid_byte(path):,}' if binary is None and path != '-' else ''
+        raise GPT2Error(f'{path}: not UTF-8 text ({e.reason}{where}); convert it to UTF-8 or leave it out') from None
+    except Exception as e:
+        if type(e).__name__ == 'Error' and type(e).__module__ == '_csv':  # a malformed or oversized field
+            raise GPT2Error(f'{path}: not a CSV file csv.reader can read ({e}); fix it or leave it out') from None
+        raise
+
+
+def _first_invalid_byte(path: str, block: int = 1 << 20) -> int:
+    """The offset of a file's first byte that is not UTF-8 (a UnicodeDecodeError's start counts from the
+    text layer's last read, not the file's start)."""
+    import codecs
+
+    decoder, done = codecs.getincrementaldecoder('utf-8')(), 0
+    with open(path, 'rb') as f:
+        while True:
+            data = f.read(block)
+            held = len(decoder.getstate()[0])  # an unfinished character from the block before
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                return done - held + e.start
+            if not data:
+                return done
+            done += len(data)
 
 
 def ids_of(encoder: Encoder, piece: str) -> np.ndarray:
@@ -182,16 +240,19 @@ def _start_worker(encoder_files) -> None:
     _worker_encoder = _cached_encoder(*encoder_files, None) if encoder_files else get_encoder()
 
 
+def _start_pool_worker(encoder_files) -> None:
+    """A pool worker: Ctrl-C is the parent's to handle (it stops the pool), not each worker's traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _start_worker(encoder_files)
+
+
 def _document_pieces(files: Iterable[str], size: int) -> Iterator[tuple]:
     """(file, piece) for every piece of every file, and (file, None) at the end of each of its documents."""
     for path in files:
-        try:
-            with _open(path) as f:
-                for piece in pieces(f, size):
-                    yield path, piece
-        except UnicodeDecodeError as e:
-            raise GPT2Error(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); '
-                            f'convert it to UTF-8 or leave it out') from None
+        for piece in file_pieces(path, size):
+            yield path, piece
 
 
 class _Writer:
@@ -277,7 +338,7 @@ def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, enc
         for _, piece in stream:
             done(piece, None if piece is None else ids_of(encoder, piece))
         return
-    with concurrent.futures.ProcessPoolExecutor(processes, initializer=_start_worker,
+    with concurrent.futures.ProcessPoolExecutor(processes, initializer=_start_pool_worker,
                                                 initargs=(encoder_files,)) as pool:
         pending = collections.deque()
         for _, piece in stream:
@@ -325,9 +386,12 @@ def read_tokens(path: str | os.PathLike) -> np.memmap:
     info = read_sidecar(path)
     dtype = np.dtype(info['dtype']).newbyteorder('<') if info else np.dtype('<u2')
     size = os.path.getsize(path)
-    if size % dtype.itemsize or (info and size // dtype.itemsize != info['tokens']):
-        raise GPT2Error(f'{path}: {size:,} bytes do not hold the {info["tokens"] if info else "whole"} '
-                        f'{dtype.name} ids its sidecar describes; the file is truncated: encode it again')
+    if info and size != info['tokens'] * dtype.itemsize:
+        raise GPT2Error(f'{path}: {size:,} bytes do not hold the {info["tokens"]:,} {dtype.name} ids its sidecar '
+                        f'describes; the file is truncated: encode it again')
+    if size % dtype.itemsize:
+        raise GPT2Error(f'{path}: {size:,} bytes are not whole {dtype.name} ids (a .bin without a sidecar is read '
+                        f'as uint16); the file is truncated: encode it again')
     if size == 0:
         raise GPT2Error(f'{path} is empty: it holds no tokens')
     return np.memmap(path, dtype=dtype, mode='r')
@@ -360,6 +424,10 @@ def split_documents(tokens: np.ndarray, fraction: float, *, end: int) -> tuple:
         ends = np.flatnonzero(block == end)
         if ends.size:
             split = max(0, at - step) + int(ends[-1]) + 1
+            if split < (1 - fraction) * n / 2:  # a long last document: most of the file would be held out
+                raise GPT2Error(f'holding out whole documents leaves {split / n:.1%} of the tokens for training, '
+                                f'not about {1 - fraction:.0%} (the documents after token {split:,} are one long '
+                                f'run): give --val_dataset a file of its own')
             return (0, split), (split, n)
         at -= step
     raise GPT2Error(f'the token file has no <|endoftext|> (id {end}) before its last {fraction:.0%}: '
@@ -394,11 +462,10 @@ class Windows:
     read in place (memory does not grow with the file) and reproducible from a seed."""
 
     def __init__(self, tokens: np.ndarray, length: int, *, ranges: Optional[Sequence[tuple]] = None,
-                 seed: Optional[int] = None, name: str = 'the token file'):
+                 seed: Optional[int] = None, name: str = 'the token file', remedy: str = 'give more text'):
         ranges = [tuple(r) for r in (ranges or [(0, len(tokens))]) if r[1] - r[0] >= length]
         if not ranges:
-            raise GPT2Error(f'{name} is shorter than one training window of {length} tokens '
-                            f'(n_ctx): give more text')
+            raise GPT2Error(f'{name} is shorter than one training window of {length} tokens (n_ctx): {remedy}')
         self.tokens, self.length, self.ranges, self.name = tokens, length, ranges, name
         # A window starts at any of the stop - start - length + 1 offsets of a range, each equally likely.
         self.starts = np.cumsum([stop - start - length + 1 for start, stop in ranges])

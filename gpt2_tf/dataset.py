@@ -21,36 +21,36 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import corpus, validate
+from .train_config import check_integer
 from .encoder import END_OF_TEXT, END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
 from .validate import GPT2Error, first_line
 
 TOKEN_FILE = '.bin'
 
 
-def _files(path: str) -> list:
+def _files(path: str, pattern: Optional[str] = None) -> list:
+    """A dataset's files: a file; a folder's files (recursively; those matching pattern, when given, else
+    every one not hidden); or a glob's."""
     if os.path.isdir(path):
-        return sorted(p for p in glob.glob(os.path.join(glob.escape(path), '**', '*'), recursive=True)
-                      if os.path.isfile(p) and not os.path.basename(p).startswith('.'))
+        found = glob.glob(os.path.join(glob.escape(path), '**', pattern or '*'), recursive=True)
+        return sorted(p for p in found if os.path.isfile(p) and (pattern or not os.path.basename(p).startswith('.')))
     if os.path.isfile(path):
         return [path]
     return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
 
 
 def _documents(file: str) -> list:
-    """A text file's documents: its parts between lines that are exactly <|endoftext|> (corpus.pieces), each
-    without line breaks at its ends, blank ones dropped."""
+    """A text file's documents as a token file's encoding reads them (corpus.file_pieces): its parts between
+    lines that are exactly <|endoftext|>, without line breaks at their ends, empty ones left out (a .csv: each
+    row's first column, after <|startoftext|>)."""
     documents, parts = [], []
-    try:
-        with open(file, encoding='utf-8') as f:
-            for piece in corpus.pieces(f):
-                if piece is None:
-                    documents.append(''.join(parts).strip('\n'))
-                    parts = []
-                else:
-                    parts.append(piece)
-    except UnicodeDecodeError:
-        raise GPT2Error(f'{file}: not UTF-8 text; datasets are text files or an .npz of tokens') from None
-    return [d for d in documents if d.strip()]
+    for piece in corpus.file_pieces(file):
+        if piece is None:
+            documents.append(''.join(parts))
+            parts = []
+        else:
+            parts.append(piece)
+    return documents
 
 
 def _encode_texts(files: list, encoder: Encoder, combine: int, progress: Optional[Callable]) -> list:
@@ -88,7 +88,8 @@ def _npz_chunks(file: str) -> list:
         raise GPT2Error(f'{file}: not an .npz of token arrays ({first_line(e)}); encode the text again') from None
 
 
-def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress: Optional[Callable] = None) -> list:
+def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress: Optional[Callable] = None,
+                 pattern: Optional[str] = None) -> list:
     """Token chunks (int32 arrays) from a text file, a folder or glob of files, or an .npz of token arrays.
 
     An .npz (gpt-2-simple's encode_dataset output) loads as is, alone or among the files of a folder or
@@ -100,7 +101,8 @@ def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress:
     encoding, as gpt-2-simple does; training windows never cross chunks.
     """
     path = os.fspath(path)
-    files = _files(path)
+    check_integer('combine', combine, 1)
+    files = _files(path, pattern)
     if not files:
         raise FileNotFoundError(f'no dataset at {path}: give a text file, a folder, a glob, or an .npz')
     texts = [f for f in files if not f.endswith('.npz')]
@@ -115,10 +117,11 @@ def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress:
     return [c.astype(np.int32) for c in chunks]
 
 
-def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = 50000) -> int:
+def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = 50000, *,
+                   pattern: Optional[str] = None) -> int:
     """Encodes a text dataset to an .npz of token chunks (gpt-2-simple's format); returns the token count.
     The .npz appears under its name only when complete."""
-    chunks = load_dataset(path, encoder, combine)
+    chunks = load_dataset(path, encoder, combine, pattern=pattern)
     partial = os.fspath(out_path) + '.partial'
     try:
         with open(partial, 'wb') as f:
@@ -131,24 +134,36 @@ def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = 50
 
 
 def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Optional[int] = None,
-           combine: int = 50000, progress: bool = False) -> dict:
+           combine: int = 50000, progress: bool = False, model_dir: Optional[str] = None) -> dict:
     """`gpt2-tf encode`: text to a token file (OUT.bin, corpus.encode_corpus, streaming, in `processes`
-    processes: the CPUs by default) or to gpt-2-simple's chunks (OUT.npz, encode_dataset, each input as
-    load_dataset reads it, `combine` characters a chunk). progress: a bar on a terminal. Returns
-    {'tokens', 'documents'} (documents: None for an .npz)."""
+    processes: the CPUs by default; a folder's *.txt files unless glob says others) or to gpt-2-simple's
+    chunks (OUT.npz, encode_dataset, each input as load_dataset reads it, `combine` characters a chunk; a
+    folder's files matching glob, every one by default). model_dir: the model folder whose vocabulary encodes
+    (default: the bundled GPT-2 one). progress: a bar on a terminal. Returns {'tokens', 'documents'}
+    (documents: None for an .npz)."""
     out = os.fspath(out)
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise GPT2Error(f'{folder} is not a folder: create it first, or write {os.path.basename(out)} elsewhere')
+    files = vocabulary_files(model_dir) if model_dir is not None else None
+    if model_dir is not None and not files:
+        raise GPT2Error(f'{model_dir} has no vocabulary files (encoder.json and vocab.bpe, or vocab.json and '
+                        f'merges.txt); leave out --model_dir to encode with the bundled GPT-2 vocabulary')
     if out.endswith('.npz'):
         if '-' in inputs or len(inputs) != 1:
             raise GPT2Error('an .npz is encoded from one dataset (a file, folder or glob); for several inputs or '
                             'standard input write a token file: OUT.bin')
-        return {'tokens': encode_dataset(inputs[0], out, get_encoder(), combine), 'documents': None}
+        encoder = encoder_for(model_dir) if model_dir is not None else get_encoder()
+        return {'tokens': encode_dataset(inputs[0], out, encoder, combine, pattern=glob), 'documents': None}
     if not out.endswith(TOKEN_FILE):
         raise GPT2Error(f'{out}: the output must end in {TOKEN_FILE} (a token file) or .npz (gpt-2-simple\'s chunks)')
+    if model_dir is not None:
+        encoder_for(model_dir)  # refuses a vocabulary the encoder cannot read (added tokens), before any work
     glob = glob or '*.txt'
     processes = corpus.default_processes() if processes is None else processes
     bar, close = corpus.terminal_progress(inputs, glob=glob) if progress else (None, lambda: None)
     try:
-        return corpus.encode_corpus(inputs, out, glob=glob, processes=processes, progress=bar)
+        return corpus.encode_corpus(inputs, out, glob=glob, processes=processes, progress=bar, encoder_files=files)
     finally:
         close()
 
@@ -184,11 +199,16 @@ def token_windows(path: str, length: int, *, n_vocab: int, model_dir: Optional[s
     if 'n_vocab' not in info:  # a file without a sidecar says nothing of its ids: read them all once, in blocks
         corpus.check_ids(path, tokens.dtype, n_vocab)
     train, held_out = (0, len(tokens)), None
-    if val_fraction:
-        train, held_out = corpus.split_documents(tokens, val_fraction,
-                                                 end=info.get('end_of_text', END_OF_TEXT_ID))
-        held_out = corpus.Windows(tokens, length, ranges=[held_out], seed=val_seed)
-    return corpus.Windows(tokens, length, ranges=[train], seed=seed, name=str(path)), held_out
+    if not val_fraction:
+        return corpus.Windows(tokens, length, ranges=[train], seed=seed, name=str(path)), None
+    train, held_out = corpus.split_documents(tokens, val_fraction, end=info.get('end_of_text', END_OF_TEXT_ID))
+    parts = [corpus.Windows(tokens, length, ranges=[part], seed=part_seed,
+                            name=f'{what} of {path} ({part[1] - part[0]:,} tokens)',
+                            remedy=f'give more text, or {remedy}')
+             for part, part_seed, what, remedy in ((train, seed, 'the training part', 'a smaller --val_fraction'),
+                                                   (held_out, val_seed, 'the validation part',
+                                                    'a larger --val_fraction'))]
+    return tuple(parts)
 
 
 class Sampler:

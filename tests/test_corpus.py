@@ -36,12 +36,18 @@ def write_folder(folder: pathlib.Path, items: list) -> list:
     return sorted(paths, key=str)
 
 
+def as_read(text: str) -> str:
+    """A document's text as a text file is read: its line breaks as \n (Python's text mode), none at its ends."""
+    return text.replace('\r\n', '\n').replace('\r', '\n').strip('\n')
+
+
 def expected(paths: list) -> list:
-    """The encoder on each whole file (its exact text, \r\n kept), each followed by <|endoftext|>."""
+    """The encoder on each whole file as read (as_read), each followed by <|endoftext|>; empty ones left out."""
     encoder = get_encoder()
     ids = []
     for path in paths:
-        ids += encoder.encode(open(path, encoding='utf-8', newline='').read()) + [END]
+        text = as_read(open(path, encoding='utf-8', newline='').read())
+        ids += encoder.encode(text) + [END] if text else []
     return ids
 
 
@@ -52,7 +58,7 @@ def test_ids_equal_encoding_each_whole_file(tmp_path, processes, piece):
     ids = corpus.read_tokens(tmp_path / 'out.bin')
     assert ids.dtype == np.dtype('<u2')
     assert np.asarray(ids).tolist() == expected(paths)
-    assert info['tokens'] == len(ids) and info['documents'] == len(paths)
+    assert info['tokens'] == len(ids) and info['documents'] == sum(1 for p in paths if as_read(p.read_text()))
     assert os.path.getsize(tmp_path / 'out.bin') == 2 * len(ids)  # flat little-endian uint16, no header
     assert info['vocab_sha256'] == corpus.vocabulary_sha256(get_encoder())
     assert sorted(os.listdir(tmp_path)) == ['in', 'out.bin', 'out.bin.json']
@@ -76,16 +82,16 @@ def test_lines_that_are_exactly_end_of_text_split_documents(tmp_path, processes,
     (tmp_path / 'b.txt').write_text('No separator.\n', encoding='utf-8', newline='')
     info = corpus.encode_corpus([tmp_path / 'a.txt', tmp_path / 'b.txt'], tmp_path / 'out.bin', processes=processes,
                                 piece=piece)
-    ids = sum((encoder._tiktoken.encode_ordinary(d) + [END] for d in DOCUMENTS + ['No separator.\n']), [])
+    ids = sum((encoder._tiktoken.encode_ordinary(d) + [END] for d in DOCUMENTS + ['No separator.']), [])
     assert np.asarray(corpus.read_tokens(tmp_path / 'out.bin')).tolist() == ids
     assert info['documents'] == 5
 
 
 def documents_by_hand(text: str) -> list:
     """The rule, on the whole text at once: split at lines that are exactly <|endoftext|>, with the line
-    breaks next to them; empty parts dropped, but a text without a separator is one document."""
+    breaks next to them, and without those at the text's ends; empty parts dropped."""
     parts = regex.split(r'[\r\n]*(?<![^\r\n])<\|endoftext\|>(?=\r\n|\n|\r|\Z)[\r\n]*', text)
-    return parts if len(parts) == 1 else [p for p in parts if p]
+    return [p.strip('\r\n') for p in parts if p.strip('\r\n')]
 
 
 @settings(max_examples=300, deadline=None)
@@ -119,9 +125,10 @@ def test_pieces_end_at_cuts_and_join_to_the_text():
     import io
 
     *parts, end = corpus.pieces(io.StringIO(MIXED * 10), size=7)
-    assert end is None and ''.join(parts) == MIXED * 10  # one document
+    whole = (MIXED * 10).strip('\r\n')  # one document, without the line breaks at its ends
+    assert end is None and ''.join(parts) == whole
     assert len(parts) > 50
-    assert sum((pretokens(p) for p in parts), []) == pretokens(MIXED * 10)
+    assert sum((pretokens(p) for p in parts), []) == pretokens(whole)
 
 
 def test_text_of_letters_and_spaces_alone_is_cut_into_pieces():
@@ -137,7 +144,7 @@ def test_text_of_letters_and_spaces_alone_is_cut_into_pieces():
 def test_text_without_letters_or_digits_is_cut_into_pieces_too():
     import io
 
-    text = '-- :) ** ==\n#!\t>>\n' * 300  # punctuation, spaces, tabs and line breaks only
+    text = '-- :) ** ==\n#!\t>>\n' * 300 + '.'  # punctuation, spaces, tabs and line breaks only
     *parts, end = corpus.pieces(io.StringIO(text), size=256)
     assert end is None and len(parts) > 20 and max(map(len, parts)) < 2 * 256
     assert ''.join(parts) == text
@@ -189,7 +196,7 @@ def test_stdin_is_one_document(tmp_path):
               f'corpus.encode_corpus(["-"], {str(tmp_path / "in.bin")!r})')
     subprocess.run([sys.executable, '-c', script], input=MIXED, text=True, check=True,
                    cwd=pathlib.Path(__file__).parent.parent)
-    assert np.asarray(corpus.read_tokens(tmp_path / 'in.bin')).tolist() == get_encoder().encode(MIXED) + [END]
+    assert np.asarray(corpus.read_tokens(tmp_path / 'in.bin')).tolist() == get_encoder().encode(as_read(MIXED)) + [END]
 
 
 def test_a_failed_run_leaves_no_output_and_keeps_an_older_one(tmp_path):
@@ -245,6 +252,40 @@ def test_the_validation_split_falls_after_an_end_of_text():
     assert corpus.split_documents(tokens, 0.2, end=END) == ((0, 7), (7, 10))
     with pytest.raises(GPT2Error, match='at least two documents'):
         corpus.split_documents(np.array([1, 2, 3, END], '<u2'), 0.5, end=END)
+    # a short first document and a long last one: a tenth asked, nearly all would be held out
+    lopsided = np.array([1, END] + [5] * 98 + [END], '<u2')
+    with pytest.raises(GPT2Error, match=r'^holding out whole documents leaves 2\.0% of the tokens for training, not '
+                                        r'about 90% \(the documents after token 2 are one long run\): give '
+                                        r'--val_dataset a file of its own$'):
+        corpus.split_documents(lopsided, 0.1, end=END)
+
+
+def test_a_split_too_short_for_a_window_names_its_part_and_the_fraction(tmp_path):
+    from gpt2_tf.dataset import token_windows
+
+    np.array(([7] * 99 + [END]) * 20, '<u2').tofile(tmp_path / 'docs.bin')  # 20 documents of 100 tokens
+    for fraction, part, remedy in ((0.05, 'the validation part', 'a larger'), (0.95, 'the training part', 'a smaller')):
+        with pytest.raises(GPT2Error, match=f'^{part} of {tmp_path / "docs.bin"} \\([\\d,]+ tokens\\) is shorter '
+                                            f'than one training window of 128 tokens \\(n_ctx\\): give more text, or '
+                                            f'{remedy} --val_fraction$'):
+            token_windows(str(tmp_path / 'docs.bin'), 128, n_vocab=50257, val_fraction=fraction)
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_first_bad_byte(tmp_path):
+    (tmp_path / 'late.txt').write_bytes(b'fine text\n' * 300_000 + b'caf\xe9 ok')  # past the first megabyte read
+    with pytest.raises(GPT2Error, match=r'late\.txt: not UTF-8 text \(invalid continuation byte at byte '
+                                        r'3,000,003\); convert it to UTF-8 or leave it out$'):
+        corpus.encode_corpus([tmp_path / 'late.txt'], tmp_path / 'out.bin')
+    (tmp_path / 'late.txt').write_bytes(b'fine text\n' * 300_000 + b'caf\xe9')  # cut inside its last character
+    with pytest.raises(GPT2Error, match=r'at byte 3,000,003\); convert'):
+        corpus.encode_corpus([tmp_path / 'late.txt'], tmp_path / 'out.bin')
+
+
+def test_a_bin_of_odd_size_without_a_sidecar_says_so(tmp_path):
+    (tmp_path / 'odd.bin').write_bytes(b'\x01\x00\x02')
+    with pytest.raises(GPT2Error, match=r'odd\.bin: 3 bytes are not whole uint16 ids \(a \.bin without a sidecar is '
+                                        r'read as uint16\); the file is truncated'):
+        corpus.read_tokens(tmp_path / 'odd.bin')
 
 
 def test_short_reads_before_the_end_lose_nothing():
@@ -258,5 +299,6 @@ def test_short_reads_before_the_end_lose_nothing():
             return super().readline(min(size, 5))
 
     *parts, end = corpus.pieces(Trickle(MIXED * 10), size=64)
-    assert end is None and ''.join(parts) == MIXED * 10
-    assert sum((pretokens(p) for p in parts), []) == pretokens(MIXED * 10)
+    whole = (MIXED * 10).strip('\r\n')
+    assert end is None and ''.join(parts) == whole
+    assert sum((pretokens(p) for p in parts), []) == pretokens(whole)

@@ -1,6 +1,7 @@
 """`gpt2-tf encode`: text to a token file (.bin) or to gpt-2-simple's chunks (.npz), through the command line."""
 
 import io
+import json
 import os
 import pathlib
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from gpt2_tf import corpus
 from gpt2_tf.encoder import get_encoder
 
-from test_corpus import MIXED
+from test_corpus import MIXED, as_read
 
 END = 50256
 ENCODE = [sys.executable, '-m', 'gpt2_tf.cli', 'encode']
@@ -25,9 +26,9 @@ def encode(tmp_path, *argv, stdin=None):
 
 
 def ids_of(*texts):
-    """The encoder on each whole text, each followed by <|endoftext|>."""
+    """The encoder on each whole text as a text file reads it (as_read), each followed by <|endoftext|>."""
     encoder = get_encoder()
-    return [i for text in texts for i in encoder.encode(text) + [END]]
+    return [i for text in texts for i in encoder.encode(as_read(text)) + [END]]
 
 
 @pytest.fixture
@@ -96,3 +97,76 @@ def test_the_progress_bar_counts_bytes_and_tokens_on_a_terminal(tmp_path):
     assert '100%' in last and '14.0k/14.0k' in last and 'B/s' in last, last  # 7 bytes a word, in bytes
     assert f'{tokens:,} tokens, ' in last and 'tokens/s' in last, last
     assert corpus.terminal_progress([tmp_path], stream=io.StringIO())[0] is None
+
+
+def test_text_and_a_token_file_read_the_same_documents_and_a_csv_as_gpt2_simple(tmp_path):
+    from gpt2_tf.dataset import load_dataset
+
+    (tmp_path / 'd').mkdir()
+    (tmp_path / 'd' / 'a.txt').write_bytes(b'\n\nHello world.\r\nSecond line.\r\n')  # CRLF, breaks at both ends
+    (tmp_path / 'd' / 'b.txt').write_bytes(b'Old Mac\rline.\n<|endoftext|>\r\nNext document.')
+    (tmp_path / 'd' / 'c.csv').write_bytes(b'text,label\r\n"Hello, world",1\r\n"Two\r\nlines",0\r\n,2\r\n')
+    documents = ['Hello world.\nSecond line.', 'Old Mac\nline.', 'Next document.',
+                 '<|startoftext|>Hello, world', '<|startoftext|>Two\nlines']  # the csv: header and empty row skipped
+    by_hand = ids_of(*documents)
+    done = encode(tmp_path, 'd', 'all.bin', '--glob', '*.*')
+    assert done.returncode == 0, done.stderr
+    assert np.fromfile(tmp_path / 'all.bin', '<u2').tolist() == by_hand
+    chunks = load_dataset(str(tmp_path / 'd'), get_encoder(), combine=1)  # finetune's text path: one chunk each
+    assert [i for chunk in chunks for i in chunk.tolist()] == by_hand
+    done = encode(tmp_path, 'd', 'csv.npz', '--glob', '*.csv', '--combine', '1')  # the glob is an .npz's too
+    assert done.returncode == 0, done.stderr
+    with np.load(tmp_path / 'csv.npz') as npz:
+        assert [npz[name].tolist() for name in npz.files] == [ids_of(d) for d in documents[3:]]
+
+
+def test_encode_takes_a_model_folders_vocabulary(tmp_path):
+    import shutil
+
+    from gpt2_tf.encoder import Encoder, bytes_to_unicode
+
+    (tmp_path / 'bytes').mkdir()  # a vocabulary of the 256 bytes and <|endoftext|>: one id per byte
+    table = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    (tmp_path / 'bytes' / 'encoder.json').write_text(json.dumps({**table, '<|endoftext|>': 256}))
+    (tmp_path / 'bytes' / 'vocab.bpe').write_text('#version: 0.2\n')
+    (tmp_path / 'a.txt').write_text('hé')
+    done = encode(tmp_path, 'a.txt', 'a.bin', '--model_dir', 'bytes')
+    assert done.returncode == 0, done.stderr
+    utf8 = list('hé'.encode())
+    assert np.fromfile(tmp_path / 'a.bin', '<u2').tolist() == [table[bytes_to_unicode()[b]] for b in utf8] + [256]
+    assert json.loads((tmp_path / 'a.bin.json').read_text())['n_vocab'] == 257
+    shutil.rmtree(tmp_path / 'bytes')
+    (tmp_path / 'bytes').mkdir()
+    done = encode(tmp_path, 'a.txt', 'b.bin', '--model_dir', 'bytes')
+    assert done.returncode == 2 and done.stderr.strip().endswith(
+        'bytes has no vocabulary files (encoder.json and vocab.bpe, or vocab.json and merges.txt); leave out '
+        '--model_dir to encode with the bundled GPT-2 vocabulary'), done.stderr
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['a.txt', 'nodir/out.bin'], 'nodir is not a folder: create it first, or write out.bin elsewhere'),
+    (['a.txt', 'out.npz', '--combine', '0'], 'combine must be an integer >= 1, got 0'),
+])
+def test_bad_encode_arguments_are_one_line(tmp_path, argv, message):
+    (tmp_path / 'a.txt').write_text('text')
+    done = encode(tmp_path, *argv)
+    assert done.returncode == 2 and done.stderr.strip().endswith(message), done.stderr
+    assert sorted(os.listdir(tmp_path)) == ['a.txt']
+
+
+def test_a_terminated_encode_leaves_no_partial_output(tmp_path):
+    import signal
+    import time
+
+    process = subprocess.Popen([*ENCODE, '-', 'out.bin'], cwd=tmp_path, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdin.write(b'some text, and the pipe stays open\n')
+    process.stdin.flush()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / 'out.bin.partial').exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / 'out.bin.partial').exists()
+    process.send_signal(signal.SIGTERM)  # a scheduler's stop, or `timeout`
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    process.stdin.close()
+    process.stderr.close()
+    assert os.listdir(tmp_path) == []

@@ -167,7 +167,7 @@ def test_npz_files_in_a_folder_or_glob_load_as_tokens(tmp_path):
 
 @pytest.mark.parametrize('setup, message', [
     (lambda p: None, 'no dataset at'),
-    (lambda p: (p / 'data.txt').write_text('  \n'), 'is empty: no tokens'),
+    (lambda p: (p / 'data.txt').write_text('\n\r\n\n'), 'is empty: no tokens'),
     (lambda p: np.savez(p / 'data.npz', np.array([5, 60000])), 'dataset token id 60000 is outside the vocabulary'),
 ])
 def test_bad_datasets(tmp_path, setup, message):

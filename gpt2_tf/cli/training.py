@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 from .. import train_config
 from .common import add_model_arguments, add_verbose, model_folder, start_tensorflow
 
@@ -22,10 +24,15 @@ def cmd_encode(args):
     """Text to a token file (.bin, read in place by finetune) or to gpt-2-simple's .npz of chunks; no TensorFlow."""
     from ..dataset import encode
 
+    signal.signal(signal.SIGTERM, _terminated)  # a scheduler's stop: the partial output is removed, as on Ctrl-C
     info = encode(args.inputs, args.out, glob=args.glob, processes=args.processes, combine=args.combine,
-                  progress=True)
+                  progress=True, model_dir=args.model_dir)
     documents = '' if info['documents'] is None else f', {info["documents"]:,} documents'
     print(f'{args.out}: {info["tokens"]:,} tokens{documents}')
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def add_commands(commands) -> None:
@@ -41,7 +48,10 @@ def add_commands(commands) -> None:
     encode.add_argument('inputs', nargs='+', metavar='INPUT',
                         help='text files, folders (their files matching --glob, in sorted path order), or - for stdin')
     encode.add_argument('out', metavar='OUT', help='the .bin (a token file) or .npz to write')
-    encode.add_argument('--glob', default='*.txt', help="the files of a folder to encode (default: '*.txt')")
+    encode.add_argument('--glob', default=None, help="the files of a folder to encode (default: '*.txt' for a .bin, "
+                                                     "every file for an .npz, as finetune reads a folder)")
+    encode.add_argument('--model_dir', default=None,
+                        help="encode with this model folder's vocabulary (default: the bundled GPT-2 one)")
     encode.add_argument('--processes', type=int, default=None,
                         help="processes encoding a .bin in parallel, in order (default: the machine's CPUs)")
     encode.add_argument('--combine', type=int, default=50000,
