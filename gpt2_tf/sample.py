@@ -153,7 +153,8 @@ def _pick(logits, step, out: dict, at, *, options: Options, plan: Plan, state=()
     drawn = penalties.penalize(logits, *state, options.penalties) if plan.penalized else logits
     token = choose(drawn, options.temperature, options.top_k, options.top_p, options.keys, tf.cast(step, tf.int64),
                    kmax=plan.kmax, greedy=plan.greedy, among_top=plan.among_top)
-    found = {'tokens': token}
+    found = {'tokens': token}  # a row whose logits are NaN draws an id past the vocabulary: the caller refuses it
+    token = tf.minimum(token, logits.shape[-1] - 1)  # ... and the loop goes on with a real id meanwhile
     if plan.logprobs is not None:
         lp = tf.nn.log_softmax(logits)  # float32, stable: logits minus their logsumexp
         found['log_probs'] = tf.gather(lp, token, batch_dims=1)
@@ -317,8 +318,10 @@ def run(model, request: Request, *, decoder: Decoder = DECODER) -> Iterator:
         out, logits, caches, *carried = then(model, logits, caches, done=tf.constant(done, tf.int32), **loop, **state)
         state = {'state': carried[0]} if carried else {}
         n = min(chunk, request.length - done)
+        tokens = out['tokens'].numpy()[:, :n]
+        validate.check_drawn(tokens, model.hparams.n_vocab)
         if request.plan.logprobs is None:
-            yield out['tokens'].numpy()[:, :n]
+            yield tokens
         else:
             yield {name: value.numpy()[:, :n] for name, value in out.items()}
         done += n

@@ -97,6 +97,18 @@ def check_token_ids(tokens, n_vocab: int, *, name: str = 'token') -> None:
         raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab})')
 
 
+NOT_DRAWN = ("the model's logits were not finite (NaN), so no token could be drawn: its weights hold NaN, or its "
+             "activations overflowed its dtype (load it in float32)")
+
+
+def check_drawn(tokens, n_vocab: int) -> None:
+    """A decode loop's tokens: an id outside the vocabulary is what a row whose logits were NaN draws (no
+    logit is the largest, and no token passes the filters' threshold)."""
+    array = np.asarray(tokens)
+    if array.size and (array.min() < 0 or array.max() >= n_vocab):
+        raise GPT2Error(NOT_DRAWN)
+
+
 def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt') -> None:
     """The length rule: a prompt of P tokens and `length` new ones need P + length - 1 <= n_ctx.
 

@@ -405,3 +405,15 @@ def test_the_loops_log_probs_are_the_models_raw_distribution(models):
     np.testing.assert_array_equal(top_ids, ids[0][len(prompt) - 1:])
     np.testing.assert_array_equal(tokens, sample_sequence(model, 10, context=prompt, seed=3, top_k=20,
                                                           temperature=0.7)[0, 4:])
+
+
+@pytest.mark.parametrize('options', [dict(top_k=1), dict(top_k=40), dict(temperature=0.8), dict(top_p=0.9)],
+                         ids=['greedy', 'top_k', 'full', 'top_p'])
+@pytest.mark.parametrize('mode', MODES)
+def test_nan_logits_are_refused_not_drawn_as_ids_past_the_vocabulary(options, mode):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    gain = model.ln_f.g
+    gain.assign(tf.tensor_scatter_nd_update(gain, [[0]], [np.nan]))  # one broken weight: every logit NaN
+    with pytest.raises(gpt2_tf.GPT2Error, match=r"^the model's logits were not finite \(NaN\), so no token could "
+                                                r'be drawn: its weights hold NaN'):
+        sample_sequence(model, 3, context=[[1, 2, 3]], seed=1, mode=mode, **options)

@@ -512,3 +512,17 @@ def test_serve_quiet_turns_the_access_log_off(monkeypatch):
     for extra in ([], ['--quiet']):
         assert main(['serve', '--model_dir', bundled_checkpoint(), *extra]) in (0, None)
     assert calls == [False, True]
+
+
+def test_a_row_whose_logits_are_nan_fails_its_request_in_one_line():
+    import tensorflow as tf
+
+    broken = gpt2_tf.load_model(bundled_checkpoint())
+    gain = broken.ln_f.g
+    gain.assign(tf.tensor_scatter_nd_update(gain, [[0]], [float('nan')]))
+    with running(make_app(broken)) as port:
+        status, body = post(port, json.dumps({'prompt': 'Hi', 'max_tokens': 3}).encode())
+    assert status == 500 and body['error']['type'] == 'server_error', body
+    assert body['error']['message'] == ("generation failed: the model's logits were not finite (NaN), so no token "
+                                        "could be drawn: its weights hold NaN, or its activations overflowed its "
+                                        "dtype (load it in float32)")

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from ..sample import DECODER, Decoder
 from ..slots import Slots
-from ..validate import GPT2Error, check_window, first_line
+from ..validate import GPT2Error, check_drawn, check_window, first_line
 from .protocol import MAX_LOGPROBS, APIError
 
 LOG = logging.getLogger(__name__)  # a failed chunk's or prefill's traceback: the client gets its one line
@@ -47,9 +47,15 @@ class Row:
                    top_k=options['top_k'], top_p=options['top_p'],
                    **{name: options[name] for name in PENALTIES if options.get(name) is not None})
 
-    def take(self, out: dict, slot: int) -> None:
-        """Delivers this row's share of a chunk's outputs; ends the row once it has all its tokens."""
+    def take(self, out: dict, slot: int, n_vocab: int) -> None:
+        """Delivers this row's share of a chunk's outputs; ends the row once it has all its tokens, or fails it
+        when its logits were NaN (validate.check_drawn)."""
         n = min(out['tokens'].shape[1], self.max_tokens - self.sent)
+        try:
+            check_drawn(out['tokens'][slot, :n], n_vocab)
+        except GPT2Error as e:
+            self.fail(str(e))
+            return
         log_probs = {name: value[slot, :n] for name, value in out.items()} if self.logprobs is not None else None
         self.deliver(out['tokens'][slot, :n], log_probs)
         self.sent += n
@@ -186,7 +192,7 @@ class Batcher:
             if row is None:
                 continue
             if not row.done:
-                row.take(out, slot)
+                row.take(out, slot, self.slots.model.hparams.n_vocab)
             if row.done:
                 self._leave(slot)
 
