@@ -54,6 +54,8 @@ def complete(served, **fields):
     ({'max_tokens': 0, 'echo': True, 'logprobs': 1, 'prompt': [1] * 200}, 'prompt',
      'prompt 0: sequence too long: 0 past + 200 new tokens > n_ctx = 128; an echoed prompt is scored in one call: '
      'shorten it'),
+    ({'max_tokens': 0, 'prompt': [1] * 200}, 'prompt',  # nothing drawn or scored: still past the window
+     'prompt 0: sequence too long: 0 past + 200 new tokens > n_ctx = 128; shorten it'),
 ])
 def test_out_of_range_fields_are_400_naming_the_field(served, fields, param, message):
     status, body = post(served[0], json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())

@@ -526,3 +526,10 @@ def test_a_row_whose_logits_are_nan_fails_its_request_in_one_line():
     assert body['error']['message'] == ("generation failed: the model's logits were not finite (NaN), so no token "
                                         "could be drawn: its weights hold NaN, or its activations overflowed its "
                                         "dtype (load it in float32)")
+
+
+def test_a_full_queue_is_counted_as_refused_not_failed():
+    from gpt2_tf.serve.metrics import outcome
+
+    assert outcome(503) == 'refused'  # load shed on purpose: the client should retry, nothing broke
+    assert outcome(500) == 'failed' and outcome(400) == 'refused' and outcome(499) == 'disconnected'

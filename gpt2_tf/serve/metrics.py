@@ -12,7 +12,8 @@ import time
 from typing import Optional, TextIO
 
 NAMESPACE = 'gpt2_tf'
-OUTCOMES = ('completed', 'refused', 'failed', 'disconnected')  # 2xx, 4xx, 5xx, a request its client left
+OUTCOMES = ('completed', 'refused', 'failed', 'disconnected')  # 2xx, 4xx (and 503), 5xx, a request its client left
+BUSY = 503  # a full queue or a shutdown: load shed on purpose, refused rather than failed
 CLIENT_GONE = 499  # the status an access line gives a response whose client left first (nginx's)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
@@ -20,7 +21,7 @@ PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 
 def outcome(status: int, completion=None) -> str:
     """One of OUTCOMES: how a request ended, from its status code and its completion (if it made one)."""
-    if status >= 500:
+    if status >= 500 and status != BUSY:
         return 'failed'
     if status == CLIENT_GONE:
         return 'disconnected'

@@ -180,11 +180,13 @@ class CompletionRequest(BaseModel):
             try:
                 if self.max_tokens:
                     check_window(len(prompt), self.max_tokens, hparams.n_ctx, what=f'prompt {i}')
-                elif self.echo and self.logprobs is not None:  # the prompt is scored in one call
+                else:  # no token drawn: the prompt must still fit the window, as the model would read it
                     try:
                         check_sequence(0, len(prompt), hparams.n_ctx)
                     except GPT2Error as e:
-                        raise GPT2Error(f'prompt {i}: {e}; an echoed prompt is scored in one call: shorten it')
+                        scored = self.echo and self.logprobs is not None
+                        raise GPT2Error(f'prompt {i}: {e}; ' + ('an echoed prompt is scored in one call: shorten it'
+                                                                if scored else 'shorten it'))
             except GPT2Error as e:
                 raise invalid(e, 'max_tokens' if self.max_tokens else 'prompt') from None
         try:
