@@ -32,20 +32,33 @@ def _in_range(x, low, high, message: str) -> list:
             tf.debugging.assert_less_equal(x, high, message=message)]
 
 
+def _some_rows(tokens) -> list:
+    return [tf.debugging.assert_positive(tf.shape(tokens)[0], message='tokens must hold at least one row')]
+
+
 def token_checks(hp, tokens) -> list:
-    """validate.py's rules for tokens [batch, T] to run the model on, as graph assertions: 1 <= T <= n_ctx,
-    every id in the vocabulary."""
+    """validate.py's rules for tokens [batch, T] to run the model on, as graph assertions: batch >= 1,
+    1 <= T <= n_ctx, every id in the vocabulary."""
     length = tf.shape(tokens)[1]
-    return [tf.debugging.assert_positive(length, message='tokens must hold at least one token per row'),
+    return [*_some_rows(tokens),
+            tf.debugging.assert_positive(length, message='tokens must hold at least one token per row'),
             tf.debugging.assert_less_equal(length, hp.n_ctx, message=f'tokens must hold at most n_ctx = {hp.n_ctx} '
                                                                      f'per row'),
             *_in_range(tokens, 0, hp.n_vocab - 1, f'token ids must be in the vocabulary [0, {hp.n_vocab})')]
+
+
+def score_checks(hp, tokens) -> list:
+    """token_checks, and T >= 2: the first token has no log-prob, so one token scores nothing."""
+    return [*token_checks(hp, tokens),
+            tf.debugging.assert_greater_equal(tf.shape(tokens)[1], 2,
+                                              message='scoring needs at least 2 tokens per row')]
 
 
 def generate_checks(hp, tokens, length, temperature, top_k, top_p, seed) -> list:
     """validate.py's rules for a generate request, as graph assertions: a signature's inputs are run-time values."""
     prompt = tf.shape(tokens)[1]
     return [
+        *_some_rows(tokens),
         tf.debugging.assert_positive(prompt, message='tokens must hold at least one token per row'),
         *_in_range(tokens, 0, hp.n_vocab - 1, f'token ids must be in the vocabulary [0, {hp.n_vocab})'),
         tf.debugging.assert_positive(length, message='length must be >= 1'),
@@ -81,7 +94,7 @@ class Servable(tf.Module):
         tokens = tf.TensorSpec([None, None], tf.int32, name='tokens')
         scalar = lambda dtype, name: tf.TensorSpec([], dtype, name=name)  # noqa: E731
         self.serving_default = signature(self._logits, token_checks, hp, [tokens], xla=xla)
-        self.score = signature(self._score, token_checks, hp, [tokens], xla=xla)
+        self.score = signature(self._score, score_checks, hp, [tokens], xla=xla)
         self.generate = signature(self._generate, generate_checks, hp, [
             tokens, scalar(tf.int32, 'length'), scalar(tf.float32, 'temperature'), scalar(tf.int32, 'top_k'),
             scalar(tf.float32, 'top_p'), tf.TensorSpec([2], tf.int64, name='seed')], xla=xla)

@@ -142,6 +142,7 @@ def test_the_signature_checks_by_the_librarys_rules_at_the_exact_boundary(tmp_pa
             ([[1, 512]], 5, {}, r'token ids must be in the vocabulary \[0, 512\)'),
             ([[-1, 2]], 5, {}, r'token ids must be in the vocabulary'),
             (np.zeros([1, 0]), 5, {}, 'tokens must hold at least one token per row'),
+            (np.zeros([0, 3]), 5, {}, 'tokens must hold at least one row'),
             ([[1]], 5, {'temperature': 2.5}, r'temperature must be in \[0, 2\]'),
             ([[1]], 5, {'top_p': 1.5}, r'top_p must be in \[0, 1\]'),
             ([[1]], 5, {'top_k': -1}, 'top_k must be >= 0')]:
@@ -151,6 +152,9 @@ def test_the_signature_checks_by_the_librarys_rules_at_the_exact_boundary(tmp_pa
         assert signatures[name](tokens=tf.ones([1, 32], tf.int32))  # n_ctx tokens: fits
         for tokens, message in [(np.ones([1, 33]), 'tokens must hold at most n_ctx = 32 per row'),
                                 ([[1, 512]], r'token ids must be in the vocabulary \[0, 512\)'),
-                                (np.zeros([1, 0]), 'tokens must hold at least one token per row')]:
+                                (np.zeros([1, 0]), 'tokens must hold at least one token per row'),
+                                (np.zeros([0, 3]), 'tokens must hold at least one row')]:
             with pytest.raises(tf.errors.InvalidArgumentError, match=message):
                 signatures[name](tokens=tf.constant(tokens, tf.int32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match='scoring needs at least 2 tokens per row'):
+        signatures['score'](tokens=tf.constant([[5], [6]], tf.int32))  # the library's score refuses it too
