@@ -351,9 +351,18 @@ def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, enc
             done(first, None if future is None else future.result())
 
 
-def default_processes() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+def default_processes(cpu_max: str = '/sys/fs/cgroup/cpu.max') -> int:
+    """The CPUs this process may run on, within a container's CPU quota (cgroup v2's cpu.max: a 2-CPU
+    container on a 64-CPU host gets 2, not 64 workers of about 100 MB each)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+    try:
+        with open(cpu_max, encoding='ascii') as f:
+            quota, period = f.read().split()[:2]
+        if quota != 'max':
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):  # no cgroup v2 here, or a file of another shape: the CPUs alone
+        pass
+    return cpus
 
 
 def terminal_progress(inputs: Sequence[str], *, glob: str = '*.txt', stream=None):

@@ -302,3 +302,14 @@ def test_short_reads_before_the_end_lose_nothing():
     whole = (MIXED * 10).strip('\r\n')
     assert end is None and ''.join(parts) == whole
     assert sum((pretokens(p) for p in parts), []) == pretokens(whole)
+
+
+def test_the_default_process_count_keeps_within_a_containers_cpu_quota(tmp_path):
+    cpus = len(os.sched_getaffinity(0))
+    (tmp_path / 'cpu.max').write_text('50000 100000\n')  # half a CPU: one worker
+    assert corpus.default_processes(str(tmp_path / 'cpu.max')) == 1
+    (tmp_path / 'cpu.max').write_text('150000 100000\n')  # 1.5 CPUs: 2 workers, where there are 2
+    assert corpus.default_processes(str(tmp_path / 'cpu.max')) == min(cpus, 2)
+    (tmp_path / 'cpu.max').write_text('max 100000\n')  # no quota
+    assert corpus.default_processes(str(tmp_path / 'cpu.max')) == cpus
+    assert corpus.default_processes(str(tmp_path / 'absent')) == cpus

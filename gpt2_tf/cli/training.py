@@ -53,7 +53,8 @@ def add_commands(commands) -> None:
     encode.add_argument('--model_dir', default=None,
                         help="encode with this model folder's vocabulary (default: the bundled GPT-2 one)")
     encode.add_argument('--processes', type=int, default=None,
-                        help="processes encoding a .bin in parallel, in order (default: the machine's CPUs)")
+                        help="processes encoding a .bin in parallel, in order (default: the CPUs this process "
+                             "may use, within a container's CPU quota)")
     encode.add_argument('--combine', type=int, default=50000,
                         help='for an .npz: characters of text per chunk (default: 50000)')
     encode.set_defaults(run=cmd_encode, verbose=False)
