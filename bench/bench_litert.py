@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -78,6 +79,7 @@ def main() -> None:
     rows, tokens = [], {}
     for dtype in ('float32', 'int8'):
         out = OUT / dtype
+        shutil.rmtree(out, ignore_errors=True)  # an export writes only a new or empty folder
         exported = run(EXPORT, folder, out, dtype, args.max_len)
         lite = run(DECODE, out, json.dumps(PROMPT), args.tokens)
         ours = run(OURS, folder, dtype, json.dumps(PROMPT), args.tokens)
