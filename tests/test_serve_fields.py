@@ -201,13 +201,13 @@ def test_an_echoed_prompts_offsets_count_as_its_generated_tokens_do(model):
 
     encoder = get_encoder()
     ids = encoder.encode('a\U0001d11eb')
-    entries, = echo_logprobs(model, encoder, [ids], 1)
+    entries = echo_logprobs(model, encoder, ids, 1)
     assert entries['text_offset'] == [0, 1, 1, 1, 2]
     rng = np.random.default_rng(0)
     alphabet = list('ab .é€日本\U0001f600\U0001d11e')  # one to four UTF-8 bytes: BPE splits some characters
     for _ in range(20):
         ids = encoder.encode(''.join(rng.choice(alphabet, 10)))[:40]
-        entries, = echo_logprobs(model, encoder, [ids], 1)
+        entries = echo_logprobs(model, encoder, ids, 1)
         assert entries['text_offset'] == [len(encoder.decode_whole(ids[:i])) for i in range(len(ids))]
 
 
@@ -229,3 +229,27 @@ def test_an_unexpected_failure_is_a_500_in_the_openai_shape(served, monkeypatch)
     status, body = post(served[0], json.dumps({'prompt': 'Hi', 'max_tokens': 2}).encode())
     assert status == 500 and set(body) == {'error'} and body['error']['type'] == 'server_error', body
     assert 'RuntimeError' in body['error']['message']
+
+
+def test_echoes_are_scored_in_groups_of_a_power_of_two_rows_within_the_token_bound(model, monkeypatch):
+    from gpt2_tf.compiled import bucket
+    from gpt2_tf.encoder import get_encoder
+    from gpt2_tf.serve import completion
+
+    lengths = [5, 60, 3, 3, 100, 7, 1, 20]
+    groups = completion.echo_groups([[1] * n for n in lengths], 256)
+    assert [i for group in groups for i in group] == list(range(len(lengths)))  # every prompt, in order
+    for group in groups:
+        rows = 1 << (len(group) - 1).bit_length()
+        assert len(group) == 1 or rows * bucket(max(lengths[i] for i in group)) <= 256
+    seen, score = [], completion.score
+    monkeypatch.setattr(completion, 'score', lambda model, rows, **kw: seen.append(len(rows)) or score(model, rows, **kw))
+    prompts = [[464, 2068, 7586], [464, 2068], [5]]  # the last has nothing to score
+    entries = completion.echo_entries(model, get_encoder(), prompts, 1)
+    assert seen == [2]  # two scorable rows: a power of two already
+    completion.echo_entries(model, get_encoder(), prompts + [[1, 2, 3]], 1)
+    assert seen == [2, 4]  # three scorable rows padded to four
+    for prompt, got in zip(prompts, entries):
+        alone = completion.echo_logprobs(model, get_encoder(), prompt, 1)
+        np.testing.assert_allclose([x for x in got['token_logprobs'] if x is not None],
+                                   [x for x in alone['token_logprobs'] if x is not None], atol=1e-5)

@@ -213,14 +213,14 @@ def test_a_json_body_without_a_content_type_is_told_to_send_the_header(served):
 def test_a_client_that_leaves_during_an_echos_scoring_stops_it(model, monkeypatch):
     from gpt2_tf.serve import completion
 
-    scored, score = [], completion.echo_logprobs
+    scored, score = [], completion.echo_entries
 
     def slowly(*args):
         scored.append(1)
         time.sleep(0.3)
         return score(*args)
 
-    monkeypatch.setattr(completion, 'echo_logprobs', slowly)
+    monkeypatch.setattr(completion, 'echo_entries', slowly)
     monkeypatch.setattr(completion, 'ECHO_TOKENS', 64)  # one prompt of 33..64 tokens a group: 20 groups
     with running(make_app(model)) as port:
         with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:

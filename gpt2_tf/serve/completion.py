@@ -146,16 +146,29 @@ class Choice:
         return sum(1 for offset in self.entries['text_offset'] if offset < limit)
 
 
-ECHO_TOKENS = 4096  # prompt tokens (padded) scored in one call for an echo's logprobs
+ECHO_TOKENS = 1024  # padded prompt tokens scored in one call: the logits of one 124M window (206 MB)
 
 
-def echo_logprobs(model: Model, encoder: Encoder, prompts: list, top: int) -> list:
-    """Each prompt's own logprobs object, from scoring them in one call (a prompt's first token has none)."""
+def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dict:
+    """The prompt's own logprobs object, from scoring (its first token has none)."""
+    return echo_entries(model, encoder, [prompt], top)[0]
+
+
+def echo_entries(model: Model, encoder: Encoder, prompts: list, top: int) -> list:
+    """Each prompt's echo_logprobs, from one scoring call over them all (padded to a power of two of rows with
+    2-token rows, so that the compiled scorer sees few shapes)."""
     scorable = [i for i, prompt in enumerate(prompts) if len(prompt) >= 2]  # to_sampling checked the window
-    scored = dict(zip(scorable, zip(*score(model, [prompts[i] for i in scorable], top=max(top, 1))))) \
-        if scorable else {}
+    scored = {}
+    if scorable:
+        rows = [prompts[i] for i in scorable]
+        rows += [[0, 0]] * (_rows(len(rows)) - len(rows))
+        scored = dict(zip(scorable, zip(*score(model, rows, top=max(top, 1)))))
     return [_echo_entries(encoder, prompt, *scored.get(i, (None, None, None)), top=top)
             for i, prompt in enumerate(prompts)]
+
+
+def _rows(count: int) -> int:
+    return 1 << (count - 1).bit_length()  # the power of two at or above count
 
 
 def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) -> dict:
@@ -176,11 +189,12 @@ def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) 
     return entries
 
 
-def echo_groups(prompts: list, tokens: int = ECHO_TOKENS) -> list:
-    """The prompts' indices in order, in groups of at most `tokens` padded tokens (one prompt at least)."""
+def echo_groups(prompts: list, tokens: int) -> list:
+    """The prompts' indices in order, in groups of at most `tokens` padded tokens, rows padded to a power of
+    two (one prompt at least)."""
     groups, group, longest = [], [], 0
     for i, prompt in enumerate(prompts):
-        if group and (len(group) + 1) * bucket(max(longest, len(prompt))) > tokens:
+        if group and _rows(len(group) + 1) * bucket(max(longest, len(prompt))) > tokens:
             groups.append(group)
             group, longest = [], 0
         group.append(i)
@@ -234,9 +248,9 @@ class Completion:
         """The echoed prompts' logprobs, scored off the event loop a group at a time: a client that goes away
         (its task cancelled) stops the scoring at the next group."""
         given, best_of, top = self.sampling.given, self.sampling.best_of, self.request.logprobs
-        for group in echo_groups(given):
+        for group in echo_groups(given, ECHO_TOKENS):
             prompts = [given[i] for i in group]
-            scored = await asyncio.to_thread(echo_logprobs, self.scorer, self.encoder, prompts, top)
+            scored = await asyncio.to_thread(echo_entries, self.scorer, self.encoder, prompts, top)
             for i, entries in zip(group, scored):
                 if given[i]:  # an empty prompt echoes nothing
                     for choice in self.choices[i * best_of:(i + 1) * best_of]:
