@@ -389,7 +389,9 @@ def whole_folder(path):
     staged inside and its entries moved into it."""
     path = validate.check_new_folder(os.path.abspath(path))
     if os.path.isdir(path):
-        with staged(path, prefix='.partial-') as staging:
+        for left in os.listdir(path):  # a killed export's staging
+            shutil.rmtree(os.path.join(path, left), ignore_errors=True)
+        with staged(path, prefix=validate.PARTIAL) as staging:
             yield staging
             _move_entries(staging, path)
         return
@@ -402,13 +404,14 @@ def whole_folder(path):
 
 
 def _move_entries(staging: str, path: str) -> None:
-    """Every entry of staging moved into path (the same file system); on a failure, those moved go back."""
+    """Every entry of staging moved into path (the same file system); on a failure or Ctrl-C, those moved go
+    back."""
     moved = []
     try:
         for entry in sorted(os.listdir(staging)):
             os.replace(os.path.join(staging, entry), os.path.join(path, entry))
             moved.append(entry)
-    except OSError:
+    except BaseException:
         for entry in moved:
             os.replace(os.path.join(path, entry), os.path.join(staging, entry))
         raise

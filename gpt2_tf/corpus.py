@@ -312,6 +312,9 @@ def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Opt
     writer = _Writer(out, encoder.n_vocab, encoder.encoder[END_OF_TEXT])
     try:
         _encode_into(writer, _document_pieces(files, piece), encoder, encoder_files, processes, progress)
+        if not writer.tokens:
+            raise GPT2Error(f'no text in {", ".join(map(str, inputs))}: nothing to encode (empty documents are '
+                            f'left out)')
         sidecar = {'dtype': writer.dtype.name, 'n_vocab': encoder.n_vocab, 'vocab_sha256': vocabulary_sha256(encoder),
                    'tokens': writer.tokens, 'documents': writer.documents, 'end_of_text': writer.end}
         writer.finish(sidecar)

@@ -31,9 +31,11 @@ TOKEN_FILE = '.bin'
 def _files(path: str, pattern: Optional[str] = None) -> list:
     """A dataset's files: a file; a folder's files (recursively; those matching pattern, when given, else
     every one not hidden); or a glob's."""
+    if os.path.isdir(path) and pattern:
+        return corpus.documents([path], glob=pattern)  # as a token file's encoding finds them
     if os.path.isdir(path):
-        found = glob.glob(os.path.join(glob.escape(path), '**', pattern or '*'), recursive=True)
-        return sorted(p for p in found if os.path.isfile(p) and (pattern or not os.path.basename(p).startswith('.')))
+        found = glob.glob(os.path.join(glob.escape(path), '**', '*'), recursive=True)
+        return sorted(p for p in found if os.path.isfile(p) and not os.path.basename(p).startswith('.'))
     if os.path.isfile(path):
         return [path]
     return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))

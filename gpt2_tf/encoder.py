@@ -155,20 +155,6 @@ class Encoder:
             ids.extend(self._encode_ordinary(part))
         return ids
 
-    def decode_whole(self, tokens: Iterable[int]) -> str:
-        """decode(tokens) without a character the last tokens leave unfinished (a token may end inside a UTF-8
-        character): the text before the next token's bytes, as the whole text has it."""
-        raw = b''.join(map(self.token_bytes, self._ids(tokens)))
-        for back in range(1, min(4, len(raw)) + 1):  # the last lead byte, and whether its character is complete
-            byte = raw[-back]
-            if byte >= 0xC0:
-                needs = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-                raw = raw[:-back] if needs > back else raw
-                break
-            if byte < 0x80:
-                break
-        return raw.decode('utf-8', errors=self.errors)
-
     def token_bytes(self, token: int) -> bytes:
         """The bytes of one token id of this vocabulary."""
         return bytes(self.byte_decoder[c] for c in self.decoder[token])

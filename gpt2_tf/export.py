@@ -71,15 +71,21 @@ def generate_checks(hp, tokens, length, temperature, top_k, top_p, seed) -> list
     ]
 
 
-def signature(run, checks, hp, specs: list, *, xla: bool):
+def signature(run, checks, hp, specs: list, *, xla: bool, drawn: bool = False):
     """A signature: the checks as graph assertions, then run (jit-compiled with xla) on the inputs they passed.
-    The assertions stay outside the compiled function: XLA drops them."""
+    The assertions stay outside the compiled function: XLA drops them. drawn: its 'tokens' are drawn, and an
+    id past the vocabulary (what NaN logits draw) is an error, as validate.check_drawn makes it."""
     compiled_run = tf.function(run, jit_compile=xla, autograph=False)
 
     def checked(*inputs):
         with tf.control_dependencies(checks(hp, *inputs)):
             inputs = [tf.identity(x) for x in inputs]
-        return compiled_run(*inputs)
+        out = compiled_run(*inputs)
+        if not drawn:
+            return out
+        with tf.control_dependencies([tf.debugging.assert_less(out['tokens'], hp.n_vocab,
+                                                               message=validate.NOT_DRAWN)]):
+            return {name: tf.identity(value) for name, value in out.items()}
 
     return tf.function(checked, input_signature=specs, autograph=False)
 
@@ -97,7 +103,7 @@ class Servable(tf.Module):
         self.score = signature(self._score, score_checks, hp, [tokens], xla=xla)
         self.generate = signature(self._generate, generate_checks, hp, [
             tokens, scalar(tf.int32, 'length'), scalar(tf.float32, 'temperature'), scalar(tf.int32, 'top_k'),
-            scalar(tf.float32, 'top_p'), tf.TensorSpec([2], tf.int64, name='seed')], xla=xla)
+            scalar(tf.float32, 'top_p'), tf.TensorSpec([2], tf.int64, name='seed')], xla=xla, drawn=True)
 
     def _logits(self, tokens):
         return {'logits': self.model.forward(tokens)['logits']}

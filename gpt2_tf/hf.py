@@ -290,7 +290,10 @@ def save_hf(model, path, *, vocabulary=None) -> str:
         raise HFFormatError(f'{path} holds a model in the original layout (hparams.json), which would stay the one '
                             f'that loads from there; save the HF folder to another folder')
     if os.path.isfile(os.path.join(path, CONFIG)):
-        existing = read_config(path)
+        try:
+            existing = read_config(path)
+        except HFFormatError as e:
+            raise HFFormatError(f'{path} holds another model ({first_line(e)}); save to another folder') from None
         if existing != model.hparams:
             raise HFFormatError(f'{path} holds a model of another size ({existing}); save to another folder')
     stale = [name for name in OTHER_SAVES if os.path.exists(os.path.join(path, name))]

@@ -45,12 +45,16 @@ def save_folder(path) -> str:
     return path
 
 
+PARTIAL = '.gpt2_tf-partial-'  # an export's staging inside the folder it fills: a killed one's counts as empty
+
+
 def check_new_folder(path) -> str:
-    """A folder an export creates: missing or empty (an export never mixes with other files)."""
+    """A folder an export creates: missing or empty (an export never mixes with other files; what a killed
+    export left staged in it does not count)."""
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise GPT2Error(f'{path} is a file: give a new folder to write into')
-    if os.path.isdir(path) and os.listdir(path):
+    if os.path.isdir(path) and [e for e in os.listdir(path) if not e.startswith(PARTIAL)]:
         raise GPT2Error(f'{path} exists and is not empty: write into a new folder')
     above = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(above):  # the first folder above that exists: it must be a folder

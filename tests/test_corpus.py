@@ -313,3 +313,11 @@ def test_the_default_process_count_keeps_within_a_containers_cpu_quota(tmp_path)
     (tmp_path / 'cpu.max').write_text('max 100000\n')  # no quota
     assert corpus.default_processes(str(tmp_path / 'cpu.max')) == cpus
     assert corpus.default_processes(str(tmp_path / 'absent')) == cpus
+
+
+def test_inputs_without_text_are_refused_not_written_empty(tmp_path):
+    (tmp_path / 'blank.txt').write_text('\n\r\n\n<|endoftext|>\n\n')
+    with pytest.raises(GPT2Error, match=r'^no text in .*blank\.txt: nothing to encode \(empty documents are left '
+                                        r'out\)$'):
+        corpus.encode_corpus([tmp_path / 'blank.txt'], tmp_path / 'out.bin')
+    assert sorted(os.listdir(tmp_path)) == ['blank.txt']

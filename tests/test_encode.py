@@ -170,3 +170,18 @@ def test_a_terminated_encode_leaves_no_partial_output(tmp_path):
     process.stdin.close()
     process.stderr.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_the_encode_command_in_process_leaves_the_callers_sigterm_handler(tmp_path, monkeypatch):
+    import signal
+
+    from gpt2_tf.cli import main
+
+    (tmp_path / 'a.txt').write_text('text')
+    mine = lambda signum, frame: None  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main(['encode', str(tmp_path / 'a.txt'), str(tmp_path / 'a.bin'), '--processes', '1']) == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -158,3 +158,13 @@ def test_the_signature_checks_by_the_librarys_rules_at_the_exact_boundary(tmp_pa
                 signatures[name](tokens=tf.constant(tokens, tf.int32))
     with pytest.raises(tf.errors.InvalidArgumentError, match='scoring needs at least 2 tokens per row'):
         signatures['score'](tokens=tf.constant([[5], [6]], tf.int32))  # the library's score refuses it too
+
+
+def test_an_exported_generate_refuses_nan_logits_as_the_library_does(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    model.ln_f.g.assign(tf.tensor_scatter_nd_update(model.ln_f.g, [[0]], [np.nan]))
+    gpt2_tf.export.export_saved_model(model, tmp_path / 'e')
+    generate = tf.saved_model.load(str(tmp_path / 'e')).signatures['generate']
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r'logits were not finite \(NaN\), so no token could be drawn'):
+        generate(tokens=tf.constant([[1, 2]], tf.int32), length=tf.constant(3), temperature=tf.constant(1.0),
+                 top_k=tf.constant(0), top_p=tf.constant(1.0), seed=tf.constant([1, 1], tf.int64))

@@ -221,7 +221,7 @@ def test_a_bin_that_is_not_a_state_dict_is_refused_in_one_line(tmp_path, state, 
 
 @pytest.mark.parametrize('name', ['tokenizer_config.json', 'pytorch_model.bin'])
 def test_save_hf_refuses_a_folder_holding_another_saves_files(tmp_path, name):
-    gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path)
+    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path)  # the same size: only the stale file stops it
     (tmp_path / name).write_text('{}')
     before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
     with pytest.raises(hf.HFFormatError, match=f'holds {name} of another save, which transformers would read'):
@@ -363,7 +363,7 @@ def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(safetensors_numpy, 'save_file', full_disk)
     with pytest.raises(hf.HFFormatError, match=r'model.safetensors cannot be written \(Error while serializing: '
                                                r'IoError\(No space left on device\)\); nothing in .*hf was changed'):
-        gpt2_tf.save_hf(gpt2_tf.load_model('test'), folder)  # another size: its config.json would not fit the weights
+        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder)  # the same size again: allowed, and it fails
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
     # The command line says it in one line.
     from gpt2_tf.cli import main
@@ -449,3 +449,11 @@ def test_bfloat16_weights_are_read_before_tensorflow_is_imported(tmp_path, state
     done = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'bf16')], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ['bfloat16', 'False'], done.stderr[-500:]
+
+
+def test_save_hf_into_a_folder_of_another_kind_of_model_is_refused(tmp_path):
+    (tmp_path / 'llama').mkdir()
+    (tmp_path / 'llama' / 'config.json').write_text(json.dumps({'model_type': 'llama', 'hidden_size': 64}))
+    with pytest.raises(hf.HFFormatError, match=r'llama holds another model \(.*\); save to another folder$'):
+        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'llama')
+    assert os.listdir(tmp_path / 'llama') == ['config.json']

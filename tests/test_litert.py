@@ -108,6 +108,11 @@ def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkey
     with pytest.raises(OSError, match='No space left'):
         export_litert(model, empty, max_len=8)
     assert empty.stat().st_ino and os.listdir(empty) == []  # still there, still empty
+    monkeypatch.undo()
+    (empty / '.gpt2_tf-partial-killed').mkdir()  # what an export killed mid-write left in the folder
+    (empty / '.gpt2_tf-partial-killed' / 'model.tflite').write_bytes(b'half')
+    export_litert(model, empty, max_len=8)  # the folder still counts as empty, and the leftover goes
+    assert sorted(os.listdir(empty)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
 
 
 def test_an_export_takes_the_vocabulary_convert_would_and_refuses_one_it_cannot_hold(tmp_path, capsys):

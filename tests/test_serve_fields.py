@@ -208,7 +208,9 @@ def test_an_echoed_prompts_offsets_count_as_its_generated_tokens_do(model):
     for _ in range(20):
         ids = encoder.encode(''.join(rng.choice(alphabet, 10)))[:40]
         entries = echo_logprobs(model, encoder, ids, 1)
-        assert entries['text_offset'] == [len(encoder.decode_whole(ids[:i])) for i in range(len(ids))]
+        starts = np.cumsum([0] + [len(encoder.token_bytes(t)) for t in ids])[:-1]  # each token's first byte
+        whole = b''.join(encoder.token_bytes(t) for t in ids)  # valid UTF-8: the characters wholly before it
+        assert entries['text_offset'] == [len(whole[:at].decode('utf-8', 'ignore')) for at in starts]
 
 
 def test_an_empty_prompt_echoes_as_nothing(served):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 
 from .. import train_config
 from .common import add_model_arguments, add_verbose, model_folder, start_tensorflow
@@ -24,9 +25,14 @@ def cmd_encode(args):
     """Text to a token file (.bin, read in place by finetune) or to gpt-2-simple's .npz of chunks; no TensorFlow."""
     from ..dataset import encode
 
-    signal.signal(signal.SIGTERM, _terminated)  # a scheduler's stop: the partial output is removed, as on Ctrl-C
-    info = encode(args.inputs, args.out, glob=args.glob, processes=args.processes, combine=args.combine,
-                  progress=True, model_dir=args.model_dir)
+    main = threading.current_thread() is threading.main_thread()  # only its handlers can be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None  # a scheduler's stop: as Ctrl-C
+    try:
+        info = encode(args.inputs, args.out, glob=args.glob, processes=args.processes, combine=args.combine,
+                      progress=True, model_dir=args.model_dir)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     documents = '' if info['documents'] is None else f', {info["documents"]:,} documents'
     print(f'{args.out}: {info["tokens"]:,} tokens{documents}')
 

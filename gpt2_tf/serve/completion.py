@@ -32,8 +32,8 @@ LOG = logging.getLogger(__name__)  # a failed stream's traceback: the client get
 
 
 class Offsets:
-    """Where each token of a text starts, in characters, as len(decode_whole(the tokens before it)) counts it
-    (on a character the tokens before it left unfinished), without decoding the text again for each."""
+    """Where each token of a text starts in the whole text's characters (on the character it continues, when
+    the tokens before it left one unfinished), without decoding the text again for each."""
 
     def __init__(self, encoder: Encoder):
         self.encoder, self.length = encoder, 0
