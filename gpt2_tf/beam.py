@@ -82,11 +82,11 @@ class GPT2ModelHandler(ModelHandler):
                  threads: Optional[int] = None):
         if task not in INFERENCE:
             raise validate.GPT2Error(f'task must be one of {INFERENCE}, got {task!r}')
-        validate.check_sampling(temperature, top_k, top_p, 1)
         folder = resolve(model_dir)  # a folder or a model name, as every command takes
-        if task == 'generate':
+        if task == 'generate':  # what score does not read, it does not check
+            validate.check_sampling(temperature, top_k, top_p, 1)
             validate.check_length(length, folder.hparams().n_ctx)
-        validate.check_seed(seed, 1)
+            validate.check_seed(seed, 1)
         validate.check_stride(stride, folder.hparams().n_ctx)
         self.model_dir = folder.checkpoint or folder.path  # one save of a folder, when named
         self.task, self.length, self.seed, self.stride = task, length, seed, stride
@@ -351,6 +351,26 @@ def local_threads(options: PipelineOptions) -> Optional[int]:
     return max(1, corpus.default_processes() // workers)
 
 
+FOR_TASK = {'length': 'generate', 'temperature': 'generate', 'top_k': 'generate', 'top_p': 'generate',
+            'seed': 'generate', 'stride': 'score', 'glob': 'encode'}  # the options one task reads
+
+
+def check_arguments(parser, args, beam_args: list) -> None:
+    """Refuses a misspelling of this command's own options (Beam would drop it with a warning among its
+    others, and the job would run with the default) and an option its task does not read."""
+    import difflib
+
+    ours = [flag for action in parser._actions for flag in action.option_strings if flag.startswith('--')]
+    for word in beam_args:
+        flag = word.split('=', 1)[0]
+        close = difflib.get_close_matches(flag, ours, n=1, cutoff=0.7) if flag.startswith('--') else []
+        if close:  # none of Beam's own options is this close to one of ours
+            raise validate.GPT2Error(f'unrecognized {flag} (did you mean {close[0]}?)')
+    for name, task in FOR_TASK.items():
+        if args.task != task and getattr(args, name) != parser.get_default(name):
+            raise validate.GPT2Error(f'--{name} is for {task}; {args.task} does not read it')
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gpt2_tf.beam', description=__doc__.splitlines()[0])
     parser.add_argument('task', choices=TASKS)
@@ -368,6 +388,7 @@ def main(argv=None) -> int:
     parser.add_argument('--stride', type=int, default=None, help='score: the window stride (default n_ctx // 2)')
     args, beam_args = parser.parse_known_args(argv)
     try:
+        check_arguments(parser, args, beam_args)
         if args.task == 'encode':
             return encode_main(args, beam_args)
         if args.model_dir is None or len(args.input) != 1:

@@ -261,10 +261,23 @@ def summary(lp: np.ndarray) -> dict:
     return {'perplexity': float(np.exp(nll)), 'nll': nll, 'tokens': int(lp.size)}
 
 
+def _sequence(ids, name: str) -> list:
+    array = validate.token_array(ids, name=name)
+    if array.ndim != 1:
+        raise validate.GPT2Error(f'{name} must be one sequence of token ids, got shape {list(array.shape)}')
+    return array.tolist()
+
+
 def score_completion(model: Model, prompt_ids, completion_ids, *, mode: Optional[str] = None) -> float:
     """log p(completion | prompt), summed over the completion's tokens: the basis of ranking candidates."""
-    prompt_ids, completion_ids = list(prompt_ids), list(completion_ids)
+    prompt_ids, completion_ids = (_sequence(ids, name) for ids, name in ((prompt_ids, 'prompt_ids'),
+                                                                       (completion_ids, 'completion_ids')))
     if not prompt_ids or not completion_ids:
         raise validate.GPT2Error('score_completion needs a non-empty prompt and completion')
+    n_ctx, total = model.hparams.n_ctx, len(prompt_ids) + len(completion_ids)
+    if total > n_ctx:
+        keep = (f"keep the prompt's last {n_ctx - len(completion_ids)} tokens" if len(completion_ids) < n_ctx
+                else 'shorten the completion')
+        raise validate.GPT2Error(f'the prompt and completion are {total} tokens, past n_ctx = {n_ctx}: {keep}')
     lp = score(model, [prompt_ids + completion_ids], mode=mode)[0]
     return float(lp[len(prompt_ids) - 1:].astype(np.float64).sum())

@@ -85,6 +85,8 @@ def token_array(tokens, *, name: str = 'tokens') -> np.ndarray:
         array = np.asarray(tokens)
     except ValueError:  # rows of different lengths, or ids beside rows
         raise GPT2Error(f'{name} must be one array of token ids, got rows of mixed lengths or nesting') from None
+    if array.dtype.kind in 'SU':
+        raise GPT2Error(f'{name} must be token ids, got text: encode it first (gpt2_tf.encode)')
     if array.dtype == object or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
         raise GPT2Error(f'{name} must be integers, got {array.dtype if array.dtype != object else "mixed values"}')
     return array

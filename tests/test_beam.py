@@ -245,3 +245,21 @@ def test_one_save_of_a_folder_is_the_one_the_pipeline_loads_with_the_folders_voc
     assert not np.array_equal(loaded.model.wte.numpy(), gpt2_tf.load_model(folder).wte.numpy())
     assert loaded.encoder.encode('!') == [1]  # the folder's, not GPT-2's bundled one
     assert gpt2_tf.encoder.encoder_for(folder / 'model-2').encode('!') == [1]
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['generate', '--lenght', '5'], 'unrecognized --lenght (did you mean --length?)'),
+    (['score', '--temprature=0.5'], 'unrecognized --temprature (did you mean --temperature?)'),
+    (['score', '--temperature', '7'], '--temperature is for generate; score does not read it'),
+    (['generate', '--stride', '8'], '--stride is for score; generate does not read it'),
+    (['score', '--glob', '*.md'], '--glob is for encode; score does not read it'),
+])
+def test_a_misspelled_option_or_one_of_another_task_is_refused_before_the_job(tmp_path, capsys, argv, message):
+    from gpt2_tf.beam import main
+
+    (tmp_path / 'prompts.txt').write_text('Hello\n')
+    task, *rest = argv
+    assert main([task, '--model_dir', 'test', '--input', str(tmp_path / 'prompts.txt'), '--output',
+                 str(tmp_path / 'out'), *rest]) == 2
+    assert capsys.readouterr().err.strip() == f'gpt2_tf.beam: error: {message}'
+    assert sorted(os.listdir(tmp_path)) == ['prompts.txt']
