@@ -39,8 +39,8 @@ if layout != 'as exported':
         init(self, model, max_len)
         cache = tf.TensorSpec(litert.cache_shape(model, max_len), tf.float32, name='kv_cache')
         shapes = ([1, None], [None]) if layout == 'dynamic' else ([1, 1], [1])
-        specs = [tf.TensorSpec(shapes[0], tf.int32, name='tokens'), tf.TensorSpec(shapes[1], tf.int32, name='input_pos'),
-                 cache]
+        specs = [tf.TensorSpec(shapes[0], tf.int32, name='tokens'),
+                 tf.TensorSpec(shapes[1], tf.int32, name='input_pos'), cache]
         self.decode = tf.function(type(self).decode.__get__(self), autograph=False, input_signature=specs)
     litert.Signatures.__init__ = replaced
 if layout == 'unfused':

@@ -142,13 +142,12 @@ def test_the_default_stride_is_half_a_window(hot):
 
 def test_score_completion_refuses_text_and_too_many_tokens_saying_what_to_do():
     model = gpt2_tf.load_model('test')  # n_ctx 128
-    with pytest.raises(GPT2Error, match=r'^prompt_ids must be token ids, got text: encode it first '
-                                        r'\(gpt2_tf.encode\)$'):
+    refused = lambda message: pytest.raises(gpt2_tf.GPT2Error, match=message)  # noqa: E731
+    with refused(r'^prompt_ids must be token ids, got text: encode it first \(gpt2_tf.encode\)$'):
         gpt2_tf.score_completion(model, 'The capital', gpt2_tf.encode(' Paris'))
-    with pytest.raises(GPT2Error, match=r"^the prompt and completion are 141 tokens, past n_ctx = 128: keep the "
-                                        r"prompt's last 88 tokens$"):
+    with refused(r"^the prompt and completion are 141 tokens, past n_ctx = 128: keep the prompt's last 88 tokens$"):
         gpt2_tf.score_completion(model, [1] * 101, [2] * 40)
-    with pytest.raises(GPT2Error, match=r'^completion_ids must be one sequence of token ids, got shape \[1, 2\]$'):
+    with refused(r'^completion_ids must be one sequence of token ids, got shape \[1, 2\]$'):
         gpt2_tf.score_completion(model, [1], [[2, 3]])
 
 

@@ -245,7 +245,8 @@ def test_echoes_are_scored_in_groups_of_a_power_of_two_rows_within_the_token_bou
         rows = 1 << (len(group) - 1).bit_length()
         assert len(group) == 1 or rows * bucket(max(lengths[i] for i in group)) <= 256
     seen, score = [], completion.score
-    monkeypatch.setattr(completion, 'score', lambda model, rows, **kw: seen.append(len(rows)) or score(model, rows, **kw))
+    monkeypatch.setattr(completion, 'score',
+                        lambda model, rows, **kw: seen.append(len(rows)) or score(model, rows, **kw))
     prompts = [[464, 2068, 7586], [464, 2068], [5]]  # the last has nothing to score
     entries = completion.echo_entries(model, get_encoder(), prompts, 1)
     assert seen == [2]  # two scorable rows: a power of two already

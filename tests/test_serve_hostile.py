@@ -264,8 +264,8 @@ def test_a_stream_that_meets_a_bug_still_ends_with_an_error_event_and_done(model
     monkeypatch.setattr(Choice, 'add', broken)
     with running(make_app(model)) as port:
         connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
-        connection.request('POST', '/v1/completions', body=json.dumps({'prompt': 'Hi', 'max_tokens': 3, 'stream': True}),
-                           headers={'Content-Type': 'application/json'})
+        body = json.dumps({'prompt': 'Hi', 'max_tokens': 3, 'stream': True})
+        connection.request('POST', '/v1/completions', body=body, headers={'Content-Type': 'application/json'})
         events = connection.getresponse().read().decode().split('\n\n')
         connection.close()
     assert events[-2:] == ['data: [DONE]', ''], events
