@@ -21,8 +21,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import corpus, validate
-from .train_config import check_integer
 from .encoder import END_OF_TEXT, END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
+from .train_config import check_integer
 from .validate import GPT2Error, first_line
 
 TOKEN_FILE = '.bin'
@@ -95,9 +95,10 @@ def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress:
     """Token chunks (int32 arrays) from a text file, a folder or glob of files, or an .npz of token arrays.
 
     An .npz (gpt-2-simple's encode_dataset output) loads as is, alone or among the files of a folder or
-    glob, as gpt-2-simple reads them. Text files are
-    split into documents at lines that are exactly <|endoftext|>, and every
-    document is followed by the end-of-text token 50256, as GPT-2 was trained
+    glob, as gpt-2-simple reads them; a folder's files are all those not hidden, or those matching
+    `pattern`. Text files are read as a token file's encoding reads them (corpus.file_pieces: line
+    breaks as \n, a .csv as gpt-2-simple reads it), split into documents at lines that are exactly
+    <|endoftext|>, and every document is followed by the end-of-text token 50256, as GPT-2 was trained
     (gpt-2-simple instead encoded that line as seven ordinary tokens).
     Documents are gathered into chunks of at least `combine` characters before
     encoding, as gpt-2-simple does; training windows never cross chunks.
