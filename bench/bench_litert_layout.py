@@ -16,16 +16,14 @@ import argparse
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from bench_generate import checkpoint, cpu  # noqa: E402
+from bench_litert import PROMPT, run  # noqa: E402  the prompt, and a script run in a fresh process
 
-ROOT = pathlib.Path(__file__).parent.parent
 OUT = pathlib.Path(__file__).parent / '.cache' / 'litert-layout'
-PROMPT = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13, 383, 2068, 7586, 21831, 318, 257]
 
 EXPORT = '''
 import json, sys
@@ -65,12 +63,6 @@ print(json.dumps({'ms_per_token': 1e3 * (total - prefill) / n}))
 '''
 
 LAYOUTS = ('as exported', 'dynamic', 'unfused')
-
-
-def run(script: str, *args) -> dict:
-    done = subprocess.run([sys.executable, '-c', script, *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
