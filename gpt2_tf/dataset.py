@@ -164,11 +164,14 @@ def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Opt
         encoder_for(model_dir)  # refuses a vocabulary the encoder cannot read (added tokens), before any work
     glob = glob or '*.txt'
     processes = corpus.default_processes() if processes is None else processes
-    bar, close = corpus.terminal_progress(inputs, glob=glob) if progress else (None, lambda: None)
+    bar, close = corpus.terminal_progress(inputs, glob=glob) if progress else (None, lambda finished=False: None)
+    finished = False
     try:
-        return corpus.encode_corpus(inputs, out, glob=glob, processes=processes, progress=bar, encoder_files=files)
+        info = corpus.encode_corpus(inputs, out, glob=glob, processes=processes, progress=bar, encoder_files=files)
+        finished = True
+        return info
     finally:
-        close()
+        close(finished)
 
 
 # --- token files, read in place ---------------------------------------------------------------------

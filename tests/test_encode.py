@@ -97,6 +97,12 @@ def test_the_progress_bar_counts_bytes_and_tokens_on_a_terminal(tmp_path):
     assert '100%' in last and '14.0k/14.0k' in last and 'B/s' in last, last  # 7 bytes a word, in bytes
     assert f'{tokens:,} tokens, ' in last and 'tokens/s' in last, last
     assert corpus.terminal_progress([tmp_path], stream=io.StringIO())[0] is None
+    (tmp_path / 'b.txt').write_bytes(b'\n\nline one\r\nline two\r\n' * 100)  # read as fewer bytes than the file's
+    screen = Terminal()
+    progress, close = corpus.terminal_progress([tmp_path / 'b.txt'], stream=screen)
+    corpus.encode_corpus([tmp_path / 'b.txt'], tmp_path / 'b.bin', progress=progress)
+    close(True)  # a finished run's bar is full
+    assert '100%' in screen.getvalue().split('\r')[-1], screen.getvalue().split('\r')[-1]
 
 
 def test_text_and_a_token_file_read_the_same_documents_and_a_csv_as_gpt2_simple(tmp_path):
