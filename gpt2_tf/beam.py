@@ -281,11 +281,13 @@ class EncodeFile(beam.DoFn):
         yield index, shard, tokens, documents
 
 
-def join_shards(shards: list, *, output: str, model_dir: Optional[str]) -> dict:
+def join_shards(shards: list, *, output: str, model_dir: Optional[str], inputs: Sequence = ()) -> dict:
     """Concatenates the shards in index order into output.partial, writes the sidecar, renames both into
-    place (as encode_corpus does) and removes the shards; returns the sidecar."""
+    place (as encode_corpus does) and removes the shards; returns the sidecar. Inputs without text are
+    refused, as encode_corpus refuses them."""
     encoder = _encoder(model_dir)
     shards = sorted(shards)
+    corpus.check_text(sum(t for _, _, t, _ in shards), inputs)
     partial = output + '.partial'
     with FileSystems.create(partial) as out:
         for _, shard, _, _ in shards:
@@ -310,7 +312,7 @@ def encode_pipeline(p, files: list, *, output: str, model_dir: Optional[str] = N
             | 'Reshuffle' >> beam.Reshuffle()  # spread the files over the workers
             | 'Encode' >> beam.ParDo(EncodeFile(model_dir, shards, piece))
             | 'Gather' >> beam.combiners.ToList()
-            | 'Join' >> beam.Map(join_shards, output=output, model_dir=model_dir))
+            | 'Join' >> beam.Map(join_shards, output=output, model_dir=model_dir, inputs=files))
 
 
 def encode_main(args, beam_args) -> int:

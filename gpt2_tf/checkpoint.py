@@ -389,9 +389,10 @@ def whole_folder(path):
     staged inside and its entries moved into it."""
     path = validate.check_new_folder(os.path.abspath(path))
     if os.path.isdir(path):
-        for left in os.listdir(path):  # a killed export's staging
-            shutil.rmtree(os.path.join(path, left), ignore_errors=True)
-        with staged(path, prefix=validate.PARTIAL) as staging:
+        for left in filter(validate.left_behind, os.listdir(path)):  # a killed export's staging
+            left = os.path.join(path, left)
+            shutil.rmtree(left, ignore_errors=True) if os.path.isdir(left) else os.remove(left)
+        with staged(path, prefix=f'{validate.PARTIAL}{os.getpid()}-') as staging:
             yield staging
             _move_entries(staging, path)
         return
@@ -409,11 +410,12 @@ def _move_entries(staging: str, path: str) -> None:
     moved = []
     try:
         for entry in sorted(os.listdir(staging)):
+            moved.append(entry)  # before the move: a Ctrl-C between the two still finds it
             os.replace(os.path.join(staging, entry), os.path.join(path, entry))
-            moved.append(entry)
     except BaseException:
         for entry in moved:
-            os.replace(os.path.join(path, entry), os.path.join(staging, entry))
+            if os.path.lexists(os.path.join(path, entry)):
+                os.replace(os.path.join(path, entry), os.path.join(staging, entry))
         raise
 
 

@@ -312,9 +312,7 @@ def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Opt
     writer = _Writer(out, encoder.n_vocab, encoder.encoder[END_OF_TEXT])
     try:
         _encode_into(writer, _document_pieces(files, piece), encoder, encoder_files, processes, progress)
-        if not writer.tokens:
-            raise GPT2Error(f'no text in {", ".join(map(str, inputs))}: nothing to encode (empty documents are '
-                            f'left out)')
+        check_text(writer.tokens, inputs)
         sidecar = {'dtype': writer.dtype.name, 'n_vocab': encoder.n_vocab, 'vocab_sha256': vocabulary_sha256(encoder),
                    'tokens': writer.tokens, 'documents': writer.documents, 'end_of_text': writer.end}
         writer.finish(sidecar)
@@ -322,6 +320,12 @@ def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Opt
         writer.abandon()
         raise
     return sidecar
+
+
+def check_text(tokens: int, inputs: Sequence) -> None:
+    """Refuses an encoding that found no text (a token file of no tokens would only fail later, in training)."""
+    if not tokens:
+        raise GPT2Error(f'no text in {", ".join(map(str, inputs))}: nothing to encode (empty documents are left out)')
 
 
 def _encode_into(writer: _Writer, stream: Iterator[tuple], encoder: Encoder, encoder_files, processes: int,

@@ -83,8 +83,7 @@ def signature(run, checks, hp, specs: list, *, xla: bool, drawn: bool = False):
         out = compiled_run(*inputs)
         if not drawn:
             return out
-        with tf.control_dependencies([tf.debugging.assert_less(out['tokens'], hp.n_vocab,
-                                                               message=validate.NOT_DRAWN)]):
+        with tf.control_dependencies(_in_range(out['tokens'], 0, hp.n_vocab - 1, validate.NOT_DRAWN)):
             return {name: tf.identity(value) for name, value in out.items()}
 
     return tf.function(checked, input_signature=specs, autograph=False)

@@ -45,16 +45,30 @@ def save_folder(path) -> str:
     return path
 
 
-PARTIAL = '.gpt2_tf-partial-'  # an export's staging inside the folder it fills: a killed one's counts as empty
+PARTIAL = '.gpt2_tf-partial-'  # + the writer's pid: an export's staging inside the folder it fills
+
+
+def left_behind(entry: str) -> bool:
+    """Whether a folder's entry is the staging of an export whose process has gone (killed mid-write)."""
+    pid = entry[len(PARTIAL):].split('-', 1)[0] if entry.startswith(PARTIAL) else ''
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
 
 
 def check_new_folder(path) -> str:
     """A folder an export creates: missing or empty (an export never mixes with other files; what a killed
-    export left staged in it does not count)."""
+    export left staged in it does not count, another export's running one does)."""
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise GPT2Error(f'{path} is a file: give a new folder to write into')
-    if os.path.isdir(path) and [e for e in os.listdir(path) if not e.startswith(PARTIAL)]:
+    if os.path.isdir(path) and [e for e in os.listdir(path) if not left_behind(e)]:
         raise GPT2Error(f'{path} exists and is not empty: write into a new folder')
     above = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(above):  # the first folder above that exists: it must be a folder

@@ -263,3 +263,13 @@ def test_a_misspelled_option_or_one_of_another_task_is_refused_before_the_job(tm
                  str(tmp_path / 'out'), *rest]) == 2
     assert capsys.readouterr().err.strip() == f'gpt2_tf.beam: error: {message}'
     assert sorted(os.listdir(tmp_path)) == ['prompts.txt']
+
+
+def test_encode_pipeline_refuses_inputs_without_text_as_encode_corpus_does(tmp_path, capsys):
+    (tmp_path / 'blank.txt').write_text('\n\n<|endoftext|>\n')
+    status = main(['encode', '--input', str(tmp_path / 'blank.txt'), '--output', str(tmp_path / 'out.bin')])
+    assert status == 2, capsys.readouterr().err
+    err = capsys.readouterr().err.strip()  # one line; the runner names the step it failed in
+    assert err.startswith('gpt2_tf.beam: error: no text in ') and '\n' not in err
+    assert 'blank.txt: nothing to encode (empty documents are left out)' in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['blank.txt']

@@ -109,10 +109,18 @@ def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkey
         export_litert(model, empty, max_len=8)
     assert empty.stat().st_ino and os.listdir(empty) == []  # still there, still empty
     monkeypatch.undo()
-    (empty / '.gpt2_tf-partial-killed').mkdir()  # what an export killed mid-write left in the folder
-    (empty / '.gpt2_tf-partial-killed' / 'model.tflite').write_bytes(b'half')
+    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a process that has ended: its pid is free
+    (empty / f'.gpt2_tf-partial-{gone}-x').mkdir()  # what an export killed mid-write left in the folder
+    (empty / f'.gpt2_tf-partial-{gone}-x' / 'model.tflite').write_bytes(b'half')
     export_litert(model, empty, max_len=8)  # the folder still counts as empty, and the leftover goes
     assert sorted(os.listdir(empty)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
+    busy = tmp_path / 'busy'
+    busy.mkdir()
+    (busy / f'.gpt2_tf-partial-{os.getpid()}-y').mkdir()  # another export, still running, writes here
+    with pytest.raises(GPT2Error, match='exists and is not empty'):
+        export_litert(model, busy, max_len=8)
+    assert os.listdir(busy) == [f'.gpt2_tf-partial-{os.getpid()}-y']  # left to its writer
 
 
 def test_an_export_takes_the_vocabulary_convert_would_and_refuses_one_it_cannot_hold(tmp_path, capsys):

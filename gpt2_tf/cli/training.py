@@ -31,8 +31,8 @@ def cmd_encode(args):
         info = encode(args.inputs, args.out, glob=args.glob, processes=args.processes, combine=args.combine,
                       progress=True, model_dir=args.model_dir)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if main:  # None: a handler not set from Python, which the default stands for
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     documents = '' if info['documents'] is None else f', {info["documents"]:,} documents'
     print(f'{args.out}: {info["tokens"]:,} tokens{documents}')
 
