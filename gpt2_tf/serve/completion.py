@@ -21,9 +21,9 @@ from typing import AsyncIterator, List, Optional
 
 from ..compiled import bucket
 from ..encoder import END_OF_TEXT, Encoder
-from ..validate import GPT2Error
 from ..runtime import Model
 from ..scoring import score
+from ..validate import GPT2Error
 from .batcher import Batcher, Row
 from .protocol import APIError, CompletionChoice, CompletionRequest, CompletionResponse, Sampling, Usage
 
