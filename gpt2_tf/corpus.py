@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import csv
 import glob as globbing
 import hashlib
 import io
@@ -170,8 +171,6 @@ CSV_START = '<|startoftext|>'  # gpt-2-simple's start marker for each CSV row, k
 def _csv_rows(f) -> Iterator[str]:
     """gpt-2-simple's CSV convention: the header skipped, each row's first column a document, after
     <|startoftext|> (its line breaks as '\n')."""
-    import csv
-
     reader = csv.reader(f)
     next(reader, None)
     for row in reader:
@@ -195,10 +194,8 @@ def file_pieces(path: str, size: int = PIECE, *, binary=None) -> Iterator[Option
     except UnicodeDecodeError as e:
         where = f' at byte {_first_invalid_byte(path):,}' if binary is None and path != '-' else ''
         raise GPT2Error(f'{path}: not UTF-8 text ({e.reason}{where}); convert it to UTF-8 or leave it out') from None
-    except Exception as e:
-        if type(e).__name__ == 'Error' and type(e).__module__ == '_csv':  # a malformed or oversized field
-            raise GPT2Error(f'{path}: not a CSV file csv.reader can read ({e}); fix it or leave it out') from None
-        raise
+    except csv.Error as e:  # a malformed or oversized field
+        raise GPT2Error(f'{path}: not a CSV file csv.reader can read ({e}); fix it or leave it out') from None
 
 
 def _first_invalid_byte(path: str, block: int = 1 << 20) -> int:

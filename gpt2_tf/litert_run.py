@@ -54,15 +54,20 @@ def choose(logits: np.ndarray, step: int, *, top_k: int, temperature: float, key
     return int(np.argmax(noisy))
 
 
+def cache_shape(description: dict) -> list:
+    """An export's kv_cache shape, from its model.json."""
+    return description['signatures']['decode']['inputs']['kv_cache']['shape']
+
+
 def export_of(folder: str) -> dict:
     """An export folder's model.json; a folder that is not one is refused in one line."""
     try:
         with open(os.path.join(folder, 'model.json'), encoding='utf-8') as f:
             description = json.load(f)
-        description['signatures']['decode']['inputs']['kv_cache']['shape'][4], description['hparams']['n_vocab']
+        readable = cache_shape(description)[4] > 0 and description['hparams']['n_vocab'] > 0  # what a run reads
     except (OSError, ValueError, KeyError, TypeError, IndexError):
-        description = None
-    if description is None or not os.path.exists(os.path.join(folder, 'model.tflite')):
+        readable = False
+    if not readable or not os.path.exists(os.path.join(folder, 'model.tflite')):
         raise GPT2Error(f'{folder} is not a LiteRT export (model.tflite and its model.json): write one with '
                         f'gpt2-tf export MODEL {folder} --format litert')
     return description
@@ -73,8 +78,7 @@ def check_fits(description: dict, ids: list, length: int) -> None:
     if not ids:
         raise GPT2Error('the prompt is empty: give some text')
     validate.check_token_ids(np.asarray(ids), description['hparams']['n_vocab'], name="the prompt's token")
-    positions, n_ctx = description['signatures']['decode']['inputs']['kv_cache']['shape'][4], \
-        description['hparams']['n_ctx']
+    positions, n_ctx = cache_shape(description)[4], description['hparams']['n_ctx']
     need = len(ids) + length - 1 if validate.is_int(length) and length >= 1 else 0  # the last is not fed back
     if need > positions and positions < n_ctx:
         raise GPT2Error(f'the prompt ({len(ids)} tokens) and length {length} need {need} positions; '
@@ -94,12 +98,11 @@ def generate(folder: str, ids: list, length: int, *, top_k: int = 0, temperature
     except ImportError:
         raise GPT2Error("running a LiteRT export needs the LiteRT runtime: pip install -e '.[litert]' "
                         "(or pip install ai-edge-litert)") from None
-    cache_shape = description['signatures']['decode']['inputs']['kv_cache']['shape']
     interpreter = Interpreter(model_path=os.path.join(folder, 'model.tflite'), num_threads=threads)
     prefill, decode = interpreter.get_signature_runner('prefill'), interpreter.get_signature_runner('decode')
     key = None if seed is None else (seed, 0)
     out = prefill(tokens=np.array([ids], np.int32), input_pos=np.arange(len(ids), dtype=np.int32),
-                  kv_cache=np.zeros(cache_shape, np.float32))
+                  kv_cache=np.zeros(cache_shape(description), np.float32))
     new = []
     for step in range(length):
         new.append(choose(out['logits'][0], step, top_k=top_k, temperature=temperature, key=key))
