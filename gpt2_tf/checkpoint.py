@@ -391,7 +391,10 @@ def whole_folder(path):
     if os.path.isdir(path):
         for left in filter(validate.left_behind, os.listdir(path)):  # a killed export's staging
             left = os.path.join(path, left)
-            shutil.rmtree(left, ignore_errors=True) if os.path.isdir(left) else os.remove(left)
+            if os.path.isdir(left):
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                os.remove(left)
         with staged(path, prefix=f'{validate.PARTIAL}{os.getpid()}-') as staging:
             yield staging
             _move_entries(staging, path)
