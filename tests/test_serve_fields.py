@@ -87,6 +87,16 @@ def test_a_token_biased_by_minus_100_is_never_drawn(served, model):
     assert banned not in [c.text for c in done.choices]
 
 
+def test_top_p_keeps_the_originals_rule_not_the_token_that_crosses_p(served, model):
+    ids = gpt2_tf.encode('Hello there')
+    logits = np.asarray(model(np.array([ids]))['logits'][0, -1], np.float64)
+    probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    first, second = np.argsort(-probs)[:2]
+    p = probs[first] + probs[second] / 2  # past the first token's mass, short of the second's cumulative
+    done = complete(served, max_tokens=1, n=16, seed=5, top_p=float(p))
+    assert {c.text for c in done.choices} == {gpt2_tf.decode([int(first)])}  # vLLM's rule would draw the second
+
+
 @pytest.mark.parametrize('options', [dict(presence_penalty=2.0), dict(frequency_penalty=1.5)])
 def test_penalties_give_the_librarys_penalised_greedy_text(served, model, options):
     ids = gpt2_tf.encode('Hello there')
@@ -193,6 +203,25 @@ def test_the_text_offsets_of_tokens_inside_a_character_stay_on_it():
     choice = Choice(0, encoder, [], logprobs=0)
     choice.add(ids, {'log_probs': np.zeros(5), 'top_ids': np.zeros((5, 1), int), 'top_log_probs': np.zeros((5, 1))})
     assert choice.entries['text_offset'] == [0, 1, 1, 1, 2]  # 'b' at 2, as in 'a\U0001d11eb'; none past it
+
+
+@pytest.mark.parametrize('stops, text', [(['world', 'Hello w'], ''), (['Hello w', 'world'], ''),
+                                         (['o w', 'lo'], 'Hel'), (['lo', 'o w'], 'Hel'),
+                                         (['cd', 'abcde'], 'ab'), (['abcde', 'cd'], 'ab'),  # 'cd' ends first
+                                         (['bc', 'abc'], ''), (['abc', 'bc'], ''),  # ending together: the longer
+                                         (['xyz', 'c'], 'ab')])
+@pytest.mark.parametrize('at_once', [True, False])
+def test_the_stop_string_that_ends_first_cuts_the_text_whatever_their_order(stops, text, at_once):
+    from gpt2_tf.encoder import get_encoder
+    from gpt2_tf.serve.completion import Choice
+
+    encoder = get_encoder()
+    whole = 'Hello world, foo bar' if 'H' in ''.join(stops) or 'w' in ''.join(stops) else 'abcdef and more'
+    ids = encoder.encode(whole)
+    choice = Choice(0, encoder, stops, logprobs=None)
+    sent = ''.join(choice.add(ids, None) for _ in [0]) if at_once else ''.join(choice.add([t], None) for t in ids)
+    sent += choice.finish()
+    assert (sent, choice.finish_reason) == (text, 'stop')
 
 
 def test_an_echoed_prompts_offsets_count_as_its_generated_tokens_do(model):

@@ -97,11 +97,13 @@ class Choice:
         return new
 
     def stopped(self, text: str) -> str:
-        """The text up to the first stop string in it (which finishes the choice), or all of it."""
-        for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                text, self.finish_reason, self.cut = text[:at], 'stop', at
+        """The text up to the stop string that ends first in it (which finishes the choice; of two that end
+        together, the longer), or all of it. Where each stop ends does not depend on how the text arrived,
+        token by token or a chunk at once, nor on the order of the stops."""
+        found = [(at + len(stop), at) for stop in self.stops if (at := text.find(stop)) >= 0]
+        if found:
+            _, at = min(found)
+            text, self.finish_reason, self.cut = text[:at], 'stop', at
         return text
 
     def kept(self) -> int:
