@@ -94,25 +94,35 @@ class Slots:
     def join(self, slot: int, prompt: list, *, length: int, key, temperature=1.0, top_k=0, top_p=1.0,
              **penalty) -> None:
         """Prefills prompt into `slot` for `length` new tokens drawn with `key` (a pair: the row's own key).
+        Every option is checked, and the prefill run, before the slot changes: a join that fails leaves it free.
 
         penalty: penalties.penalties_for's logit_bias, presence_penalty, frequency_penalty, repetition_penalty.
         """
         hp = self.model.hparams
         validate.check_window(len(prompt), length, hp.n_ctx)
-        self._set_penalties(slot, prompt, penalties.penalties_for(1, hp.n_vocab, **penalty))
+        (temperature,), (top_k,), (top_p,) = validate.check_sampling(temperature, top_k, top_p, 1)
+        validate.check_seed(key, 1)
+        if np.shape(key) != (2,):
+            raise validate.GPT2Error(f'key must be a pair of integers (noise.row_keys), got {validate.shown(key)}')
+        found = penalties.penalties_for(1, hp.n_vocab, **penalty)
         padded = bucket(len(prompt))
         context = np.zeros([1, padded], np.int32)
         context[0, padded - len(prompt):] = prompt
         pads = np.array([padded - len(prompt)], np.int32)
         logits, caches = self._begin(self.model, tf.constant(context), pads=tf.constant(pads), size=padded,
                                      decoder=self.decoder)
-        self.need[slot] = padded + length  # the prompt's slots, then every token fed
-        self.occupied[slot] = True
-        self._resize()
-        at = tf.constant([[slot]])
-        self.caches = [tf.tensor_scatter_nd_update(big, at, fit(row, 3, big.shape[3]))
-                       for big, row in zip(self.caches, caches)]
-        self.logits = tf.tensor_scatter_nd_update(self.logits, at, logits)
+        try:
+            self._set_penalties(slot, prompt, found)
+            self.need[slot] = padded + length  # the prompt's slots, then every token fed
+            self.occupied[slot] = True
+            self._resize()
+            at = tf.constant([[slot]])
+            self.caches = [tf.tensor_scatter_nd_update(big, at, fit(row, 3, big.shape[3]))
+                           for big, row in zip(self.caches, caches)]
+            self.logits = tf.tensor_scatter_nd_update(self.logits, at, logits)
+        except BaseException:
+            self.leave(slot)
+            raise
         self.pads[slot], self.pos[slot], self.made[slot] = pads[0], padded, 0
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = temperature, top_k, top_p
         self.keys[slot] = key

@@ -105,8 +105,17 @@ def test_bad_rows_are_refused_before_anything_runs(model):
         engine.join(0, [1] * 100, length=40, key=(0, 0))
     with pytest.raises(GPT2Error, match='logit_bias'):
         engine.join(0, [1, 2], length=4, key=(0, 0), logit_bias={60000: 1.0})
-    with pytest.raises(GPT2Error, match='no slot holds a row'):
+    for options, message in [(dict(temperature=-1.0), r'temperature must be in \[0, 2\]'),
+                             (dict(temperature=float('nan')), 'temperature must be in'),
+                             (dict(top_k=-3), 'top_k must be an integer >= 0'),
+                             (dict(top_p=1.7), r'top_p must be in \[0, 1\]'),
+                             (dict(key=(2 ** 70, 0)), 'seed values must be integers'),
+                             (dict(key=5), 'key must be a pair of integers')]:
+        with pytest.raises(GPT2Error, match=message):
+            engine.join(1, [1, 2], length=4, **{'key': (0, 0), **options})
+    with pytest.raises(GPT2Error, match='no slot holds a row'):  # every join above left its slot free
         engine.step()
+    assert not engine.occupied.any() and engine.top_k.tolist() == [0, 0]
 
 
 def test_a_step_compiles_once_wherever_its_rows_are(model):
