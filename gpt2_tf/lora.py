@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from .hparams import HParams
 from .train_config import LORA_TARGETS as TARGETS, check_targets
 from .validate import GPT2Error, first_line
 
@@ -255,6 +256,19 @@ def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = Non
     os.replace(settings, os.path.join(folder, CONFIG))
 
 
+def saved_step(folder: str) -> Optional[int]:
+    """The step in a saved adapter's metadata (ours), without reading its tensors; None where it has none."""
+    from safetensors import safe_open
+
+    path = os.path.join(folder, WEIGHTS)
+    try:
+        with safe_open(path, framework='numpy') as f:
+            step = (f.metadata() or {}).get('step')
+    except Exception as e:  # a missing, truncated or foreign file
+        raise AdapterError(f'cannot read {path}: {first_line(e)}') from None
+    return int(step) if step and step.isdigit() else None
+
+
 def read_config(folder: str) -> dict:
     path = os.path.join(folder, CONFIG)
     try:
@@ -288,6 +302,7 @@ def read(folder, model) -> tuple:
 
     folder = os.fspath(folder)
     config = read_config(folder)
+    check_base(folder, model.hparams)
     path, rank = os.path.join(folder, WEIGHTS), int(config['r'])
     if not os.path.exists(path) and os.path.isfile(os.path.join(folder, BIN)):
         from .tensorfiles import read_torch
@@ -314,6 +329,15 @@ def read(folder, model) -> tuple:
                            f'{", ".join(module_name(t) for t in targets)}): an adapter for another base model?')
     step = metadata.get('step')
     return config, pairs, int(step) if step and step.isdigit() else None
+
+
+def check_base(folder: str, hparams: HParams) -> None:
+    """An adapter folder that records its base's hparams.json (a run folder of ours) goes only onto a base of
+    those: its shapes alone do not tell another vocabulary or head count."""
+    held = os.path.join(folder, 'hparams.json')
+    if os.path.isfile(held) and HParams.from_json(held) != hparams:
+        raise AdapterError(f'{folder} was trained on a base of {HParams.from_json(held)}, not this model\'s '
+                           f'{hparams}: load it onto the base it was trained on')
 
 
 def _targets(config: dict, path: str, n_layer: int) -> tuple:
@@ -407,16 +431,21 @@ def apply(model, folder) -> dict:
 def check_fits(adapters: dict, config: dict, pairs: dict, folder) -> None:
     """A saved adapter (read()) that the attached adapters can resume: the same rank, products, alpha and dropout
     (alpha scales what was trained; dropout is part of the run)."""
-    first = next(iter(adapters.values()))
+    path, first = os.path.join(os.fspath(folder), CONFIG), next(iter(adapters.values()))
     rank = first.A.shape[-1]
-    if scale_of(config) != first.scale or float(config.get('lora_dropout', 0.0)) != first.dropout:
-        raise AdapterError(f'{os.path.join(os.fspath(folder), CONFIG)}: lora_alpha {config["lora_alpha"]}, lora_dropout '
-                           f'{config.get("lora_dropout", 0.0)}; this run has lora_alpha {first.scale * rank:g}, '
-                           f'lora_dropout {first.dropout:g}: resume with the same lora options')
     if int(config['r']) != rank or set(pairs) != set(adapters):
-        raise AdapterError(f'{os.path.join(os.fspath(folder), CONFIG)}: rank {config["r"]} on '
-                           f'{config.get("target_modules")}; this run trains rank {rank} on '
-                           f'{sorted(set(n.split(".", 2)[2] for n in adapters))}: resume with the same lora options')
+        raise AdapterError(f'{path}: rank {config["r"]} on {config.get("target_modules")}; this run trains rank '
+                           f'{rank} on {sorted(set(n.split(".", 2)[2] for n in adapters))}: resume with the same '
+                           f'lora options')
+    differ = []
+    if scale_of(config) != first.scale:  # this run's adapters scale by alpha / rank
+        rslora = ' with use_rslora' if config.get('use_rslora') else ''
+        differ.append((f'lora_alpha {config["lora_alpha"]}{rslora}', f'lora_alpha {first.scale * rank:g}'))
+    if float(config.get('lora_dropout', 0.0)) != first.dropout:
+        differ.append((f'lora_dropout {config.get("lora_dropout", 0.0)}', f'lora_dropout {first.dropout:g}'))
+    if differ:
+        raise AdapterError(f'{path}: {", ".join(d[0] for d in differ)}; this run has {", ".join(d[1] for d in differ)}: '
+                           f'resume with the same lora options')
 
 
 def assign(adapters: dict, pairs: dict) -> None:

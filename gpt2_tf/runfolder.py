@@ -19,6 +19,7 @@ import glob
 import os
 import re
 import shutil
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -52,8 +53,7 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
     folder as it was.
     """
     run_dir = checkpoint.check_save(model, run_dir)
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), '.saving-*')):  # a killed save's staging
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stagings(run_dir)
     name = f'model-{step}'
     state = optimizer_prefix(os.path.join(run_dir, name))
     with checkpoint.staged(run_dir) as staging:
@@ -73,6 +73,12 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
     except OSError as e:
         raise Unfinished(e.errno, e.strerror) from None
     return prefix
+
+
+def remove_stagings(run_dir: str) -> None:
+    """A killed save's staging folders."""
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), '.saving-*')):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def remove_orphan_states(run_dir: str) -> None:
@@ -214,24 +220,57 @@ def check_mode(run_dir: str, *, lora: bool) -> None:
 
 def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict, step: int, *,
                  vocabulary=None) -> str:
-    """A LoRA run's step: optimizer-<step> (the adapters' slots), then adapter_model.safetensors and
-    adapter_config.json (PEFT's folder; the step in the file's metadata is what a resumed run reads), then
-    `counter`, hparams.json and the vocabulary. Earlier optimizer states go. Returns the adapter's path."""
+    """A LoRA run's step: adapter_model.safetensors and adapter_config.json (PEFT's folder; the step in the
+    file's metadata is what a resumed run reads) and optimizer-<step> (the adapters' slots), then `counter`,
+    hparams.json and the vocabulary. Earlier optimizer states go. Returns the adapter's path.
+
+    As in save(), the files are written whole in a staging folder first, and an earlier run's optimizer-<step>
+    goes before the adapter is replaced: no crash leaves one run's adapter beside another's optimizer state,
+    and a failed write leaves the folder as it was."""
     from . import lora
 
     os.makedirs(run_dir, exist_ok=True)
+    remove_stagings(run_dir)
     state = os.path.join(run_dir, f'optimizer-{step}')
-    if slots:
-        checkpoint.write_tensors(state, {n: v.read_value() for n, v in slots.items()})
-    lora.save(run_dir, adapters, config, step=step)
+    with checkpoint.staged(run_dir) as staging:
+        if slots:
+            checkpoint.write_tensors(os.path.join(staging, 'optimizer'), {n: v.read_value() for n, v in slots.items()})
+        try:
+            lora.save(staging, adapters, config, step=step)
+        except OSError as e:  # named where it was to go
+            raise OSError(e.errno, (e.strerror or str(e)).replace(staging, run_dir)) from None
+        checkpoint.remove_bundle(state)
+        for name in (lora.WEIGHTS, lora.CONFIG):
+            os.replace(os.path.join(staging, name), os.path.join(run_dir, name))
+        if slots:
+            checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)
     for index in glob.glob(os.path.join(glob.escape(run_dir), 'optimizer-*.index')):
         if index[:-len('.index')] != state:
             checkpoint.remove_bundle(index[:-len('.index')])
-    checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
-    if not os.path.exists(os.path.join(run_dir, 'hparams.json')):
-        model.hparams.to_json(os.path.join(run_dir, 'hparams.json'))
-    copy_vocabulary(run_dir, vocabulary)
+    try:
+        checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
+        if not os.path.exists(os.path.join(run_dir, 'hparams.json')):
+            model.hparams.to_json(os.path.join(run_dir, 'hparams.json'))
+        copy_vocabulary(run_dir, vocabulary)
+    except OSError as e:
+        raise Unfinished(e.errno, e.strerror) from None
     return os.path.join(run_dir, lora.WEIGHTS)
+
+
+def saved_step(run_dir: str) -> Optional[str]:
+    """What the run folder holds now, as a save's failure names it: model-<step>, a LoRA run's adapter of its
+    step, or None."""
+    from . import lora
+
+    if is_adapter_run(run_dir):
+        try:
+            return f'the adapter of step {lora.saved_step(run_dir)}'
+        except (OSError, GPT2Error):
+            return None
+    try:
+        return checkpoint.checkpoint_state(run_dir)[0]
+    except OSError:
+        return None
 
 
 def restore_adapter(run_dir: str, model, adapters: dict, slots: dict) -> tuple:

@@ -353,8 +353,10 @@ class ClusterError(GPT2Error, RuntimeError):
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during finetune, raised once the run has saved its step (the command line exits 130)."""
 
-    def __init__(self, trainer: Trainer):
-        super().__init__(f'interrupted at step {trainer.steps}, which is saved')
+    def __init__(self, trainer: Trainer, saved: bool = True):
+        super().__init__(f'interrupted at step {trainer.steps}, which is saved' if saved else
+                         f'interrupted at step {trainer.steps}, before this run\'s first step: the run folder is '
+                         f'as it was')
         self.trainer = trainer
 
 
@@ -530,10 +532,7 @@ class Run:
                                    f'or vocabulary failed ({e.strerror}); free the space, then resume with '
                                    f'restore_from latest') from None
         except OSError as e:
-            try:
-                current = checkpoint.checkpoint_state(self.run_dir)[0]
-            except OSError:
-                current = None
+            current = runfolder.saved_step(self.run_dir)
             raise OSError(e.errno, f'cannot save step {self.trainer.steps} in {self.run_dir} ({e.strerror}); the '
                                    f'previous checkpoint ({current or "none"}) is intact') from None
         self.saved = self.trainer.steps
@@ -587,8 +586,8 @@ def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *
     accumulate_gradients windows of n_ctx tokens. steps=-1 trains until
     interrupted. restore_from='latest' resumes the run folder when it has a
     checkpoint (else starts from model_dir); 'fresh' starts from model_dir.
-    Ctrl-C (or SIGTERM) saves the step reached, then raises Interrupted (a
-    KeyboardInterrupt holding the trainer). stop, when given, is asked after each step whether
+    Ctrl-C (or SIGTERM) saves the step reached (none before this run's first
+    step), then raises Interrupted (a KeyboardInterrupt holding the trainer). stop, when given, is asked after each step whether
     to stop there. strategy: a make_strategy() strategy, or the name of one
     (as config.strategy). Data-parallel, every worker draws the same seeded
     global batch and its replicas take their slices; only the chief logs,
@@ -606,7 +605,9 @@ def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *
             run.loop(stop)
     except KeyboardInterrupt:
         run.log('interrupted')
-        run.save()
-        raise Interrupted(run.trainer) from None
+        saved = run.trainer.steps != run.first  # before this run's first step there is nothing new to keep
+        if saved:
+            run.save()
+        raise Interrupted(run.trainer, saved) from None
     run.save()
     return run.trainer

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import operator
 import typing
 from typing import Optional
 
@@ -175,6 +176,14 @@ def check_lora(config: FinetuneConfig) -> None:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise GPT2Error(f'lora_dropout must be in [0, 1), got {_shown(dropout)}')
     check_choice('dtype', config.dtype, DTYPES)
+    if not config.lora_rank:
+        same = {'lora_targets': lambda a, b: check_targets(a) == check_targets(b)}
+        given = [f.name for f in dataclasses.fields(config) if f.name in ('lora_alpha', 'lora_targets', 'lora_dropout')
+                 and not same.get(f.name, operator.eq)(getattr(config, f.name), f.default)]
+        if given:
+            raise GPT2Error(f'{", ".join(given)} shape{"s" if len(given) == 1 else ""} LoRA adapters, which '
+                            f'lora_rank 0 leaves off: set lora_rank too (8, say), or leave {"it" if len(given) == 1 else "them"} '
+                            f'out for full fine-tuning')
     if config.dtype != 'float32' and not config.lora_rank:
         raise GPT2Error(f'dtype {config.dtype} holds frozen weights, and only LoRA adapters train over them: '
                         f'set lora_rank too, or keep dtype float32 for full fine-tuning')

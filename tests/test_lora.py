@@ -1,5 +1,7 @@
 """LoRA: a training step against a reference written here, and the adapter folder against PEFT itself."""
 
+import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -18,6 +20,7 @@ from gpt2_tf.train_config import FinetuneConfig
 from gpt2_tf.validate import GPT2Error
 
 from conftest import FIXTURES, assert_close, require
+from support import write_random_checkpoint
 
 TINY = FIXTURES / 'tf1-tiny'
 v1 = tf.compat.v1
@@ -339,9 +342,62 @@ def test_a_run_folder_of_the_other_kind_is_refused_not_overwritten(tmp_path):
         finetune(str(TINY), chunks, run_name='adapters', **options)
     assert (tmp_path / 'full' / 'counter').read_text().strip() == '2'
     assert (tmp_path / 'adapters' / 'counter').read_text().strip() == '2'
-    with pytest.raises(lora.AdapterError, match='lora_alpha 4.0, lora_dropout 0.0; this run has lora_alpha 16, '
-                                                'lora_dropout 0: resume with the same lora options'):
+    with pytest.raises(lora.AdapterError, match='lora_alpha 4.0; this run has lora_alpha 16: resume with the same '
+                                                'lora options'):
         finetune(str(TINY), chunks, run_name='adapters', lora_rank=2, lora_alpha=16.0, **options)
+    with pytest.raises(lora.AdapterError, match=r"rank 2 on \['attn.c_attn'\]; this run trains rank 4 on "
+                                                r"\['attn.c_attn'\]: resume with the same lora options"):
+        finetune(str(TINY), chunks, run_name='adapters', lora_rank=4, lora_alpha=4.0, **options)  # alpha alike
+    with pytest.raises(GPT2Error, match='lora_alpha shapes LoRA adapters, which lora_rank 0 leaves off'):
+        finetune(str(TINY), chunks, run_name='adapters', lora_alpha=4.0, **options)  # a full run: alpha unused
+    assert (tmp_path / 'adapters' / 'counter').read_text().strip() == '2'
+
+
+def lora_run(tmp_path, **options):
+    return finetune(str(TINY), [np.arange(300) % 512], steps=2, lora_rank=2, checkpoint_dir=str(tmp_path),
+                    run_name='r', sample_every=0, print_every=0, accumulate_gradients=1, save_every=0,
+                    log=lambda line: None, **options)
+
+
+def test_a_failed_lora_save_never_pairs_one_runs_adapter_with_anothers_moments(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    lora_run(tmp_path, seed=0, learning_rate=1e-2)
+    run = tmp_path / 'r'
+    before = {f.name: f.read_bytes() for f in run.iterdir()}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+
+    # A fresh run over the folder reaches the same step; its adapter cannot be written: nothing changes.
+    monkeypatch.setattr(safetensors.numpy, 'save_file', full)
+    with pytest.raises(OSError, match=r'cannot save step 2 in \S+ \(\S+/r/adapter_model.safetensors cannot be '
+                                      r'written .*\); the previous checkpoint \(the adapter of step 2\) is intact'):
+        lora_run(tmp_path, seed=1, learning_rate=5e-2, restore_from='fresh')
+    monkeypatch.undo()
+    assert {f.name: f.read_bytes() for f in run.iterdir()} == before
+    # Killed after its adapter is in place, before its moments are: the earlier run's moments are gone.
+    def killed_at_the_moments(source, prefix, move=gpt2_tf.checkpoint.move_bundle):
+        if os.path.basename(prefix) == 'optimizer-2':
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        move(source, prefix)
+
+    monkeypatch.setattr(gpt2_tf.checkpoint, 'move_bundle', killed_at_the_moments)
+    with pytest.raises(OSError, match='No space left'):
+        lora_run(tmp_path, seed=1, learning_rate=5e-2, restore_from='fresh')
+    monkeypatch.undo()
+    assert (run / lora.WEIGHTS).read_bytes() != before[lora.WEIGHTS]
+    assert not (run / 'optimizer-2.index').exists() and not list(run.glob('.saving-*'))
+
+
+def test_an_adapter_goes_only_onto_the_base_its_run_folder_names(tmp_path):
+    lora_run(tmp_path)
+    other = dataclasses.replace(load_model(TINY).hparams, n_vocab=100, n_head=2)
+    write_random_checkpoint(tmp_path / 'other', other)  # the adapters' shapes fit it: n_embd, n_layer alike
+    with pytest.raises(lora.AdapterError, match=r'r was trained on a base of HParams\(n_vocab=512, .*not this '
+                                                r"model's HParams\(n_vocab=100, .*load it onto the base"):
+        load_model(tmp_path / 'other', adapter=tmp_path / 'r')
+    load_model(TINY, adapter=tmp_path / 'r')
 
 
 def test_options_left_off_in_any_spelling_load_and_a_failed_save_is_an_os_error(peft_setup, tmp_path):

@@ -639,6 +639,22 @@ def test_a_failure_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
     assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == ('model-4', ['model-4'])  # the earlier run's
 
 
+def test_ctrl_c_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
+    run_steps(tmp_path, 4)
+    run = tmp_path / 'checkpoint' / 'run1'
+    before = {f.name: f.read_bytes() for f in run.iterdir()}
+
+    def interrupted(model, batches):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, 'validation_loss', interrupted)
+    np.savez(tmp_path / 'held.npz', np.random.default_rng(1).integers(0, HPARAMS.n_vocab, 500).astype(np.int32))
+    with pytest.raises(train.Interrupted, match="interrupted at step 0, before this run's first step: the run "
+                                                "folder is as it was"):
+        run_steps(tmp_path, 2, restore_from='fresh', val_dataset=str(tmp_path / 'held.npz'), val_every=2)
+    assert {f.name: f.read_bytes() for f in run.iterdir()} == before  # the earlier run's model-4, not a model-0
+
+
 def test_a_run_folder_saved_with_tf1_adams_slots_resumes_with_them(tmp_path):
     model = gpt2_tf.load_model(HOT)
     rng = np.random.default_rng(3)

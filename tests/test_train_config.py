@@ -88,6 +88,10 @@ def test_every_flags_help_ends_with_its_default():
     (dict(val_fraction=0.1, val_every=1, val_dataset='v.bin'), 'give val_fraction or val_dataset, not both'),
     (dict(val_fraction=0.1), 'val_fraction holds out documents for a validation loss that val_every=0 never'),
     (dict(val_every=5), 'val_every computes a validation loss on data that neither val_dataset nor val_fraction '),
+    (dict(lora_alpha=16.0), r'lora_alpha shapes LoRA adapters, which lora_rank 0 leaves off: set lora_rank too '
+                            r'\(8, say\), or leave it out'),
+    (dict(lora_targets='c_attn,mlp.c_fc', lora_dropout=0.1), 'lora_targets, lora_dropout shape LoRA adapters, which '
+                                                             'lora_rank 0 leaves off: .*leave them out'),
 ])
 def test_bad_values_are_one_line_errors(values, message):
     with pytest.raises(GPT2Error, match=message) as error:
