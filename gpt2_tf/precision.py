@@ -79,13 +79,18 @@ def matrix(shape: list, name: str, dtype: str, *, channels: int) -> tuple:
             tf.Variable(_initial([channels], tf.float32, 1), name=name + SCALE))
 
 
-def quantize(value: np.ndarray, *, rows: bool) -> tuple:
+def quantize(value: np.ndarray, *, rows: bool, name: str = 'the weight') -> tuple:
     """float32 [..., n] (rows=False: one scale per last-axis column) or [n, k] (rows=True: one per row)
-    -> (int8 of the same shape, float32 scales [n]): symmetric, round to nearest, scale = max|w| / 127."""
+    -> (int8 of the same shape, float32 scales [n]): symmetric, round to nearest, scale = max|w| / 127 (at
+    least float32's smallest normal number, so that a channel of subnormal values still fits in [-127, 127])."""
     value = np.array(value, np.float32)  # a copy, rounded in place: no float32 temporaries beside it
     axes = tuple(range(1, value.ndim)) if rows else tuple(range(value.ndim - 1))
     peak = np.maximum(value.max(axis=axes, keepdims=True), -value.min(axis=axes, keepdims=True))
-    scale = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)  # an all-zero channel
+    if not np.isfinite(peak).all():
+        raise GPT2Error(f'{name} holds NaN or infinite values, which int8 cannot hold: the checkpoint is damaged '
+                        f'(load it with dtype float32 to look at it)')
+    tiny = np.finfo(np.float32).tiny
+    scale = np.where(peak > 0, np.maximum(peak / np.float32(127), tiny), np.float32(1)).astype(np.float32)
     np.rint(np.divide(value, scale, out=value), out=value)  # within [-127, 127]: |w| <= max|w|
     return value.astype(np.int8), scale.reshape(-1)
 
@@ -122,7 +127,7 @@ def assign(variables: dict, name: str, value) -> None:
         variable.assign(tf.cast(value, variable.dtype))
         return
     rows = variable.shape.rank == 2  # wte [n_vocab, n_embd]: a scale per row, its rows serve the lookup too
-    q, scale = quantize(value, rows=rows)
+    q, scale = quantize(value, rows=rows, name=name)
     variable.assign(q if rows else pack(q))
     variables[name + SCALE].assign(scale)
 

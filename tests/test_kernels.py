@@ -3,6 +3,7 @@ call inside an XLA-compiled function) and the TensorFlow fallback, against a flo
 float32 kernel is taken. A whole sequence's attention (attention.cc, a library of its own) against float64
 autograd, and where it is taken."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpt2_tf import kernels
+from gpt2_tf import kernels, precision
+from gpt2_tf.validate import GPT2Error
 
 from support import attention64, with_gradients
 
@@ -307,7 +309,6 @@ def traced_ops(fn, rows, k) -> set:
 def test_float32_products_of_few_rows_take_the_kernel_while_decoding_as_the_cpu_table_says(cpu, monkeypatch):
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
-    from gpt2_tf import precision
 
     monkeypatch.setattr(kernels, '_cpu_key', lambda: 'flags : ' + cpu)
     monkeypatch.delenv('TF_XLA_FLAGS', raising=False)
@@ -337,7 +338,6 @@ def test_float32_products_of_few_rows_take_the_kernel_while_decoding_as_the_cpu_
 def test_an_open_batch_takes_the_kernel_in_xla_for_few_rows_only(monkeypatch):
     if not kernels.xla_available():
         pytest.skip(kernels.unavailable_reason() or 'the kernel was built without XLA')
-    from gpt2_tf import precision
 
     monkeypatch.setattr(kernels, '_cpu_key', lambda: 'flags : avx2 fma')
     monkeypatch.delenv('TF_XLA_FLAGS', raising=False)
@@ -367,7 +367,6 @@ def test_kernel_and_fallback_agree_in_a_compiled_function():
 def test_products_take_tensorflow_s_over_a_dequantized_copy_from_many_rows_on(traced, monkeypatch):
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
-    from gpt2_tf import precision
 
     taken = tf.Variable(0)  # counts the products TensorFlow's ops made, when they run (not when traced)
     plain = kernels._dequantized_product
@@ -412,7 +411,6 @@ def test_tensors_off_the_cpu_keep_out_of_the_kernels(monkeypatch):
     # The ops and XLA's custom calls are the CPU's alone: a model on a GPU traces TensorFlow's ops instead.
     import types
 
-    from gpt2_tf import precision
 
     assert kernels.on_cpu(types.SimpleNamespace(device='/job:localhost/replica:0/task:0/device:CPU:0'))
     assert not kernels.on_cpu(types.SimpleNamespace(device='/job:localhost/replica:0/task:0/device:GPU:0'))
@@ -464,12 +462,12 @@ def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatc
 
     def failing(commands):
         calls.append(commands)
-        raise subprocess.CalledProcessError(1, commands[0], stderr=b'fatal error: some_header.h: No such file')
+        raise subprocess.CalledProcessError(1, commands[0], stderr=b'x.cc:3:10: fatal error: some_header.h: No such file')
 
     monkeypatch.setattr(kernels, '_run_all', failing)
-    reason = 'g++ failed: fatal error: some_header.h: No such file'
+    reason = 'g++ failed: x.cc:3:10: fatal error: some_header.h: No such file'
     assert kernels._load(xla=True) == reason
-    assert kernels._load(xla=True) == reason and len(calls) == 1  # read from the record, g++ not run again
+    assert kernels._load(xla=True).startswith(f'{reason} (recorded in ') and len(calls) == 1  # g++ not run again
     assert kernels._load(xla=False) == reason and len(calls) == 2  # the build without XLA is still tried
 
 
@@ -528,3 +526,70 @@ def test_a_kernel_target_g_plus_plus_does_not_know_is_refused_in_one_line(tmp_pa
     line, = out.stdout.strip().splitlines()
     assert line.startswith('GPT2_TF_KERNEL_ARCH=bogus: the int8 kernel could not be built (g++ failed: ')
     assert "bad value" in line and 'bogus' in line.split('(', 1)[1]  # g++'s own error line, not its list of values
+
+
+# --- building: what is recorded, what is refused ----------------------------------------------------
+
+def failing_build(stderr: bytes, returncode: int = 1):
+    def run_all(commands):
+        raise subprocess.CalledProcessError(returncode, commands[0], stderr=stderr)
+    return run_all
+
+
+@pytest.mark.parametrize('stderr, recorded', [
+    (b'matmul_xla.cc:9:10: fatal error: xla/ffi/api/ffi.h: No such file or directory', True),  # the next try too
+    (b"Assembler messages:\nFatal error: can't write 20 bytes to section .text: No space left on device", False),
+    (b'/usr/bin/ld: final link failed: No space left on device', False),
+])
+def test_only_a_failure_in_the_sources_keeps_the_xla_build_from_being_tried_again(
+        tmp_path, monkeypatch, stderr, recorded):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, '_run_all', failing_build(stderr))
+    on_release = []
+
+    @contextlib.contextmanager
+    def one_builder(target):
+        try:
+            yield
+        finally:  # a builder waiting on the lock reads the record as soon as it is released
+            on_release.append(target.with_suffix('.failed').exists())
+
+    monkeypatch.setattr(kernels, '_one_builder', one_builder)
+    reason = kernels._load(xla=True)
+    assert reason.startswith('g++ failed: ') and on_release == [recorded]
+    failed = kernels._library_path(True).with_suffix('.failed')
+    assert failed.exists() == recorded  # a full disk is tried again once there is room
+    if recorded:
+        assert kernels._load(xla=True) == failed.read_text() and 'remove it to build again' in failed.read_text()
+
+
+def test_the_kernel_switch_and_arch_settings_are_read_or_refused(monkeypatch):
+    for value in ('off', 'OFF', '0', 'false', 'no'):
+        monkeypatch.setenv(kernels.SWITCH_ENV, value)
+        assert kernels._refused() == f'{kernels.SWITCH_ENV}={value}'
+    for value in ('', 'on', '1', 'true', 'yes'):
+        monkeypatch.setenv(kernels.SWITCH_ENV, value)
+        assert kernels._refused() is None
+    monkeypatch.setenv(kernels.SWITCH_ENV, 'disable')
+    with pytest.raises(GPT2Error, match="GPT2_TF_KERNELS='disable' is neither off .* nor on"):
+        kernels._refused()
+    monkeypatch.setenv(kernels.ARCH_ENV, 'native')
+    with pytest.raises(GPT2Error, match=r'no g\+\+ on this machine\); unset GPT2_TF_KERNEL_ARCH to run without it'):
+        kernels._checked('no g++ on this machine', 'the int8 kernel')
+    monkeypatch.setenv(kernels.ARCH_ENV, 'pentium9')
+    with pytest.raises(GPT2Error, match='give g\\+\\+ a valid -march value'):
+        kernels._checked("g++ failed: error: bad value 'pentium9' for '-march=' switch", 'the int8 kernel')
+
+
+def test_under_xla_an_int8_product_takes_the_kernel_only_as_xlas_custom_call(monkeypatch):
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    w8, scale = precision.quantize(np.random.default_rng(0).standard_normal((64, 32)), rows=False)
+
+    def traced_ops(jit_compile):
+        product = tf.function(lambda x: kernels.int8_matmul(x, w8, scale), jit_compile=jit_compile)
+        return {op.type for op in product.get_concrete_function(tf.TensorSpec([2, 64])).graph.get_operations()}
+
+    monkeypatch.setattr(kernels, 'xla_available', lambda: False)  # a library built without XLA's headers
+    assert 'Gpt2Int8MatMul' in traced_ops(False)
+    assert not [op for op in traced_ops(True) if op.startswith('Gpt2')]  # XLA could not compile it

@@ -17,8 +17,10 @@ target set there that does not build is refused, not skipped), so it works from 
 plain checkout.
 Built with TensorFlow's XLA headers where they compile, the op also runs inside
 XLA-compiled functions, as a custom call (xla_available()); otherwise the library
-holds the op alone (a failed XLA build is not tried again for the same key).
-Where no compiler is there, or GPT2_TF_KERNELS=off, the same product runs as
+holds the op alone (an XLA build that g++ failed on its sources is not tried again
+for the same key; a full disk or a killed compiler is), and XLA-compiled functions
+take TensorFlow's ops. Where no compiler is there, or GPT2_TF_KERNELS=off (0, false,
+no), the same product runs as
 TensorFlow ops: the weights unpacked from their panels, cast to float32, scaled,
 and multiplied. Both sum in float32; they agree to float32 rounding (the tests compare them).
 
@@ -41,6 +43,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -197,33 +200,57 @@ def _one_builder(target: pathlib.Path):
 def _load(xla: bool, name: str = 'matmul'):
     """The op library built with (or without) XLA's custom calls, or the reason it is not there (a str)."""
     target = _library_path(xla, name)
-    failed = target.with_suffix('.failed')  # a build that failed once is not tried again for this key
+    failed = target.with_suffix('.failed')  # an XLA build that failed on its sources is not tried again for this key
     try:
         if not _intact(target):
             with _one_builder(target):
                 if failed.exists():
                     return failed.read_text()
                 if not _intact(target):
-                    _compile(target, xla, name)
+                    try:
+                        _compile(target, xla, name)
+                    except subprocess.CalledProcessError as e:
+                        reason = _failure(e)
+                        if xla and _in_the_sources(e):  # written while the lock is held: a waiting builder reads it
+                            failed.write_text(f'{reason} (recorded in {failed}: remove it to build again)')
+                        return reason
         return tf.load_op_library(str(target))
     except FileNotFoundError:
         return 'no g++ on this machine'
-    except subprocess.CalledProcessError as e:
-        if e.returncode < 0:  # a signal (the out-of-memory killer, a Ctrl-C): tried again next time
-            return f'g++ was killed (signal {-e.returncode}; out of memory?)'
-        lines = e.stderr.decode(errors='replace').strip().splitlines() or ['?']
-        reason = 'g++ failed: ' + next((line for line in lines if 'error' in line), lines[-1])
-        if xla:
-            failed.write_text(reason)
-        return reason
     except (subprocess.TimeoutExpired, OSError, tf.errors.OpError) as e:
         return f'the kernel could not be built or loaded: {e}'
 
 
+def _failure(e: subprocess.CalledProcessError) -> str:
+    if e.returncode < 0:  # a signal (the out-of-memory killer, a Ctrl-C): tried again next time
+        return f'g++ was killed (signal {-e.returncode}; out of memory?)'
+    lines = e.stderr.decode(errors='replace').strip().splitlines() or ['?']
+    return 'g++ failed: ' + next((line for line in lines if 'error' in line), lines[-1])
+
+
+SOURCE_ERROR = re.compile(rb'\.(cc|h):\d+:(\d+:)? (fatal )?error:')  # g++'s own line about a source or a header
+
+
+def _in_the_sources(e: subprocess.CalledProcessError) -> bool:
+    """Whether g++ failed on the sources (headers XLA's build lacks, say), which the next try fails on too; not
+    a full disk, a killed compiler or a linker's I/O, which a later try may get past."""
+    return e.returncode > 0 and bool(SOURCE_ERROR.search(e.stderr or b''))
+
+
+SWITCH = {'off': False, '0': False, 'false': False, 'no': False, '': True, 'on': True, '1': True, 'true': True,
+          'yes': True}
+
+
 def _refused() -> Optional[str]:
     """Why no library is built here at all, or None."""
-    if os.environ.get(SWITCH_ENV, '').lower() == 'off':
-        return f'{SWITCH_ENV}=off'
+    switch = os.environ.get(SWITCH_ENV, '')
+    if switch.strip().lower() not in SWITCH:
+        from ..validate import GPT2Error
+
+        raise GPT2Error(f'{SWITCH_ENV}={switch!r} is neither off (0, false, no) nor on (1, true, yes): set one, '
+                        f'or unset it')
+    if not SWITCH[switch.strip().lower()]:
+        return f'{SWITCH_ENV}={switch}'
     if not sys.platform.startswith('linux'):
         return 'the kernel is built on Linux only'
     return None
@@ -234,8 +261,9 @@ def _checked(library, what: str):
     if isinstance(library, str) and os.environ.get(ARCH_ENV):
         from ..validate import GPT2Error
 
-        raise GPT2Error(f'{ARCH_ENV}={arch()}: {what} could not be built ({library}); give g++ a valid '
-                        f'-march value (native, x86-64-v3, ...) or unset it')
+        remedy = ('give g++ a valid -march value (native, x86-64-v3, ...) or unset it' if 'march' in library
+                  else f'unset {ARCH_ENV} to run without it')
+        raise GPT2Error(f'{ARCH_ENV}={arch()}: {what} could not be built ({library}); {remedy}')
     return library
 
 
@@ -337,7 +365,9 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
         raise TypeError(f'int8_matmul: w must be int8, got {w.dtype.name}; quantize it first (gpt2_tf.precision.quantize)')
     if transpose_w and panel:
         raise ValueError('int8_matmul: a transposed w has no panels; pass panel=0 with transpose_w=True')
-    use = (available() and not getattr(_local, 'off', False) and on_cpu(x)) if kernel is None else kernel
+    # Inside an XLA-compiled function, only a library built with XLA's custom calls runs.
+    use = kernel if kernel is not None else (available() and not getattr(_local, 'off', False) and on_cpu(x)
+                                             and (xla_available() or not under_xla()))
     if not use:
         return _dequantized_product(x, w, scale, transpose_w, panel)
     dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel, DEQUANTIZED_ROWS)  # noqa: E731
