@@ -66,18 +66,21 @@ def parameter_table(model_dir: str | os.PathLike) -> dict:
     rows, claimed = [], set()
     for name, scope, shapes, instances in components(hp):
         per_instance = sum(int(np.prod(s)) for s in shapes.values())
-        found, misshapen = 0, []
+        found, misshapen, missing = 0, [], []
         for i in range(instances):
             for variable, shape in shapes.items():
                 key = variable_name(scope, variable, i)
                 claimed.add(key)
                 found += int(np.prod(stored[key])) if key in stored else 0
-                if key in stored and tuple(stored[key]) != tuple(shape):  # as many values, laid out otherwise
+                if key not in stored:
+                    missing.append(f'{name}: {key} is missing from the checkpoint')
+                elif tuple(stored[key]) != tuple(shape):  # as many values, laid out otherwise
                     misshapen.append(f'{name}: {key} is {list(stored[key])}, the hparams give {list(shape)}')
         rows.append({'component': name, 'shape': {k: v for k, v in shapes.items()},
                      'per_instance': per_instance, 'instances': instances,
                      'expected': per_instance * instances, 'checkpoint': found,
-                     'match': found == per_instance * instances and not misshapen, 'misshapen': misshapen[:1]})
+                     'match': found == per_instance * instances and not misshapen and not missing,
+                     'misshapen': misshapen[:1], 'missing': missing[:1]})
     # The sublayers' sums (attn, mlp: their components 'attn.*', 'mlp.*') and the whole block's.
     in_blocks = [name for name, _, per_block in COMPONENTS if per_block]
     groups = {group: [name for name in in_blocks if name.startswith(group + '.')] for group in ('attn', 'mlp')}
@@ -87,10 +90,10 @@ def parameter_table(model_dir: str | os.PathLike) -> dict:
                   'instances': hp.n_layer, 'expected': sum(by_name[m]['expected'] for m in members),
                   'checkpoint': sum(by_name[m]['checkpoint'] for m in members)} for group, members in groups.items()]
     unclaimed = sorted(set(stored) - claimed)
-    mismatches = [row['misshapen'][0] if row['checkpoint'] == row['expected'] else row['component']
-                  for row in rows if not row['match']]
+    mismatches = [(row['misshapen'] + row['missing'] + [row['component']])[0] for row in rows if not row['match']]
     if unclaimed:
-        mismatches.append(f'{len(unclaimed)} checkpoint variable(s) outside the model: {", ".join(unclaimed[:5])}')
+        mismatches.append(f'{len(unclaimed)} checkpoint variable(s) outside the model: {", ".join(unclaimed[:5])} '
+                          f'(training state? explore and compare pass over it with --no_strict)')
     shown = folder.checkpoint or folder.path if isinstance(model_dir, loading.ModelFolder) else os.fspath(model_dir)
     return {'model_dir': shown, 'hparams': hp.to_dict(), 'rows': rows, 'groups': subtotals,
             'total_expected': sum(r['expected'] for r in rows),

@@ -40,7 +40,7 @@ def test_disagreement_is_flagged(tmp_path):
     (folder / 'hparams.json').chmod(0o644)
     HParams(n_vocab=512, n_ctx=64, n_embd=32, n_head=4, n_layer=2).to_json(folder / 'hparams.json')
     table = parameter_table(folder)
-    assert table['mismatches'] == ['wpe']
+    assert table['mismatches'] == ['wpe: model/wpe is [32, 32], the hparams give [64, 32]']
     assert 'wpe[64,32]' in format_table(table) and 'MISMATCH' in format_table(table)
 
 
@@ -123,6 +123,19 @@ def test_a_tensor_of_the_right_size_but_the_wrong_shape_is_flagged(monkeypatch):
     table = parameter_table(FIXTURES / 'tf1-tiny')  # [1, 32, 128] transposed: as many values, laid out otherwise
     assert table['mismatches'] == ['mlp.c_fc: model/h0/mlp/c_fc/w is [128, 32], the hparams give [1, 32, 128]']
     assert 'MISMATCH' in format_table(table)
+
+
+def test_a_missing_tensor_and_training_state_are_named_with_the_next_step(monkeypatch):
+    from gpt2_tf import loading
+
+    stored = loading.stored_shapes(FIXTURES / 'tf1-tiny')
+    del stored['model/h1/ln_1/g']
+    stored['model/wte/Adam'] = stored['model/wte']
+    monkeypatch.setattr(loading, 'stored_shapes', lambda folder: stored)
+    assert parameter_table(FIXTURES / 'tf1-tiny')['mismatches'] == [
+        'ln_1: model/h1/ln_1/g is missing from the checkpoint',
+        '1 checkpoint variable(s) outside the model: model/wte/Adam (training state? explore and compare pass over '
+        'it with --no_strict)']
 
 
 def test_an_unseeded_reference_sampler_stays_unseeded_after_a_seeded_one():

@@ -80,6 +80,14 @@ def test_token_labels_show_spaces_and_stray_bytes():
     assert [token_label(encoder, encoder.encode(c)[0]) for c in '\x00\r\n\t'] == ['\\x00', '\\x0d', '\\n', '\\t']
     assert [token_label(encoder, encoder.encode(c)[0]) for c in '\u200b\u00ad'] == ['\\u200b', '\\u00ad']  # invisible
     assert token_label(encoder, 50300) == '⟨id 50300⟩'  # a padded vocabulary's row: no text of its own
+    assert token_label(encoder, encoder.encode('\u00a0')[0]) == '\\u00a0'  # a separator that is not the space
+
+
+def test_a_right_to_left_override_in_the_prompt_reorders_nothing_on_the_page(model, tmp_path):
+    page = pathlib.Path(write_report(model, get_encoder(), 'abc \u202edef', str(tmp_path / 'p.html')))
+    text = page.read_text(encoding='utf-8')
+    assert '\u202e' not in text and 'Prompt: <span class="tok">abc \\u202edef</span>' in text
+    assert 'unicode-bidi:isolate' in text  # a token of right-to-left text keeps to its own box
 
 
 def test_the_pages_data_holds_no_angle_bracket_that_could_end_or_hide_its_script(model):
@@ -107,6 +115,21 @@ def test_explore_names_a_batch_or_text_and_activations_that_are_not_finite(model
     bias.assign(tf.tensor_scatter_nd_update(bias, [[0]], [np.inf]))
     with pytest.raises(gpt2_tf.GPT2Error, match='not finite from block h1 on .*--dtype float32'):
         explore(broken, gpt2_tf.encode('Hi there'))
+    bias.assign(tf.tensor_scatter_nd_update(bias, [[0]], [1e25]))  # finite, but its norms overflow float32
+    with pytest.raises(gpt2_tf.GPT2Error, match='residual_norms is not finite from block h1 on .*--dtype float32'):
+        explore(broken, gpt2_tf.encode('Hi there'))
+    bias.assign(tf.tensor_scatter_nd_update(bias, [[0]], [0.0]))
+    gain = broken.variables_by_name()['model/ln_f/g']
+    gain.assign(tf.tensor_scatter_nd_update(gain, [[0]], [np.inf]))  # the blocks are fine; the logits are not
+    with pytest.raises(gpt2_tf.GPT2Error, match='lens_probs is not finite from block h0 on .*--dtype float32'):
+        explore(broken, gpt2_tf.encode('Hi there'))
+
+
+def test_a_vocabulary_of_fewer_than_ten_tokens_is_explored(random_checkpoint):
+    small = gpt2_tf.load_model(random_checkpoint(gpt2_tf.HParams(n_vocab=8, n_ctx=16, n_embd=16, n_head=2,
+                                                                 n_layer=2), seed=1))
+    found = explore(small, [1, 2, 3])
+    assert found['next_ids'].shape == (8,) and found['lens_ids'].shape == (2, 3, 5)
 
 
 def test_a_checkpoints_training_state_is_not_counted_as_parameters(model, tmp_path):
@@ -141,11 +164,13 @@ def test_a_page_holds_at_most_2_to_the_24_attention_weights():
     (['--prompt', 'Hi', '-o', '/nonexistent/report.html'], 'cannot write /nonexistent/report.html'),
     (['--prompt', 'Hi', '-o', '.'], "-o '.' is not a file name: give the page's path, e.g. ./report.html"),
     (['--prompt', 'Hi', '-o', ''], "-o '' is not a file name: give the page's path, e.g. report.html"),
+    (['--prompt', 'Hi', '-o', 'new/'], "-o 'new/' is not a file name: give the page's path, e.g. new/report.html"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path):
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'explore', bundled_checkpoint(), *argv],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 # --- the page in a real browser --------------------------------------------------------------------

@@ -32,7 +32,7 @@ def cmd_explore(args):
 
     tokens = encoder.encode(args.prompt)
     check_explorer_prompt(len(tokens), hparams.n_layer, hparams.n_head, hparams.n_ctx, name='--prompt')
-    if not args.output or os.path.isdir(args.output):
+    if not args.output or os.path.isdir(args.output) or args.output.endswith(('/', os.sep)):
         raise CommandError(f'-o {args.output!r} is not a file name: give the page\'s path, e.g. '
                            f'{os.path.join(args.output, "report.html") if args.output else "report.html"}')
     out = os.path.abspath(args.output)

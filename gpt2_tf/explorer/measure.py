@@ -47,23 +47,38 @@ def explore(model: Graph, tokens) -> dict:
     states = trace(model, tokens[None], attention_weights=True)
     broken = [n for n, block in enumerate(states) if not np.isfinite(block['out']).all()]
     if broken:
-        raise GPT2Error(f'the activations are not finite from block h{broken[0]} on (an overflow in a reduced '
-                        f'precision, or a damaged checkpoint): explore it with --dtype float32 (dtype="float32"), '
-                        f'or check the checkpoint with gpt2-tf inspect')
+        raise GPT2Error(f'the activations are not finite from block h{broken[0]} on {NOT_FINITE}')
     names = ['x', 'attn', 'x_attn', 'mlp', 'out']
     norms = np.stack([np.stack([np.linalg.norm(block[n][0], axis=-1) for n in names], axis=-1) for block in states])
     outs = tf.constant(np.stack([block['out'][0] for block in states]))  # [n_layer, T, n_embd]
     probs = tf.nn.softmax(model.logits(outs), axis=-1)  # [n_layer, T, n_vocab]: ln_f, then the tied wte
-    lens_probs, lens_ids = tf.math.top_k(probs, k=5)
-    next_probs, next_ids = tf.math.top_k(probs[-1, -1], k=10)
+    lens_probs, lens_ids = tf.math.top_k(probs, k=min(5, model.hparams.n_vocab))
+    next_probs, next_ids = tf.math.top_k(probs[-1, -1], k=min(10, model.hparams.n_vocab))
     log_probs = score(model, tokens[None])[0] if tokens.size >= 2 else np.zeros([0], np.float32)
-    return {'tokens': tokens, 'residual_norms': norms.astype(np.float32),
+    return finite({'tokens': tokens, 'residual_norms': norms.astype(np.float32),
             'attention': np.stack([block['attn_weights'][0] for block in states]),
             'norm_stats': np.stack([[norm_stats(b['x'][0], b['z1'][0]), norm_stats(b['x_attn'][0], b['z2'][0])]
                                     for b in states]),
             **mlp_inside(model, states), 'embedding_norms': embedding_norms(model, tokens, states[0]['x'][0]),
             'lens_ids': lens_ids.numpy(), 'lens_probs': lens_probs.numpy(),
-            'next_ids': next_ids.numpy(), 'next_probs': next_probs.numpy(), 'prompt_log_probs': log_probs}
+            'next_ids': next_ids.numpy(), 'next_probs': next_probs.numpy(), 'prompt_log_probs': log_probs})
+
+
+NOT_FINITE = ('(an overflow in a reduced precision, or a damaged checkpoint): explore it with --dtype float32 '
+              '(dtype="float32"), or check the checkpoint with gpt2-tf inspect')
+PER_BLOCK = ('residual_norms', 'attention', 'norm_stats', 'gelu_range', 'near_zero', 'lens_probs')
+
+
+def finite(measured: dict) -> dict:
+    """measured, each of its numbers finite; else a GPT2Error naming the first measure that is not (finite
+    activations can still overflow the norms and variances taken of them, and a damaged ln_f or wte the
+    logits), and its first block where it has one per block."""
+    for name, value in measured.items():
+        bad = ~np.isfinite(value) if np.asarray(value).dtype.kind == 'f' else None
+        if bad is not None and bad.any():
+            where = f' from block h{np.argmax(bad.reshape(len(bad), -1).any(axis=1))} on' if name in PER_BLOCK else ''
+            raise GPT2Error(f'{name} is not finite{where} {NOT_FINITE}')
+    return measured
 
 
 def norm_stats(before: np.ndarray, after: np.ndarray) -> np.ndarray:

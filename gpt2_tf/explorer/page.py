@@ -29,7 +29,7 @@ from .panels import (LN_1, LN_2, LN_F, INSIDE, LABELS, ORIGINAL, PANELS, account
 
 STYLE = '''body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1320px}
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
-th{background:#f3f3f3}td.l,th.l{text-align:left}.tok{font-family:ui-monospace,monospace;white-space:pre}
+th{background:#f3f3f3}td.l,th.l{text-align:left}.tok{font-family:ui-monospace,monospace;white-space:pre;unicode-bidi:isolate}
 .grid{display:flex;flex-wrap:wrap;gap:10px}section{margin:28px 0}code{background:#f3f3f3;padding:0 3px}
 .explorer{display:grid;grid-template-columns:310px 1fr;gap:24px;align-items:start}.side{position:sticky;top:8px}
 .panel{border:1px solid #d8dce6;border-radius:10px;padding:4px 18px 12px;margin:0}.panel[hidden]{display:none}
@@ -145,9 +145,8 @@ SCRIPT = r'''(function () {
 
 
 def token_label(encoder: Encoder, token: int) -> str:
-    """A token as readable text: a leading space as ·, \\n and \\t as written, other control characters and bytes
-    that are not UTF-8 on their own as \\xNN, invisible format characters and separators as \\uNNNN; an id the
-    vocabulary does not have (a model's padded rows) as ⟨id N⟩."""
+    """A token as readable text (visible()), a leading space as ·; bytes that are not UTF-8 on their own as \\xNN;
+    an id the vocabulary does not have (a model's padded rows) as ⟨id N⟩."""
     if int(token) not in encoder.decoder:
         return f'⟨id {int(token)}⟩'
     raw = bytes(encoder.byte_decoder[c] for c in encoder.decoder[int(token)])
@@ -155,10 +154,17 @@ def token_label(encoder: Encoder, token: int) -> str:
         text = raw.decode('utf-8')
     except UnicodeDecodeError:
         text = raw.decode('utf-8', errors='backslashreplace')
-    text = text.replace('\n', '\\n').replace('\t', '\\t')
-    text = ''.join(f'\\x{ord(c):02x}' if unicodedata.category(c) == 'Cc' else
-                   f'\\u{ord(c):04x}' if unicodedata.category(c) in ('Cf', 'Zl', 'Zp') else c for c in text)
+    text = visible(text)
     return '·' + text[1:] if text.startswith(' ') else text
+
+
+def visible(text: str) -> str:
+    """\\n and \\t as written, other control characters as \\xNN, invisible format characters (a right-to-left
+    override, say, which would reorder what follows it) and separators other than the space as \\uNNNN."""
+    text = text.replace('\n', '\\n').replace('\t', '\\t')
+    return ''.join(f'\\x{ord(c):02x}' if unicodedata.category(c) == 'Cc' else
+                   f'\\u{ord(c):04x}' if unicodedata.category(c) in ('Cf', 'Zl', 'Zp', 'Zs') and c != ' ' else c
+                   for c in text)
 
 
 def _rounded(array) -> list:
@@ -264,7 +270,7 @@ def render(model: Graph, encoder: Encoder, found: dict, *, model_dir: Optional[s
     n_layer = model.hparams.n_layer
     parts = [f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>gpt2_tf explorer</title>'
              f'<style>{STYLE}</style></head><body><h1>Inside GPT-2: {esc(_name(model_dir))}</h1>',
-             f'<p>Prompt: <span class="tok">{esc(prompt)}</span> ({len(labels)} tokens: '
+             f'<p>Prompt: <span class="tok">{esc(visible(prompt))}</span> ({len(labels)} tokens: '
              + ' '.join(f'<span class="tok" style="border-bottom:3px solid {token_color(k, len(labels))}">'
                         f'[{esc(label)}]</span>' for k, label in enumerate(labels)) + ')</p>',
              _explorer(model, encoder, found, labels, model_dir)]
