@@ -343,7 +343,8 @@ def check_base(folder: str, hparams: HParams) -> None:
 def _targets(config: dict, path: str, n_layer: int) -> tuple:
     """The products an adapter adapts, matched as PEFT matches target_modules against module names
     (transformer.h.N.attn.c_attn): a string is a regular expression of the whole name ('all-linear': every
-    product); a list holds names or their last parts (c_proj: attn.c_proj and mlp.c_proj). Every block must be
+    product); a list holds names or their last parts (c_proj: attn.c_proj and mlp.c_proj), and as in PEFT, names
+    of other architectures' modules (q_proj) match nothing here as long as some name matches. Every block must be
     adapted alike: adapters on some blocks only are refused."""
     modules = config.get('target_modules')
     names = {(n, t): f'transformer.h.{n}.{module_name(t)}' for n in range(n_layer) for t in TARGETS}
@@ -355,20 +356,15 @@ def _targets(config: dict, path: str, n_layer: int) -> tuple:
         except re.error as e:
             raise AdapterError(f'{path}: target_modules {modules!r} is not a regular expression ({e})') from None
     elif isinstance(modules, list) and modules and all(isinstance(m, str) for m in modules):
-        matched = set()
-        for m in modules:
-            hits = {key for key, name in names.items() if name == m or name.endswith('.' + m)}
-            if not hits:
-                raise AdapterError(f'{path}: target module {m!r} is not a conv1d of a GPT-2 block '
-                                   f'({", ".join(module_name(t) for t in TARGETS)})')
-            matched |= hits
+        matched = {key for key, name in names.items() if any(name == m or name.endswith('.' + m) for m in modules)}
     else:
         raise AdapterError(f'{path}: target_modules must be a list of module names or a regular expression, '
                            f'got {modules!r}')
     targets = [t for t in TARGETS if any((n, t) in matched for n in range(n_layer))]
     partial = [module_name(t) for t in targets if not all((n, t) in matched for n in range(n_layer))]
     if not targets:
-        raise AdapterError(f'{path}: target_modules {modules!r} matches no conv1d of a GPT-2 block')
+        raise AdapterError(f'{path}: target_modules {modules!r} matches no conv1d of a GPT-2 block '
+                           f'({", ".join(module_name(t) for t in TARGETS)})')
     if partial:
         raise AdapterError(f'{path}: target_modules adapts {", ".join(partial)} in some blocks only; adapters here '
                            f'cover every block (merge it with PEFT and load the merged model)')

@@ -63,7 +63,7 @@ class FinetuneConfig:
     # what the loop prints and writes
     print_every: int = option(1, 'steps between loss lines (0: never)')
     save_every: int = option(1000, 'steps between checkpoints (0: only when the run ends, as it always does)')
-    max_checkpoints: int = option(1, 'checkpoints kept in the run folder')
+    max_checkpoints: int = option(1, 'checkpoints kept in the run folder (a LoRA run keeps its latest adapter)')
     sample_every: int = option(100, 'steps between samples (0: never)')
     sample_length: int = option(1023, 'tokens per sample (at most n_ctx)')
     sample_num: int = option(1, 'samples each time')

@@ -243,7 +243,8 @@ KEY = 'base_model.model.transformer.h.1.mlp.c_fc.lora_A.weight'
     (dict(tensors=lambda t: {k: v for k, v in t.items() if k != KEY}), 'has no ' + KEY.replace('.', r'\.')),
     (dict(tensors=lambda t: t | {KEY: t[KEY][:, :16]}), KEY.replace('.', r'\.') + r' has shape \[3, 16\]'),
     (dict(tensors=lambda t: t | {KEY.replace('h.1', 'h.2'): t[KEY]}), r'h\.2\.mlp.* has no place in this model'),
-    (dict(config=lambda c: c | {'target_modules': ['q_proj']}), "target module 'q_proj' is not a conv1d"),
+    (dict(config=lambda c: c | {'target_modules': ['q_proj']}),
+     r"target_modules \['q_proj'\] matches no conv1d of a GPT-2 block \(attn.c_attn, "),
     (dict(config=lambda c: c | {'use_dora': True}), 'use_dora=True is not supported'),
     (dict(config=lambda c: c | {'layers_to_transform': 0}), 'layers_to_transform=0 is not supported'),
     (dict(config=lambda c: c | {'lora_bias': True}), 'lora_bias=True is not supported'),
@@ -269,6 +270,7 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_the_tensor(peft_setup, t
     'all-linear',
     r'.*\.(c_attn|c_proj|c_fc)',  # a string is a regular expression of the whole name
     ['c_attn', 'c_proj', 'h.0.mlp.c_fc', 'h.1.mlp.c_fc'],  # names or their last parts
+    ['q_proj', 'c_attn', 'c_proj', 'v_proj', 'c_fc'],  # as in PEFT, other architectures' names match nothing here
 ])
 def test_target_modules_match_as_peft_matches_them(peft_setup, tmp_path, targets):
     folder, _ = peft_setup
