@@ -114,7 +114,8 @@ def check_token_ids(tokens, n_vocab: int, *, name: str = 'token') -> None:
     low, high = array.min(), array.max()
     if low < 0 or high >= n_vocab:
         bad = low if low < 0 else high
-        raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab})')
+        raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab}): give ids below {n_vocab}, '
+                        f'from this model\'s own vocabulary')
 
 
 NOT_DRAWN = ("the model's logits were not finite (NaN), so no token could be drawn: its weights hold NaN, or its "

@@ -210,7 +210,8 @@ def test_stderr_holds_only_the_projects_own_lines(tmp_path):
     failed = subprocess.run([*GPT2_TF, 'compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '99999'], cwd=tmp_path,
                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert failed.returncode == 2
-    assert failed.stderr.splitlines() == ['gpt2-tf: error: token id 99999 is outside the vocabulary [0, 512)']
+    assert failed.stderr.splitlines() == ["gpt2-tf: error: token id 99999 is outside the vocabulary [0, 512): give "
+                                          "ids below 512, from this model's own vocabulary"]
 
 
 def test_verbose_shows_tensorflows_start_up_lines(tmp_path):

@@ -109,10 +109,18 @@ def test_compare_takes_a_model_name_and_refuses_an_hf_folder(tmp_path):
         compare(tmp_path / 'hf', tokens)
 
 
-def test_compare_cli(capsys):
+def test_compare_cli(capsys, monkeypatch):
     assert main(['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '1 2 3 4 5 6']) == 0
     out = capsys.readouterr().out
     assert 'all states within tolerance' in out and 'h1     z2' in out
+    from gpt2_tf import model as graph
+
+    attend = graph.Past.attend
+    monkeypatch.setattr(graph.Past, 'attend', lambda self, q, k, v: (lambda a, p: (a * 1.01, p))(
+        *attend(self, q, k, v)))
+    with pytest.raises(SystemExit) as exited:  # a state past tolerance: status 1, as the README says
+        main(['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '1 2 3 4 5 6'])
+    assert exited.value.code == 1 and 'h0' in capsys.readouterr().out
 
 
 def test_a_tensor_of_the_right_size_but_the_wrong_shape_is_flagged(monkeypatch):

@@ -86,7 +86,9 @@ def add_inspect_and_compare(commands) -> None:
     add_verbose(inspect)
     inspect.set_defaults(run=cmd_inspect)
 
-    compare = commands.add_parser('compare', help='max |diff| per block and state against the TF1 graph')
+    compare = commands.add_parser('compare', help='max |diff| per block and state against the TF1 graph',
+                                  description='max |diff| per block and state against the TF1 graph; exits 1 when a '
+                                              'state is past tolerance')
     add_model_folder(compare, loads=False)
     add_strict(compare)  # the port loads the checkpoint; the TF1 graph reads only its own variables
     compare.add_argument('--tokens', required=True,
