@@ -224,6 +224,23 @@ def test_the_stop_string_that_ends_first_cuts_the_text_whatever_their_order(stop
     assert (sent, choice.finish_reason) == (text, 'stop')
 
 
+def test_tokens_inside_a_character_are_written_as_their_bytes_each_its_own_key():
+    from gpt2_tf.encoder import get_encoder
+    from gpt2_tf.serve.completion import Choice
+
+    encoder = get_encoder()
+    ids = encoder.encode('a\U0001d11eb')  # the clef's four UTF-8 bytes in three tokens
+    parts = [encoder.token_bytes(t) for t in ids[1:4]]
+    choice = Choice(0, encoder, [], logprobs=2)
+    choice.add(ids, {'log_probs': -np.arange(1.0, 6.0), 'top_ids': np.array([[ids[2], ids[3]]] * 5),
+                     'top_log_probs': np.array([[-0.1, -0.2]] * 5)})
+    pieces = choice.entries['tokens']
+    assert pieces[1:4] == ['bytes:' + ''.join(f'\\x{b:02x}' for b in part) for part in parts]  # as OpenAI's
+    assert b''.join(parts) == '\U0001d11e'.encode('utf-8') and len(set(pieces)) == 5
+    top = choice.entries['top_logprobs'][1]  # the drawn token and the two others, each under its own key
+    assert top == {pieces[1]: -2.0, pieces[2]: -0.1, pieces[3]: -0.2}
+
+
 def test_an_echoed_prompts_offsets_count_as_its_generated_tokens_do(model):
     from gpt2_tf.encoder import get_encoder
     from gpt2_tf.serve.completion import echo_logprobs

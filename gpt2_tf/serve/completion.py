@@ -75,8 +75,8 @@ class Choice:
                 break
             self.tokens.append(token)
             if self.logprobs is not None and log_probs is not None:
-                piece, offset = self.encoder.decode([token]), len(self.prefix) + self.offsets.take(token)
-                top = {self.encoder.decode([int(t)]): float(p) for t, p in
+                piece, offset = token_piece(self.encoder, token), len(self.prefix) + self.offsets.take(token)
+                top = {token_piece(self.encoder, t): float(p) for t, p in
                        zip(log_probs['top_ids'][i][:self.logprobs], log_probs['top_log_probs'][i][:self.logprobs])}
                 top.setdefault(piece, float(log_probs['log_probs'][i]))  # the drawn token's, always (OpenAI's rule)
                 self._entry(piece, float(log_probs['log_probs'][i]), top, offset)
@@ -169,6 +169,16 @@ def echo_entries(model: Model, encoder: Encoder, prompts: list, top: int) -> lis
             for i, prompt in enumerate(prompts)]
 
 
+def token_piece(encoder: Encoder, token) -> str:
+    """A token as OpenAI's logprobs write it: its text, or where its bytes are part of a character, `bytes:` and
+    the bytes as \\xNN (so that no two tokens share a top_logprobs key, as every such piece would as U+FFFD)."""
+    raw = encoder.token_bytes(int(token))
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError:
+        return 'bytes:' + ''.join(f'\\x{b:02x}' for b in raw)
+
+
 def _rows(count: int) -> int:
     return 1 << (count - 1).bit_length()  # the power of two at or above count
 
@@ -177,7 +187,7 @@ def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) 
     entries = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
     offsets = Offsets(encoder)
     for i, token in enumerate(prompt):
-        piece = encoder.decode([token])
+        piece = token_piece(encoder, token)
         entries['tokens'].append(piece)
         entries['text_offset'].append(offsets.take(token))
         if i == 0 or lp is None:
@@ -185,7 +195,7 @@ def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) 
             entries['top_logprobs'].append(None)
         else:
             entries['token_logprobs'].append(float(lp[i - 1]))
-            entries['top_logprobs'].append({encoder.decode([int(t)]): float(p)
+            entries['top_logprobs'].append({token_piece(encoder, t): float(p)
                                             for t, p in zip(ids[i - 1][:top], top_lp[i - 1][:top])})
             entries['top_logprobs'][-1].setdefault(piece, float(lp[i - 1]))  # the prompt's own token, always
     return entries
