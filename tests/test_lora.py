@@ -151,10 +151,15 @@ def test_finetune_trains_adapters_over_int8_weights_and_refuses_full_fine_tuning
         finetune(str(TINY), chunks, steps=1, dtype='int8', run_name='f', **options)
 
 
-def test_lora_options_are_checked():
-    for bad in (dict(lora_rank=-1), dict(lora_alpha=0), dict(lora_targets='attn.c_fc'), dict(lora_dropout=1.0)):
-        with pytest.raises(GPT2Error, match=next(iter(bad)).replace('lora_', 'lora_')):
-            FinetuneConfig(**bad)
+@pytest.mark.parametrize('bad, message', [
+    (dict(lora_rank=-1), r'lora_rank must be an integer >= 0 \(0: off\), got -1'),
+    (dict(lora_rank=2, lora_alpha=0), 'lora_alpha must be a finite number > 0, got 0'),
+    (dict(lora_rank=2, lora_targets='attn.c_fc'), "lora_targets: no module 'attn.c_fc'; choose from"),
+    (dict(lora_rank=2, lora_dropout=1.0), r'lora_dropout must be in \[0, 1\), got 1.0'),
+])
+def test_lora_options_are_checked(bad, message):
+    with pytest.raises(GPT2Error, match=message):
+        FinetuneConfig(**bad)
 
 
 # --- against PEFT and transformers --------------------------------------------------------------

@@ -222,6 +222,18 @@ def sample_sequence_rows(model, prompt, rows, temperature, top_k, top_p):
                                    top_k=top_k, top_p=top_p, seed=21)
 
 
+def test_the_tf1_references_filters_equal_the_originals_outputs():
+    """The reference's filters, from which original_probs builds the expected distributions, against the outputs the
+    original's top_k_logits and top_p_logits wrote into the fixture, row by row."""
+    ref = np.load(FIXTURES / 'tf1-filters.npz')
+    for row in range(len(ref['logits'])):
+        logits = tf.constant(ref['logits'][row:row + 1])
+        for i, k in enumerate(ref['ks']):
+            np.testing.assert_array_equal(top_k_filter(logits, int(k)).numpy()[0], ref['top_k'][i][row], f'k={k}')
+        for i, p in enumerate(ref['ps']):
+            np.testing.assert_array_equal(top_p_filter(logits, float(p)).numpy()[0], ref['top_p'][i][row], f'p={p}')
+
+
 @pytest.mark.parametrize('top_k, top_p', [(0, 1.0), (40, 1.0), (0, 0.9)])
 def test_the_tf1_reference_sampler_draws_the_same_distribution(hot, top_k, top_p):
     model, reference, prompt = hot

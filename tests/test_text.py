@@ -28,6 +28,9 @@ def test_greedy_text_is_deterministic(model):
 def test_unconditional_starts_after_end_of_text(model):
     texts = gpt2_tf.generate(model, None, 5, nsamples=3, seed=1, mode='function')
     assert len(texts) == 3 and len(set(texts)) == 3
+    after_end = [gpt2_tf.decode(gpt2_tf.sample_sequence(model, 5, start_token=50256, seed=(1, b),
+                                                         mode='function')[0, 1:]) for b in range(3)]
+    assert list(texts) == after_end  # batch b draws with the pair (seed, b), after token 50256
 
 
 def test_empty_prompt_is_an_error(model):
