@@ -142,7 +142,7 @@ def find_checkpoint(path: str | os.PathLike) -> str:
                                 f'model, with --adapter {path} (load_model(base, adapter=...))')
     raise FileNotFoundError(
         f'no checkpoint in {path}: expected a `checkpoint` file or {CHECKPOINT_PREFIX}.index '
-        f'(download one with: python download_model.py 124M)')
+        f'(download one with: python -m gpt2_tf.download 124M)')
 
 
 def _open_reader(prefix: str):

@@ -14,6 +14,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import sys
 import time
 import urllib.parse
@@ -246,7 +247,10 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
 
     The files go to models_dir/<model>.partial (where interrupted downloads
     resume), which becomes models_dir/<model> only once every file is complete
-    and verified, so a model folder is never half there. base_url defaults to
+    and verified, so a model folder is never half there. Over a model folder
+    already there, the files it lacks or that differ from the server's are
+    fetched into .partial and moved in only once complete (and, with verify,
+    once the whole set loads). base_url defaults to
     $GPT2_TF_BASE_URL, then the original location. With verify, the checkpoint's
     names and shapes are checked against hparams.json.
     """
@@ -257,8 +261,13 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
     if parts.scheme not in ('http', 'https') or not parts.netloc:
         raise DownloadError(f'{base_url} is not a valid http(s) URL: check --base-url (or ${BASE_URL_ENV})')
     final = os.path.join(models_dir, model)
-    # A folder left complete by an earlier run is checked in place; otherwise work in the .partial one.
-    folder = final if os.path.isdir(final) else partial_folder(final)
+    if os.path.exists(final) and not os.path.isdir(final):
+        raise DownloadError(f'{final} is a file, where the model folder goes: move it away, or give another '
+                            f'--models_dir')
+    # A folder already there (complete from an earlier run, or repaired) is never written until the files that
+    # replace or join its own are complete and, with them, verified in the .partial folder; a new one is built
+    # there whole and renamed into place.
+    folder = partial_folder(final)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -266,26 +275,61 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
     import requests
 
     session = requests.Session()
+    existing = os.path.isdir(final)
+    fetched = []
     for filename in FILES:
-        fetched = download_file(f'{base_url}models/{model}/{filename}', os.path.join(folder, filename),
-                                sha256=KNOWN_SHA256.get(filename), retries=retries, backoff=backoff,
-                                timeout=timeout, quiet=quiet, session=session)
-        if not fetched and not quiet and sys.stderr.isatty():  # beside the progress bars, which need a terminal
-            print(f'{filename}: already complete, skipped', file=sys.stderr)
+        url, path = f'{base_url}models/{model}/{filename}', os.path.join(folder, filename)
+        held = os.path.join(final, filename)
+        if existing and os.path.exists(held) and _is_complete(session, url, held, KNOWN_SHA256.get(filename), timeout):
+            _link(held, path)
+            continue
+        if not download_file(url, path, sha256=KNOWN_SHA256.get(filename), retries=retries, backoff=backoff,
+                             timeout=timeout, quiet=quiet, session=session) and not quiet and sys.stderr.isatty():
+            print(f'{filename}: already complete, skipped', file=sys.stderr)  # beside the progress bars
+        fetched.append(filename)
     if verify:
-        from . import quiet as tf_start
+        _verify(folder, final if existing else folder, verbose=verbose)
+    try:
+        if not existing:
+            os.replace(folder, final)
+            return final
+        for filename in fetched:  # each replaced whole, now that the set is verified
+            os.replace(os.path.join(folder, filename), os.path.join(final, filename))
+    except OSError as e:
+        raise DownloadError(f'cannot move the model into {final}: {e.strerror}') from None
+    shutil.rmtree(folder, ignore_errors=True)
+    if not fetched and not quiet and sys.stderr.isatty():
+        print(f'{final}: already complete', file=sys.stderr)
+    return final
 
-        tf_start.tensorflow(verbose=verbose)
-        from .checkpoint import check_folder
 
-        try:
-            check_folder(folder)
-        except (ValueError, FileNotFoundError) as e:
+def _link(source: str, target: str) -> None:
+    """A complete file of the model folder beside the new ones in the .partial folder (a hard link, else a copy)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(target)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _verify(folder: str, shown: str, *, verbose: bool) -> None:
+    """The checkpoint in folder loads as hparams.json says; where it is a repair of shown (a model folder already
+    there), a failure leaves shown as it was and discards what was fetched."""
+    from . import quiet as tf_start
+
+    tf_start.tensorflow(verbose=verbose)
+    from .checkpoint import check_folder
+
+    try:
+        check_folder(folder)
+    except (ValueError, FileNotFoundError) as e:
+        if shown == folder:
             raise DownloadError(f'the downloaded checkpoint does not load ({first_line(e)}); delete {folder} '
                                 f'and download again, or try another mirror') from None
-    if folder != final:
-        os.replace(folder, final)
-    return final
+        shutil.rmtree(folder, ignore_errors=True)
+        raise DownloadError(f'the checkpoint with the files fetched does not load ({first_line(e)}); {shown} is left '
+                            f'as it was: try another mirror, or delete it and download again') from None
 
 
 def _retries(text: str) -> int:

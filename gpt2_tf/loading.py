@@ -161,7 +161,7 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
         name = OLD_NAMES[name]  # download_model.py 117M saves 124M (a folder of the old name is taken as it is)
     path = os.path.join(chosen, name)
     published = name in PUBLISHED
-    resume = f'python download_model.py {name}' + (f' --models_dir {models_dir}' if models_dir else '')
+    resume = f'python -m gpt2_tf.download {name}' + (f' --models_dir {models_dir}' if models_dir else '')
     if os.path.isdir(path):
         if published and _incomplete(path):
             raise ModelNotFound(f'the download in {path} is incomplete: run `{resume}` again to resume it')

@@ -43,7 +43,7 @@ def test_generate_falls_back_to_the_bundled_checkpoint_and_says_so(capsys, monke
     code, out, err = run(capsys, monkeypatch, tmp_path, 'generate', 'Hello world', '--length', '8',
                          '--nsamples', '2', '--batch_size', '2', '--seed', '3', *FAST)
     assert code == 0
-    assert 'using the bundled test checkpoint' in err and 'python download_model.py 124M' in err
+    assert 'using the bundled test checkpoint' in err and 'python -m gpt2_tf.download 124M' in err
     assert out.count('SAMPLE') == 2 and BANNER.format(1) in out and BANNER.format(2) in out
     again = run(capsys, monkeypatch, tmp_path, 'generate', 'Hello world', '--length', '8',
                 '--nsamples', '2', '--batch_size', '2', '--seed', '3', *FAST)[1]
@@ -112,7 +112,7 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['generate', 'x', '--model_name', '355M'], 'no model at checkpoints/355M; download it with: python download_model.py 355M'),
+    (['generate', 'x', '--model_name', '355M'], 'no model at checkpoints/355M; download it with: python -m gpt2_tf.download 355M'),
     (['generate', 'x', '--model_name', '125M'], "'125M' is not a published model"),
     (['generate', 'x', '--models_dir', '/nonexistent'], '--models_dir /nonexistent is not a folder'),
     (['generate', 'x', '--model_dir', '/nonexistent'], 'no model folder at /nonexistent'),
@@ -180,10 +180,10 @@ def test_incomplete_downloads_are_named_with_the_command_that_resumes_them(capsy
     (tmp_path / 'checkpoints' / '124M.partial').mkdir(parents=True)
     code, out, err = run(capsys, monkeypatch, tmp_path, 'generate', 'Hi', '--length', '3', *FAST)
     assert code == 0 and out.count('SAMPLE') == 1
-    assert 'the download of 124M is incomplete' in err and 'python download_model.py 124M' in err
+    assert 'the download of 124M is incomplete' in err and 'python -m gpt2_tf.download 124M' in err
     assert 'bundled test checkpoint' in err and len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, monkeypatch, tmp_path, 'generate', 'Hi', '--model_name', '124M', *FAST)
-    assert code == 2 and 'incomplete: run `python download_model.py 124M` again to resume it' in err
+    assert code == 2 and 'incomplete: run `python -m gpt2_tf.download 124M` again to resume it' in err
     # A folder that an older downloader left half-written.
     shutil.copytree(FIXTURES / 'tf1-tiny', tmp_path / 'checkpoints' / '355M')
     (tmp_path / 'checkpoints' / '355M' / 'model.ckpt.index').unlink()

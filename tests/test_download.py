@@ -302,6 +302,36 @@ def test_a_short_file_under_a_final_name_is_fetched_again(server, tmp_path):
     assert_complete(server, tmp_path / '124M')
 
 
+def test_a_wrong_mirror_leaves_a_complete_model_folder_as_it_was(server, tmp_path):
+    fetch(server, tmp_path)
+    before = {f.name: f.read_bytes() for f in (tmp_path / '124M').iterdir()}
+    for name in server.files:  # a mirror that answers every path with its login page
+        server.files[name] = b'<html>login</html>'
+    with pytest.raises(DownloadError, match=r'does not load .*124M is left as it was: try another mirror'):
+        fetch(server, tmp_path)
+    assert {f.name: f.read_bytes() for f in (tmp_path / '124M').iterdir()} == before
+    assert not (tmp_path / '124M.partial').exists()  # nothing of the mirror's kept to resume from
+
+
+def test_a_folder_there_gets_no_file_until_the_whole_set_is_complete(server, tmp_path):
+    (tmp_path / '124M').mkdir()  # made by hand, or a folder an earlier tool left
+    server.errors['vocab.bpe'] = [500]
+    with pytest.raises(DownloadError, match='gave up after 1 attempt'):
+        fetch(server, tmp_path, retries=0)
+    assert list((tmp_path / '124M').iterdir()) == []  # not six files of seven, which would look like a model
+    server.requests.clear()
+    fetch(server, tmp_path)  # resumed: only the missing file is fetched
+    assert [r[1] for r in server.requests if r[0] == 'GET'] == ['vocab.bpe']
+    assert_complete(server, tmp_path / '124M') and not (tmp_path / '124M.partial').exists()
+
+
+def test_a_file_where_the_folder_goes_is_refused_before_any_request(server, tmp_path):
+    (tmp_path / '124M').write_text('junk')
+    with pytest.raises(DownloadError, match=r'124M is a file, where the model folder goes: move it away'):
+        fetch(server, tmp_path)
+    assert server.requests == []
+
+
 def test_short_reads_give_up_and_keep_the_part(server, tmp_path):
     # A server that announces more bytes than it ever sends.
     data = 'model.ckpt.data-00000-of-00001'
@@ -377,6 +407,10 @@ def test_command_line(server, tmp_path):
     assert missing.returncode == 1
     assert missing.stderr.startswith('download_model.py: error: ') and '404 Not Found' in missing.stderr
     assert len(missing.stderr.splitlines()) == 1
+    module = subprocess.run([sys.executable, '-m', 'gpt2_tf.download', '124M', '--models-dir', 'elsewhere'],
+                            capture_output=True, text=True, env=env, cwd=tmp_path)  # what gpt2-tf's messages name
+    assert module.returncode == 0, module.stderr
+    assert_complete(server, tmp_path / 'elsewhere' / '124M')
 
 
 def test_command_line_failures_write_at_most_three_lines(server, tmp_path):

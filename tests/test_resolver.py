@@ -82,7 +82,7 @@ def test_old_names_find_the_folder_download_model_writes(tmp_path):
     for given in (dict(model_name='117M', models_dir=tmp_path), dict(model_dir='117M', models_dir=tmp_path)):
         assert resolve(**given).path == str(tmp_path / '124M'), given
     (tmp_path / '355M.partial').mkdir()
-    with pytest.raises(ModelNotFound, match=r'the download of 355M is incomplete: run `python download_model.py '
+    with pytest.raises(ModelNotFound, match=r'the download of 355M is incomplete: run `python -m gpt2_tf.download '
                                             r'355M --models_dir .*` again to resume it'):
         resolve(model_name='345M', models_dir=tmp_path)
     shutil.copytree(bundled_checkpoint(), tmp_path / '117M')  # a folder of the old name is taken as it is
