@@ -80,6 +80,14 @@ def _tiktoken_encoding(encoder: dict, bpe_merges: Sequence[tuple]):
                              explicit_n_vocab=len(encoder))
 
 
+BLANK_RUN = 1 << 17  # tiktoken's regex engine panics on a whitespace run of about 10^6; this is well short of it
+
+
+def _long_blank(text: str) -> bool:
+    """Whether text holds a run of BLANK_RUN spaces, line breaks or tabs (a substring search: linear, in C)."""
+    return len(text) >= BLANK_RUN and any(c * BLANK_RUN in text for c in ' \n\t')
+
+
 class Encoder:
     """encode(text) -> ids and decode(ids) -> text, identical to the original encoder.
 
@@ -133,8 +141,12 @@ class Encoder:
         return result
 
     def _encode_ordinary(self, text: str) -> list:
-        if self._tiktoken is not None:
-            return self._tiktoken.encode_ordinary(text)  # the same ids; no scan for special tokens
+        if self._tiktoken is not None and not _long_blank(text):
+            try:
+                return self._tiktoken.encode_ordinary(text)  # the same ids; no scan for special tokens
+            except BaseException as e:  # its regex engine gives up on a run of about 10^6 blanks: a Rust panic,
+                if type(e).__name__ != 'PanicException':  # which is no Exception; the original's way takes it
+                    raise
         ids = []
         for piece in self.pat.findall(well_formed(text)):
             piece = ''.join(self.byte_encoder[b] for b in piece.encode('utf-8'))

@@ -119,6 +119,7 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     (['generate', 'x', '--length', '129'], 'length 129 is longer than the window'),
     (['generate', 'x' * 400, '--length', '100'], r'the prompt: 50 tokens \+ length 100 exceeds the window by 21'),
     (['generate', ''], 'the prompt is empty'),
+    (['generate', 'ab\udcffcd'], r'the prompt is not UTF-8 text \(byte 0xff at character 2\): give it in UTF-8'),
     (['generate', 'x', '--top_k', '-1'], 'top_k must be an integer >= 0'),
     (['generate', 'x', '--top_p', '1.5'], r'top_p must be in \[0, 1\]'),
     (['generate', 'x', '--temperature', '3'], r'temperature must be in \[0, 2\]'),

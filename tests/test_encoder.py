@@ -92,6 +92,16 @@ def test_paths_agree(text):
     assert PATHS['python'].encode(text, special=True) == PATHS['tiktoken'].encode(text, special=True)
 
 
+@pytest.mark.parametrize('blank', [' ', '\n', '\t'])
+def test_a_million_blanks_in_a_row_encode_as_the_original_does(blank):
+    # tiktoken's regex engine panics on such a run (a Rust panic, not an Exception); the original's way takes it
+    text = blank * 1_000_000 + 'x'
+    ids = PATHS['tiktoken'].encode(text)
+    assert ids == PATHS['python'].encode(text)
+    short = PATHS['tiktoken'].encode(blank * 1000 + 'x')  # the same rule, where tiktoken takes it
+    assert ids[:len(short) - 3] == short[:-3] and ids[-3:] == short[-3:]
+
+
 def test_invalid_utf8_decodes_with_replacement():
     half = PATHS['python'].encoder[bytes_to_unicode()[0xC3]]  # the first byte of a two-byte character
     for enc in PATHS.values():

@@ -195,21 +195,21 @@ def test_bad_input_fails_before_any_compute(hot, monkeypatch, call, message):
 
 def test_score_command_on_a_file_and_on_stdin(tmp_path):
     text = tmp_path / 'text.txt'
-    text.write_bytes(b'The quick brown fox jumps over the lazy dog.\r\n' * 10)  # \r\n scored as it is
+    text.write_bytes(b'The quick brown fox jumps over the lazy dog.\r\n' * 10)  # \r\n read as \n, as encode reads it
     cmd = [sys.executable, '-m', 'gpt2_tf.cli', 'score', str(text), '-', '--stride', '50', '--json']
-    done = subprocess.run(cmd, input='Hello there, world.', capture_output=True, text=True, cwd=tmp_path,
-                          timeout=300)
+    done = subprocess.run(cmd, input=b'Hello there,\r\nworld.', capture_output=True, cwd=tmp_path, timeout=300)
+    done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == 0, done.stderr
     reports = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r['file'] for r in reports] == [str(text), '-']
     model = gpt2_tf.load_model(bundled_checkpoint())
-    ids = gpt2_tf.encode(text.read_bytes().decode('utf-8'))
+    ids = gpt2_tf.encode('The quick brown fox jumps over the lazy dog.\n' * 10)
     direct = gpt2_tf.perplexity(model, ids, stride=50)
     assert reports[0]['tokens'] == direct['tokens'] == len(ids) - 1
     assert reports[0]['nll'] == pytest.approx(direct['nll'], rel=1e-5)
     assert reports[0]['perplexity'] == pytest.approx(direct['perplexity'], rel=1e-5)
     pieces = reports[1]['token_pieces']
-    assert ''.join(p['text'] for p in pieces) == 'Hello there, world.'
+    assert ''.join(p['text'] for p in pieces) == 'Hello there,\nworld.'
     assert pieces[0]['log_prob'] is None and all(isinstance(p['log_prob'], float) for p in pieces[1:])
     plain = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'score', str(text)], capture_output=True,
                            text=True, cwd=tmp_path, timeout=300)

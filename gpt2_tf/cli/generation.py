@@ -71,6 +71,10 @@ def prepare(args, conditional: bool):
 def check_prompt(text: str, encoder, hparams, length: int, *, empty: str = 'the prompt is empty: give some text'):
     from ..validate import check_token_ids, check_window
 
+    odd = next((i for i, c in enumerate(text) if '\udc80' <= c <= '\udcff'), None)  # undecodable bytes' stand-ins
+    if odd is not None:
+        raise CommandError(f'the prompt is not UTF-8 text (byte 0x{ord(text[odd]) - 0xdc00:02x} at character {odd}): '
+                           f'give it in UTF-8')
     ids = encoder.encode(text)
     if not ids:
         raise CommandError(empty)
@@ -194,11 +198,12 @@ def read_prompt(aside) -> str:
 # --- scoring ------------------------------------------------------------------------------------
 
 def read_text(path: str) -> str:
-    """A file's text, or stdin's for '-', as strict UTF-8 either way, line breaks as they are (as encode reads)."""
+    """A file's text, or stdin's for '-', as strict UTF-8 either way, line breaks (\\r\\n, \\r) read as \\n, as
+    encode and finetune read them."""
     try:
         if path == '-':
-            return sys.stdin.buffer.read().decode('utf-8')
-        with open(path, encoding='utf-8', newline='') as f:
+            return sys.stdin.buffer.read().decode('utf-8').replace('\r\n', '\n').replace('\r', '\n')
+        with open(path, encoding='utf-8', newline=None) as f:
             return f.read()
     except FileNotFoundError:
         raise CommandError(f'{path}: no such file; check the path') from None
