@@ -5,8 +5,10 @@ autograd, and where it is taken."""
 
 import contextlib
 import os
+import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -593,3 +595,60 @@ def test_under_xla_an_int8_product_takes_the_kernel_only_as_xlas_custom_call(mon
     monkeypatch.setattr(kernels, 'xla_available', lambda: False)  # a library built without XLA's headers
     assert 'Gpt2Int8MatMul' in traced_ops(False)
     assert not [op for op in traced_ops(True) if op.startswith('Gpt2')]  # XLA could not compile it
+
+
+def test_a_build_another_process_holds_is_waited_for_said_and_given_up_on(tmp_path, monkeypatch, capsys):
+    import fcntl
+
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, 'LOCK_NOTICE', 0.2)
+    monkeypatch.setattr(kernels, 'LOCK_WAIT', 1.0)
+    monkeypatch.setattr(kernels, '_run_all', lambda commands: pytest.fail('built while another build held the lock'))
+    monkeypatch.setattr(sys.stderr, 'isatty', lambda: True)  # someone watching (on a pipe it waits quietly)
+    target = kernels._library_path(xla=False, name='attention')
+    with open(target.with_suffix('.lock'), 'w') as held:  # another process's build, hung
+        fcntl.flock(held, fcntl.LOCK_EX)
+        reason = kernels._load(xla=False, name='attention')
+    assert reason.startswith('the kernel could not be built: another process has been building ')
+    assert f'waiting for another process that is building {target.name}' in capsys.readouterr().err
+
+
+def test_a_killed_builds_work_folder_is_removed_by_the_next_build(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, '_run_all', failing_build(b'x.cc:1:1: error: stop here'))
+    old, recent = tmp_path / 'tmpkilled', tmp_path / 'tmpbuilding'  # one left by a kill -9, one of a build now
+    for folder in (old, recent):
+        folder.mkdir()
+        (folder / 'attention.o').write_bytes(b'\0' * 100)
+    os.utime(old, (0, 0))
+    kernels._load(xla=False, name='attention')
+    assert not old.exists() and recent.exists()
+
+
+def test_the_cache_key_holds_what_changes_the_library(monkeypatch):
+    key = kernels._library_path(xla=False)
+    monkeypatch.setattr(tf.sysconfig, 'get_compile_flags', lambda: ['-D_GLIBCXX_USE_CXX11_ABI=0'])  # another build
+    assert kernels._library_path(xla=False) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, '_gxx_version', lambda: '99.1.0')
+    assert kernels._library_path(xla=False) != key
+
+
+def test_a_killed_builds_compilers_die_with_it():
+    script = 'from gpt2_tf import kernels; kernels._run_all([["sleep", "120"]])'  # g++ in its place
+    builder = subprocess.Popen([sys.executable, '-c', script])
+    children = pathlib.Path(f'/proc/{builder.pid}/task/{builder.pid}/children')
+    for _ in range(600):  # until the child runs (TensorFlow's import first)
+        if children.exists() and children.read_text().split():
+            break
+        time.sleep(0.1)
+    child = int(children.read_text().split()[0])
+    builder.kill()  # as the out-of-memory killer or a timeout's kill -9 would
+    builder.wait()
+    for _ in range(100):
+        if not pathlib.Path(f'/proc/{child}').exists() or 'Z' in pathlib.Path(f'/proc/{child}/stat').read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        pytest.fail('the compiler outlived the build that started it')

@@ -11,7 +11,7 @@ The kernel (matmul.cc) reads the int8 weights themselves and widens them
 next to the multiply, so a product streams a quarter of float32's bytes. It is
 built with the machine's g++ and TensorFlow's own compile flags into a cache
 folder ($GPT2_TF_KERNEL_CACHE, default ~/.cache/gpt2_tf/kernels), keyed by the
-source, the TensorFlow version, the CPU and the target ($GPT2_TF_KERNEL_ARCH, g++'s
+source, TensorFlow's version and build flags, g++'s version, the CPU and the target ($GPT2_TF_KERNEL_ARCH, g++'s
 -march: native by default; x86-64-v3 builds the AVX2 path on an AVX-512 machine; a
 target set there that does not build is refused, not skipped), so it works from a
 plain checkout.
@@ -44,13 +44,17 @@ import hashlib
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Optional
 
 import tensorflow as tf
+
+from ..validate import GPT2Error, first_line
 
 # The products' library: matmul.cc (the ops and their products: all a build without XLA compiles), then
 # matmul_xla.cc (the ops' XLA kernels); both include HEADER. A whole sequence's attention is a library of its own
@@ -122,11 +126,21 @@ def _common_flags() -> list:
 
 
 def _library_path(xla: bool, name: str = 'matmul') -> pathlib.Path:
-    """The library's file in the cache, keyed by its sources, TensorFlow's version, the CPU and g++'s flags."""
+    """The library's file in the cache, keyed by its sources, TensorFlow's version and build flags (another
+    install of the same version: its ABI flags and include path), g++'s version and flags, and the CPU."""
     sources, headers = LIBRARIES[name]
-    digest = hashlib.sha256(b''.join(f.read_bytes() for f in (*sources, *headers)) + tf.__version__.encode() +
-                            _cpu_key().encode() + ' '.join(_common_flags()).encode())
+    built_with = [tf.__version__, *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(), _gxx_version(),
+                  *_common_flags(), _cpu_key()]
+    digest = hashlib.sha256(b''.join(f.read_bytes() for f in (*sources, *headers)) + '\n'.join(built_with).encode())
     return cache_folder() / f'{name}-{digest.hexdigest()[:16]}{"-xla" if xla else ""}.so'
+
+
+@functools.lru_cache(maxsize=1)
+def _gxx_version() -> str:
+    try:
+        return subprocess.run(['g++', '-dumpfullversion'], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ''  # no g++: nothing is built
 
 
 def _flags(xla: bool, name: str = 'matmul') -> tuple:
@@ -141,9 +155,19 @@ def _flags(xla: bool, name: str = 'matmul') -> tuple:
     return [*flags, *extra], sources, [*links, '-l:libtensorflow_cc.so.2']
 
 
+def _die_with_parent() -> None:
+    """In a g++ child, before it runs: killed when the process that started it dies (Linux's PR_SET_PDEATHSIG),
+    so that a build whose process was killed does not go on writing into the cache."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def _run_all(commands: list) -> None:
     """Runs the commands at once and waits for them all; the first that fails raises CalledProcessError."""
-    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for command in commands]
+    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  preexec_fn=_die_with_parent) for command in commands]
     try:
         errors = [process.communicate(timeout=900)[1] for process in processes]
     finally:
@@ -184,16 +208,41 @@ def _intact(target: pathlib.Path) -> bool:
         return False
 
 
+LOCK_NOTICE = 10.0  # seconds waited for another process's build before saying so
+LOCK_WAIT = 3600.0  # seconds after which that build is given up on here: TensorFlow's ops run instead
+STALE = 3 * 3600.0  # seconds after which a build's work folder left in the cache is a killed build's
+
+
 @contextlib.contextmanager
 def _one_builder(target: pathlib.Path):
     """Holds the build's lock file: processes that start together (the test workers, a command line's children)
-    build the library once, the others waiting for it. (fcntl is POSIX's: imported here, where the build is on
-    Linux, so that the package still imports elsewhere.)"""
+    build the library once, the others waiting for it, saying so on a terminal after LOCK_NOTICE seconds and
+    giving up after LOCK_WAIT (TimeoutError). Holding it, removes the work folders of killed builds. (fcntl is
+    POSIX's: imported here, where the build is on Linux, so that the package still imports elsewhere.)"""
     import fcntl
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_suffix('.lock'), 'w') as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = target.with_suffix('.lock')
+    with open(path, 'w') as lock:
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > LOCK_WAIT:
+                    raise TimeoutError(f'another process has been building {target.name} for {waited:.0f} s '
+                                       f'(it holds {path}); TensorFlow\'s ops run meanwhile') from None
+                if waited > LOCK_NOTICE and not told and sys.stderr.isatty():  # someone watching it wait
+                    print(f'gpt2_tf: waiting for another process that is building {target.name} ({path})',
+                          file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(0.25)
+        for left in target.parent.glob('tmp*'):  # TemporaryDirectory's, which a killed build does not remove
+            with contextlib.suppress(OSError):
+                if left.is_dir() and time.time() - left.stat().st_mtime > STALE:
+                    shutil.rmtree(left, ignore_errors=True)
         yield
 
 
@@ -217,8 +266,10 @@ def _load(xla: bool, name: str = 'matmul'):
         return tf.load_op_library(str(target))
     except FileNotFoundError:
         return 'no g++ on this machine'
-    except (subprocess.TimeoutExpired, OSError, tf.errors.OpError) as e:
-        return f'the kernel could not be built or loaded: {e}'
+    except (subprocess.TimeoutExpired, OSError) as e:
+        return f'the kernel could not be built: {first_line(e)}'
+    except tf.errors.OpError as e:
+        return f'{target} could not be loaded ({first_line(e)}): remove it to build it again'
 
 
 def _failure(e: subprocess.CalledProcessError) -> str:
@@ -245,8 +296,6 @@ def _refused() -> Optional[str]:
     """Why no library is built here at all, or None."""
     switch = os.environ.get(SWITCH_ENV, '')
     if switch.strip().lower() not in SWITCH:
-        from ..validate import GPT2Error
-
         raise GPT2Error(f'{SWITCH_ENV}={switch!r} is neither off (0, false, no) nor on (1, true, yes): set one, '
                         f'or unset it')
     if not SWITCH[switch.strip().lower()]:
@@ -259,8 +308,6 @@ def _refused() -> Optional[str]:
 def _checked(library, what: str):
     """library as loaded; a build asked for by name ($GPT2_TF_KERNEL_ARCH) that failed is refused, not skipped."""
     if isinstance(library, str) and os.environ.get(ARCH_ENV):
-        from ..validate import GPT2Error
-
         remedy = ('give g++ a valid -march value (native, x86-64-v3, ...) or unset it' if 'march' in library
                   else f'unset {ARCH_ENV} to run without it')
         raise GPT2Error(f'{ARCH_ENV}={arch()}: {what} could not be built ({library}); {remedy}')
