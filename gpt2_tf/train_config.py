@@ -157,14 +157,17 @@ def check(config: FinetuneConfig) -> None:
 
 
 def check_targets(targets) -> tuple:
-    """'c_attn,mlp.c_fc' or a sequence -> a tuple of LORA_TARGETS entries; anything else is refused by name."""
+    """'c_attn,mlp.c_fc' or a sequence -> a tuple of LORA_TARGETS entries, in LORA_TARGETS' order whatever the
+    order given (each adapter's initial draw and dropout masks follow it: a run resumed with its targets listed
+    otherwise draws as it did); anything else is refused by name."""
     items = [t.strip() for t in targets.split(',')] if isinstance(targets, str) else list(targets)
     for t in items:
         if t not in LORA_TARGETS and t != 'attn.c_attn':
             raise GPT2Error(f'lora_targets: no module {t!r}; choose from {", ".join(LORA_TARGETS)} (comma-separated)')
     if not items:
         raise GPT2Error(f'lora_targets is empty; choose from {", ".join(LORA_TARGETS)}')
-    return tuple(dict.fromkeys('c_attn' if t == 'attn.c_attn' else t for t in items))
+    chosen = {'c_attn' if t == 'attn.c_attn' else t for t in items}
+    return tuple(t for t in LORA_TARGETS if t in chosen)
 
 
 def check_lora(config: FinetuneConfig) -> None:

@@ -338,6 +338,16 @@ def test_each_micro_batch_draws_its_own_dropout_mask(recompute):
     np.testing.assert_allclose(steps[2, recompute], steps[2, False], rtol=1e-5, atol=1e-7)  # recomputed: the same masks
 
 
+def test_the_targets_order_changes_no_draw(tmp_path):
+    tokens = batch()
+    losses = {}
+    for targets in ('c_attn,mlp.c_fc', 'mlp.c_fc,attn.c_attn'):  # a resume may list them otherwise
+        trainer = Trainer(load_model(TINY), 1e-2, 'adam', 1, False, lora_rank=2, lora_dropout=0.3, seed=5,
+                          lora_targets=targets)
+        losses[targets] = [trainer.step(tokens) for _ in range(2)]
+    assert losses['c_attn,mlp.c_fc'] == losses['mlp.c_fc,attn.c_attn']
+
+
 def test_a_run_folder_of_the_other_kind_is_refused_not_overwritten(tmp_path):
     options = dict(steps=2, checkpoint_dir=str(tmp_path), sample_every=0, print_every=0, seed=0, log=lambda line: None)
     chunks = [np.arange(300) % 512]
