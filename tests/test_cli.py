@@ -53,6 +53,9 @@ def test_generate_falls_back_to_the_bundled_checkpoint_and_says_so(capsys, monke
 def test_sample_is_unconditional(capsys, monkeypatch, tmp_path):
     code, out, _ = run(capsys, monkeypatch, tmp_path, 'sample', '--nsamples', '3', '--length', '5', '--seed', '1', *FAST)
     assert code == 0 and [int(n) for n in re.findall(r'SAMPLE (\d+)', out)] == [1, 2, 3]
+    code, out, _ = run(capsys, monkeypatch, tmp_path, 'sample', '--nsamples', '4', '--batch_size', '2', '--length', '5',
+                       '--seed', '1', *FAST)
+    assert code == 0 and [int(n) for n in re.findall(r'SAMPLE (\d+)', out)] == [1, 2, 3, 4]  # not the original's 2, 4
 
 
 def test_interactive_mode_reads_prompts_from_stdin(capsys, monkeypatch, tmp_path):
@@ -127,6 +130,7 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     (['generate', 'x', '--nsamples', '0'], '--nsamples must be at least 1 for generate'),
     (['generate', 'x', '--nsamples', '-1'], '--nsamples must be >= 0'),
     (['generate', 'x', '--nsamples', '3', '--batch_size', '2'], r'--nsamples \(3\) must be a multiple of --batch_size \(2\)'),
+    (['sample', '--nsamples', '3', '--batch_size', '2'], r'--nsamples \(3\) must be a multiple of --batch_size \(2\)'),
     (['generate', 'x', '--seed', '99999999999999999999'], 'seed 99999999999999999999 is out of range'),
     (['sample', '--length', '200'], 'length 200 is longer than the window: at most n_ctx = 128'),
     (['sample', '--model_dir', str(FIXTURES / 'tf1-tiny')], r"unconditional samples start from <\|endoftext\|>, "
