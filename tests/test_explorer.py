@@ -62,6 +62,7 @@ def test_an_int8_model_shows_its_dequantized_embeddings_and_the_checkpoints_para
     np.testing.assert_allclose(norms[1], norms[0], rtol=0.02)  # one scale per row: within rounding
     pages = [pathlib.Path(write_report(m, get_encoder(), PROMPT, str(tmp_path / f'{i}.html'))).read_text()
              for i, m in enumerate((model, int8))]
+    assert '<h1>Inside GPT-2: model</h1>' in pages[0] and '<h1>Inside GPT-2: model (int8 weights)</h1>' in pages[1]
     totals = [re.search(r'id="total">([^<]*)<', page).group(1) for page in pages]
     assert totals[0] == totals[1] == f'{sum(int(np.prod(v.shape)) for v in model.variables):,}'
 

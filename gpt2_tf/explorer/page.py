@@ -269,7 +269,8 @@ def render(model: Graph, encoder: Encoder, found: dict, *, model_dir: Optional[s
     esc = html.escape
     n_layer = model.hparams.n_layer
     parts = [f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>gpt2_tf explorer</title>'
-             f'<style>{STYLE}</style></head><body><h1>Inside GPT-2: {esc(_name(model_dir))}</h1>',
+             f'<style>{STYLE}</style></head><body><h1>Inside GPT-2: {esc(_name(model_dir))}'
+             f'{"" if model.dtype == "float32" else f" ({model.dtype} weights)"}</h1>',
              f'<p>Prompt: <span class="tok">{esc(visible(prompt))}</span> ({len(labels)} tokens: '
              + ' '.join(f'<span class="tok" style="border-bottom:3px solid {token_color(k, len(labels))}">'
                         f'[{esc(label)}]</span>' for k, label in enumerate(labels)) + ')</p>',
