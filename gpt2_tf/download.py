@@ -14,7 +14,6 @@ import errno
 import hashlib
 import os
 import re
-import shutil
 import sys
 import time
 import urllib.parse
@@ -104,24 +103,24 @@ def _check_status(response, url: str) -> None:
         raise DownloadError(f'{url}: HTTP {response.status_code} {response.reason}')
 
 
-def _is_complete(session, url: str, path: str, sha256: Optional[str], timeout: float) -> bool:
-    """Whether a file under its final name is still the server's (its known hash, or its size).
+def _differs(session, url: str, path: str, sha256: Optional[str], timeout: float) -> Optional[str]:
+    """How a file under its final name differs from the server's (its known hash, or its size), or None.
 
     A final name is only ever given to a verified file, so when the server cannot
-    say (offline, or a mirror that rejects HEAD) the file counts as complete.
+    say (offline, or a mirror that rejects HEAD) the file counts as the server's.
     """
     import requests  # here, not at the top: finding a model folder imports this module too
 
     if sha256 is not None:
-        return _sha256(path) == sha256
+        return None if _sha256(path) == sha256 else f'its sha256 is not the published {sha256[:12]}...'
     try:
         response = session.head(url, headers=IDENTITY, timeout=timeout, allow_redirects=True)
     except requests.RequestException:
-        return True
+        return None
     size = response.headers.get('Content-Length')
-    if response.status_code != 200 or size is None:
-        return True
-    return int(size) == os.path.getsize(path)
+    if response.status_code != 200 or size is None or int(size) == os.path.getsize(path):
+        return None
+    return f'{os.path.getsize(path):,} bytes here, {int(size):,} at {url}'
 
 
 def _attempt(session, url: str, part: str, *, timeout: float, progress, announced: dict) -> Optional[int]:
@@ -192,8 +191,11 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
     from tqdm import tqdm
 
     session = session or requests.Session()
-    if os.path.exists(path) and _is_complete(session, url, path, sha256, timeout):
-        return False
+    if os.path.exists(path):  # complete once, by the rule above: a difference now is the server's, or damage
+        if (why := _differs(session, url, path, sha256, timeout)) is None:
+            return False
+        raise DownloadError(f'{path} differs from the server\'s ({why}); it is left as it is: check --base-url, or '
+                            f'delete the file to fetch it again')
     part = path + '.part'
     name = os.path.basename(path)
     announced = {'sha256': sha256}
@@ -247,10 +249,10 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
 
     The files go to models_dir/<model>.partial (where interrupted downloads
     resume), which becomes models_dir/<model> only once every file is complete
-    and verified, so a model folder is never half there. Over a model folder
-    already there, the files it lacks or that differ from the server's are
-    fetched into .partial and moved in only once complete (and, with verify,
-    once the whole set loads). base_url defaults to
+    and verified, so a model folder is never half there (an empty folder there
+    is filled the same way). A folder that an earlier run left is worked on in
+    place: a file there under its final name that differs from the server's is
+    named and left as it is. base_url defaults to
     $GPT2_TF_BASE_URL, then the original location. With verify, the checkpoint's
     names and shapes are checked against hparams.json.
     """
@@ -264,10 +266,9 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
     if os.path.exists(final) and not os.path.isdir(final):
         raise DownloadError(f'{final} is a file, where the model folder goes: move it away, or give another '
                             f'--models_dir')
-    # A folder already there (complete from an earlier run, or repaired) is never written until the files that
-    # replace or join its own are complete and, with them, verified in the .partial folder; a new one is built
-    # there whole and renamed into place.
-    folder = partial_folder(final)
+    # A folder an earlier run left (complete, or interrupted) is worked on in place: its complete files are
+    # checked, never replaced. Otherwise (none, or an empty one) the model is built in the .partial folder.
+    folder = final if os.path.isdir(final) and os.listdir(final) else partial_folder(final)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -275,61 +276,29 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
     import requests
 
     session = requests.Session()
-    existing = os.path.isdir(final)
-    fetched = []
     for filename in FILES:
-        url, path = f'{base_url}models/{model}/{filename}', os.path.join(folder, filename)
-        held = os.path.join(final, filename)
-        if existing and os.path.exists(held) and _is_complete(session, url, held, KNOWN_SHA256.get(filename), timeout):
-            _link(held, path)
-            continue
-        if not download_file(url, path, sha256=KNOWN_SHA256.get(filename), retries=retries, backoff=backoff,
-                             timeout=timeout, quiet=quiet, session=session) and not quiet and sys.stderr.isatty():
-            print(f'{filename}: already complete, skipped', file=sys.stderr)  # beside the progress bars
-        fetched.append(filename)
+        fetched = download_file(f'{base_url}models/{model}/{filename}', os.path.join(folder, filename),
+                                sha256=KNOWN_SHA256.get(filename), retries=retries, backoff=backoff,
+                                timeout=timeout, quiet=quiet, session=session)
+        if not fetched and not quiet and sys.stderr.isatty():  # beside the progress bars, which need a terminal
+            print(f'{filename}: already complete, skipped', file=sys.stderr)
     if verify:
-        _verify(folder, final if existing else folder, verbose=verbose)
-    try:
-        if not existing:
-            os.replace(folder, final)
-            return final
-        for filename in fetched:  # each replaced whole, now that the set is verified
-            os.replace(os.path.join(folder, filename), os.path.join(final, filename))
-    except OSError as e:
-        raise DownloadError(f'cannot move the model into {final}: {e.strerror}') from None
-    shutil.rmtree(folder, ignore_errors=True)
-    if not fetched and not quiet and sys.stderr.isatty():
-        print(f'{final}: already complete', file=sys.stderr)
-    return final
+        from . import quiet as tf_start
 
+        tf_start.tensorflow(verbose=verbose)
+        from .checkpoint import check_folder
 
-def _link(source: str, target: str) -> None:
-    """A complete file of the model folder beside the new ones in the .partial folder (a hard link, else a copy)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(target)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-
-
-def _verify(folder: str, shown: str, *, verbose: bool) -> None:
-    """The checkpoint in folder loads as hparams.json says; where it is a repair of shown (a model folder already
-    there), a failure leaves shown as it was and discards what was fetched."""
-    from . import quiet as tf_start
-
-    tf_start.tensorflow(verbose=verbose)
-    from .checkpoint import check_folder
-
-    try:
-        check_folder(folder)
-    except (ValueError, FileNotFoundError) as e:
-        if shown == folder:
+        try:
+            check_folder(folder)
+        except (ValueError, FileNotFoundError) as e:
             raise DownloadError(f'the downloaded checkpoint does not load ({first_line(e)}); delete {folder} '
                                 f'and download again, or try another mirror') from None
-        shutil.rmtree(folder, ignore_errors=True)
-        raise DownloadError(f'the checkpoint with the files fetched does not load ({first_line(e)}); {shown} is left '
-                            f'as it was: try another mirror, or delete it and download again') from None
+    if folder != final:
+        try:
+            os.replace(folder, final)  # onto an empty folder too
+        except OSError as e:
+            raise DownloadError(f'cannot move {folder} to {final}: {e.strerror}') from None
+    return final
 
 
 def _retries(text: str) -> int:

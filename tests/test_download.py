@@ -292,29 +292,44 @@ def test_complete_files_are_skipped(server, tmp_path):
     assert [r for r in server.requests if r[0] == 'GET'] == []
 
 
-def test_a_short_file_under_a_final_name_is_fetched_again(server, tmp_path):
+def test_a_file_under_a_final_name_that_differs_from_the_servers_is_named_and_kept(server, tmp_path):
     fetch(server, tmp_path)
     index = tmp_path / '124M' / 'model.ckpt.index'
-    index.write_bytes(index.read_bytes()[:100])  # say, left by another tool
+    index.write_bytes(index.read_bytes()[:100])  # say, cut short by another tool
     server.requests.clear()
-    fetch(server, tmp_path)
+    with pytest.raises(DownloadError, match=r'model.ckpt.index differs from the server.s \(100 bytes here, [\d,]+ at '
+                                            r'.*\); it is left as it is: check --base-url, or delete the file'):
+        fetch(server, tmp_path)
+    assert [r for r in server.requests if r[0] == 'GET'] == [] and index.stat().st_size == 100
+    index.unlink()
+    fetch(server, tmp_path)  # as the message says: fetched again
     assert [r[1] for r in server.requests if r[0] == 'GET'] == ['model.ckpt.index']
     assert_complete(server, tmp_path / '124M')
 
 
-def test_a_wrong_mirror_leaves_a_complete_model_folder_as_it_was(server, tmp_path):
+def test_a_wrong_mirror_cannot_overwrite_a_model(server, tmp_path):
     fetch(server, tmp_path)
     before = {f.name: f.read_bytes() for f in (tmp_path / '124M').iterdir()}
     for name in server.files:  # a mirror that answers every path with its login page
         server.files[name] = b'<html>login</html>'
-    with pytest.raises(DownloadError, match=r'does not load .*124M is left as it was: try another mirror'):
+    with pytest.raises(DownloadError, match='differs from the server'):
         fetch(server, tmp_path)
     assert {f.name: f.read_bytes() for f in (tmp_path / '124M').iterdir()} == before
-    assert not (tmp_path / '124M.partial').exists()  # nothing of the mirror's kept to resume from
 
 
-def test_a_folder_there_gets_no_file_until_the_whole_set_is_complete(server, tmp_path):
-    (tmp_path / '124M').mkdir()  # made by hand, or a folder an earlier tool left
+def test_an_interrupted_download_in_the_model_folder_resumes_there(server, tmp_path):
+    fetch(server, tmp_path)
+    index = tmp_path / '124M' / 'model.ckpt.index'
+    body = index.read_bytes()
+    index.unlink()
+    (tmp_path / '124M' / 'model.ckpt.index.part').write_bytes(body[:100])  # an earlier version's, in place
+    (tmp_path / '124M' / 'model.ckpt.index.part.validator').write_text('')
+    fetch(server, tmp_path)
+    assert_complete(server, tmp_path / '124M') and not (tmp_path / '124M.partial').exists()
+
+
+def test_an_empty_folder_there_gets_no_file_until_the_whole_set_is_complete(server, tmp_path):
+    (tmp_path / '124M').mkdir()  # made by hand
     server.errors['vocab.bpe'] = [500]
     with pytest.raises(DownloadError, match='gave up after 1 attempt'):
         fetch(server, tmp_path, retries=0)
