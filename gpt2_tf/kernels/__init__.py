@@ -155,19 +155,9 @@ def _flags(xla: bool, name: str = 'matmul') -> tuple:
     return [*flags, *extra], sources, [*links, '-l:libtensorflow_cc.so.2']
 
 
-def _die_with_parent() -> None:
-    """In a g++ child, before it runs: killed when the process that started it dies (Linux's PR_SET_PDEATHSIG),
-    so that a build whose process was killed does not go on writing into the cache."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-
-
 def _run_all(commands: list) -> None:
     """Runs the commands at once and waits for them all; the first that fails raises CalledProcessError."""
-    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  preexec_fn=_die_with_parent) for command in commands]
+    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for command in commands]
     try:
         errors = [process.communicate(timeout=900)[1] for process in processes]
     finally:
@@ -183,7 +173,7 @@ def _compile(target: pathlib.Path, xla: bool, name: str = 'matmul') -> None:
     take most of the time), then linked into a temporary file renamed into place."""
     flags, sources, links = _flags(xla, name)
     common = _common_flags()
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+    with tempfile.TemporaryDirectory(prefix=WORK, dir=target.parent) as work:
         objects = [str(pathlib.Path(work) / (source.stem + '.o')) for source in sources]
         _run_all([['g++', '-c', *common, *flags, str(source), '-o', o] for source, o in zip(sources, objects)])
         partial = str(pathlib.Path(work) / target.name)
@@ -211,6 +201,7 @@ def _intact(target: pathlib.Path) -> bool:
 LOCK_NOTICE = 10.0  # seconds waited for another process's build before saying so
 LOCK_WAIT = 3600.0  # seconds after which that build is given up on here: TensorFlow's ops run instead
 STALE = 3 * 3600.0  # seconds after which a build's work folder left in the cache is a killed build's
+WORK = 'gpt2_tf-build-'  # a build's work folder in the cache: its name's start
 
 
 @contextlib.contextmanager
@@ -239,7 +230,7 @@ def _one_builder(target: pathlib.Path):
                           file=sys.stderr, flush=True)
                     told = True
                 time.sleep(0.25)
-        for left in target.parent.glob('tmp*'):  # TemporaryDirectory's, which a killed build does not remove
+        for left in target.parent.glob(WORK + '*'):  # a killed build's, which TemporaryDirectory did not remove
             with contextlib.suppress(OSError):
                 if left.is_dir() and time.time() - left.stat().st_mtime > STALE:
                     shutil.rmtree(left, ignore_errors=True)
@@ -280,12 +271,13 @@ def _failure(e: subprocess.CalledProcessError) -> str:
 
 
 SOURCE_ERROR = re.compile(rb'\.(cc|h):\d+:(\d+:)? (fatal )?error:')  # g++'s own line about a source or a header
+TRANSIENT = re.compile(rb'No space left|error writing to|Killed signal|Cannot allocate memory|virtual memory exhausted')
 
 
 def _in_the_sources(e: subprocess.CalledProcessError) -> bool:
     """Whether g++ failed on the sources (headers XLA's build lacks, say), which the next try fails on too; not
     a full disk, a killed compiler or a linker's I/O, which a later try may get past."""
-    return e.returncode > 0 and bool(SOURCE_ERROR.search(e.stderr or b''))
+    return e.returncode > 0 and bool(SOURCE_ERROR.search(e.stderr or b'')) and not TRANSIENT.search(e.stderr or b'')
 
 
 SWITCH = {'off': False, '0': False, 'false': False, 'no': False, '': True, 'on': True, '1': True, 'true': True,
