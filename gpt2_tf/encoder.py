@@ -83,9 +83,14 @@ def _tiktoken_encoding(encoder: dict, bpe_merges: Sequence[tuple]):
 BLANK_RUN = 1 << 17  # tiktoken's regex engine panics on a whitespace run of about 10^6; this is well short of it
 
 
+BLANKS = (' ', '\n', '\t', '\r', '\r\n', ' \n', '\n ', ' \t', '\xa0', '\u3000')  # what long blank runs are made of
+
+
 def _long_blank(text: str) -> bool:
-    """Whether text holds a run of BLANK_RUN spaces, line breaks or tabs (a substring search: linear, in C)."""
-    return len(text) >= BLANK_RUN and any(c * BLANK_RUN in text for c in ' \n\t')
+    """Whether text holds a run of BLANK_RUN characters repeating one of BLANKS (substring searches: linear, in C).
+    A longer run mixed otherwise still reaches tiktoken, whose panic _encode_ordinary catches: the same ids, and
+    Rust's panic message on stderr."""
+    return len(text) >= BLANK_RUN and any(b * (BLANK_RUN // len(b)) in text for b in BLANKS)
 
 
 class Encoder:
