@@ -82,7 +82,7 @@ def matrix(shape: list, name: str, dtype: str, *, channels: int) -> tuple:
 def quantize(value: np.ndarray, *, rows: bool, name: str = 'the weight') -> tuple:
     """float32 [..., n] (rows=False: one scale per last-axis column) or [n, k] (rows=True: one per row)
     -> (int8 of the same shape, float32 scales [n]): symmetric, round to nearest, scale = max|w| / 127 (at
-    least float32's smallest normal number, so that a channel of subnormal values still fits in [-127, 127])."""
+    least float32's smallest normal number: a channel of subnormal values then rounds to 0, within half a step)."""
     value = np.array(value, np.float32)  # a copy, rounded in place: no float32 temporaries beside it
     axes = tuple(range(1, value.ndim)) if rows else tuple(range(value.ndim - 1))
     peak = np.maximum(value.max(axis=axes, keepdims=True), -value.min(axis=axes, keepdims=True))
