@@ -93,7 +93,8 @@ def parameter_table(model_dir: str | os.PathLike) -> dict:
     mismatches = [(row['misshapen'] + row['missing'] + [row['component']])[0] for row in rows if not row['match']]
     if unclaimed:
         mismatches.append(f'{len(unclaimed)} checkpoint variable(s) outside the model: {", ".join(unclaimed[:5])} '
-                          f'(training state, or a head GPT-2 does not have? --no_strict loads the model without it)')
+                          f'(training state, or a head GPT-2 does not have? the commands that load it pass over it '
+                          f'with --no_strict)')
     shown = folder.checkpoint or folder.path if isinstance(model_dir, loading.ModelFolder) else os.fspath(model_dir)
     return {'model_dir': shown, 'hparams': hp.to_dict(), 'rows': rows, 'groups': subtotals,
             'total_expected': sum(r['expected'] for r in rows),

@@ -106,16 +106,21 @@ def token_array(tokens, *, name: str = 'tokens') -> np.ndarray:
     return array
 
 
-def check_token_ids(tokens, n_vocab: int, *, name: str = 'token') -> None:
-    """Raises for any id outside [0, n_vocab). Call it before casting to int32."""
+ENCODED = 'text'  # check_token_ids(..., given=ENCODED): ids the encoder gave for text, not ids given as such
+
+
+def check_token_ids(tokens, n_vocab: int, *, name: str = 'token', given: str = 'ids') -> None:
+    """Raises for any id outside [0, n_vocab). Call it before casting to int32. given=ENCODED: the ids are text's,
+    and the next step is the model's own vocabulary files, not other ids."""
     array = np.asarray(tokens)
     if array.size == 0:
         return
     low, high = array.min(), array.max()
     if low < 0 or high >= n_vocab:
         bad = low if low < 0 else high
-        raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab}): give ids below {n_vocab}, '
-                        f'from this model\'s own vocabulary')
+        remedy = (f'give ids below {n_vocab}, from this model\'s own vocabulary' if given != ENCODED else
+                  'the vocabulary files hold more tokens than the model: use the ones made for it')
+        raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab}): {remedy}')
 
 
 NOT_DRAWN = ("the model's logits were not finite (NaN), so no token could be drawn: its weights hold NaN, or its "

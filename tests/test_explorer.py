@@ -126,11 +126,14 @@ def test_explore_names_a_batch_or_text_and_activations_that_are_not_finite(model
         explore(broken, gpt2_tf.encode('Hi there'))
 
 
-def test_a_vocabulary_of_fewer_than_ten_tokens_is_explored(random_checkpoint):
-    small = gpt2_tf.load_model(random_checkpoint(gpt2_tf.HParams(n_vocab=8, n_ctx=16, n_embd=16, n_head=2,
+def test_a_vocabulary_of_fewer_than_five_tokens_is_explored(random_checkpoint, tmp_path):
+    small = gpt2_tf.load_model(random_checkpoint(gpt2_tf.HParams(n_vocab=3, n_ctx=16, n_embd=16, n_head=2,
                                                                  n_layer=2), seed=1))
-    found = explore(small, [1, 2, 3])
-    assert found['next_ids'].shape == (8,) and found['lens_ids'].shape == (2, 3, 5)
+    found = explore(small, [1, 2, 0])
+    assert found['next_ids'].shape == (3,) and found['lens_ids'].shape == (2, 3, 3)
+    with pytest.raises(gpt2_tf.GPT2Error, match=r"the prompt's token id \d+ is outside the vocabulary \[0, 3\): the "
+                                                'vocabulary files hold more tokens than the model'):
+        write_report(small, get_encoder(), 'Hello', str(tmp_path / 'p.html'))  # text: not "give other ids"
 
 
 def test_a_checkpoints_training_state_is_not_counted_as_parameters(model, tmp_path):
@@ -166,6 +169,7 @@ def test_a_page_holds_at_most_2_to_the_24_attention_weights():
     (['--prompt', 'Hi', '-o', '.'], "-o '.' is not a file name: give the page's path, e.g. ./report.html"),
     (['--prompt', 'Hi', '-o', ''], "-o '' is not a file name: give the page's path, e.g. report.html"),
     (['--prompt', 'Hi', '-o', 'new/'], "-o 'new/' is not a file name: give the page's path, e.g. new/report.html"),
+    (['--prompt', 'Hi', '-o', 'new/.'], "-o 'new/.' is not a file name: give the page's path, e.g. new/./report.html"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path):
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'explore', bundled_checkpoint(), *argv],

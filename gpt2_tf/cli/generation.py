@@ -69,7 +69,7 @@ def prepare(args, conditional: bool):
 
 
 def check_prompt(text: str, encoder, hparams, length: int, *, empty: str = 'the prompt is empty: give some text'):
-    from ..validate import check_token_ids, check_window
+    from ..validate import ENCODED, check_token_ids, check_window
 
     odd = next((i for i, c in enumerate(text) if '\udc80' <= c <= '\udcff'), None)  # undecodable bytes' stand-ins
     if odd is not None:
@@ -78,7 +78,7 @@ def check_prompt(text: str, encoder, hparams, length: int, *, empty: str = 'the 
     ids = encoder.encode(text)
     if not ids:
         raise CommandError(empty)
-    check_token_ids(ids, hparams.n_vocab, name="the prompt's token")
+    check_token_ids(ids, hparams.n_vocab, name="the prompt's token", given=ENCODED)
     check_window(len(ids), length, hparams.n_ctx, what='the prompt')
 
 
@@ -216,7 +216,7 @@ def read_text(path: str) -> str:
 
 def encoded_files(args, encoder, hparams) -> dict:
     """{path: token ids} for each file, checked (at least 2 tokens, or 1 with --bos)."""
-    from ..validate import check_token_ids
+    from ..validate import ENCODED, check_token_ids
 
     encoded = {}
     for path in dict.fromkeys(args.files):
@@ -224,7 +224,7 @@ def encoded_files(args, encoder, hparams) -> dict:
         if len(ids) + args.bos < 2:
             raise CommandError(f'{path}: the text has {len(ids)} token(s); scoring needs at least 2'
                                + ('' if args.bos else ' (or 1 with --bos)'))
-        check_token_ids(ids, hparams.n_vocab, name=f'{path}: token')
+        check_token_ids(ids, hparams.n_vocab, name=f'{path}: token', given=ENCODED)
         encoded[path] = ids
     return encoded
 
