@@ -237,7 +237,9 @@ def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = Non
 
     os.makedirs(folder, exist_ok=True)
     weights, temporary = os.path.join(folder, WEIGHTS), os.path.join(folder, f'{WEIGHTS}.tmp-{os.getpid()}')
-    metadata = {'format': 'pt'} if step is None else {'format': 'pt', 'step': str(step)}
+    metadata = {'format': 'pt', 'lora_alpha': str(config.get('lora_alpha'))}  # checked against the config read
+    if step is not None:
+        metadata['step'] = str(step)
     text = json.dumps(config, indent=2) + '\n'
     settings = os.path.join(folder, f'{CONFIG}.tmp-{os.getpid()}')
     with open(settings, 'w', encoding='utf-8') as f:
@@ -327,6 +329,10 @@ def read(folder, model) -> tuple:
     if left:
         raise AdapterError(f'{path}: {left[0]} has no place in this model ({model.hparams.n_layer} layers, targets '
                            f'{", ".join(module_name(t) for t in targets)}): an adapter for another base model?')
+    if _number(metadata.get('lora_alpha')) not in (None, float(config['lora_alpha'])):
+        raise AdapterError(f'{path} was saved with lora_alpha {metadata["lora_alpha"]}, but {CONFIG} says '
+                           f'{config["lora_alpha"]}: a save cut short between the two files; save the run again, or '
+                           f'set lora_alpha {metadata["lora_alpha"]} there')
     step = metadata.get('step')
     return config, pairs, int(step) if step and step.isdigit() else None
 
@@ -338,6 +344,13 @@ def check_base(folder: str, hparams: HParams) -> None:
     if os.path.isfile(held) and HParams.from_json(held) != hparams:
         raise AdapterError(f'{folder} was trained on a base of {HParams.from_json(held)}, not this model\'s '
                            f'{hparams}: load it onto the base it was trained on')
+
+
+def _number(text) -> Optional[float]:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
 
 
 def _targets(config: dict, path: str, n_layer: int) -> tuple:

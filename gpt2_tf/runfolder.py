@@ -91,7 +91,12 @@ def remove_orphan_states(run_dir: str) -> None:
 
 
 class Unfinished(OSError):
-    """The step is saved (the `checkpoint` file names it), but writing the counter or the vocabulary failed."""
+    """The step is saved (the `checkpoint` file, or the adapter's metadata, names it), but writing `what` failed:
+    the counter or the vocabulary, or a LoRA step's optimizer state or adapter_config.json."""
+
+    def __init__(self, errno_: int, strerror: str, what: str = 'its counter or vocabulary'):
+        super().__init__(errno_, strerror)
+        self.what = what
 
 
 def copy_vocabulary(run_dir: str, vocabulary=None) -> None:
@@ -240,10 +245,18 @@ def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict,
         except OSError as e:  # named where it was to go
             raise OSError(e.errno, (e.strerror or str(e)).replace(staging, run_dir)) from None
         checkpoint.remove_bundle(state)
-        for name in (lora.WEIGHTS, lora.CONFIG):
-            os.replace(os.path.join(staging, name), os.path.join(run_dir, name))
-        if slots:
-            checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)
+        os.replace(os.path.join(staging, lora.WEIGHTS), os.path.join(run_dir, lora.WEIGHTS))
+        try:  # the step's adapter is in place from here: a failure says what it lacks
+            os.replace(os.path.join(staging, lora.CONFIG), os.path.join(run_dir, lora.CONFIG))
+        except OSError as e:
+            raise Unfinished(e.errno, e.strerror, f'its {lora.CONFIG} (the adapter does not load until the step is '
+                                                  f'saved again)') from None
+        try:
+            if slots:
+                checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)
+        except OSError as e:
+            raise Unfinished(e.errno, e.strerror, 'its optimizer state (a resume starts the optimizer afresh)') \
+                from None
     for index in glob.glob(os.path.join(glob.escape(run_dir), 'optimizer-*.index')):
         if index[:-len('.index')] != state:
             checkpoint.remove_bundle(index[:-len('.index')])

@@ -528,9 +528,9 @@ class Run:
             prefix = self.trainer.save(self.run_dir, max_checkpoints=self.config.max_checkpoints,
                                        vocabulary=self.vocabulary)
         except runfolder.Unfinished as e:
-            raise OSError(e.errno, f'step {self.trainer.steps} is saved in {self.run_dir}, but writing its counter '
-                                   f'or vocabulary failed ({e.strerror}); free the space, then resume with '
-                                   f'restore_from latest') from None
+            raise OSError(e.errno, f'step {self.trainer.steps} is saved in {self.run_dir}, but writing {e.what} '
+                                   f'failed ({e.strerror}); free the space, then resume with restore_from latest') \
+                from None
         except OSError as e:
             current = runfolder.saved_step(self.run_dir)
             raise OSError(e.errno, f'cannot save step {self.trainer.steps} in {self.run_dir} ({e.strerror}); the '

@@ -400,11 +400,31 @@ def test_a_failed_lora_save_never_pairs_one_runs_adapter_with_anothers_moments(t
         move(source, prefix)
 
     monkeypatch.setattr(gpt2_tf.checkpoint, 'move_bundle', killed_at_the_moments)
-    with pytest.raises(OSError, match='No space left'):
+    with pytest.raises(OSError, match=r'step 2 is saved in \S+, but writing its optimizer state \(a resume starts the '
+                                      r'optimizer afresh\) failed \(No space left'):
         lora_run(tmp_path, seed=1, learning_rate=5e-2, restore_from='fresh')
     monkeypatch.undo()
     assert (run / lora.WEIGHTS).read_bytes() != before[lora.WEIGHTS]
     assert not (run / 'optimizer-2.index').exists() and not list(run.glob('.saving-*'))
+
+
+def test_an_adapter_whose_config_was_not_replaced_with_it_is_refused(tmp_path, monkeypatch):
+    lora_run(tmp_path)  # lora_alpha 4
+    replace = os.replace
+
+    def cut_short(source, target):  # killed between the adapter's two files
+        if target == os.path.join(tmp_path, 'r', lora.CONFIG):  # the run folder's, not the staged one
+            raise OSError(errno.EIO, 'Input/output error')
+        replace(source, target)
+
+    monkeypatch.setattr(os, 'replace', cut_short)
+    with pytest.raises(OSError, match=r'step 2 is saved in \S+, but writing its adapter_config.json \(the adapter '
+                                      r'does not load until the step is saved again\) failed'):
+        lora_run(tmp_path, restore_from='fresh', lora_alpha=64.0)
+    monkeypatch.undo()
+    with pytest.raises(lora.AdapterError, match=r'was saved with lora_alpha 64.0, but adapter_config.json says 4: a '
+                                                r'save cut short'):
+        load_model(TINY, adapter=tmp_path / 'r')  # not merged at 4/64 of its scale
 
 
 def test_an_adapter_goes_only_onto_the_base_its_run_folder_names(tmp_path):
