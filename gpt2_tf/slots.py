@@ -102,8 +102,10 @@ class Slots:
         validate.check_window(len(prompt), length, hp.n_ctx)
         (temperature,), (top_k,), (top_p,) = validate.check_sampling(temperature, top_k, top_p, 1)
         validate.check_seed(key, 1)
-        if np.shape(key) != (2,):
-            raise validate.GPT2Error(f'key must be a pair of integers (noise.row_keys), got {validate.shown(key)}')
+        if np.shape(key) not in ((2,), (1, 2)):
+            raise validate.GPT2Error(f'key must be a pair of integers (noise.row_keys(seed, 1), or one of its '
+                                     f'rows), got shape {list(np.shape(key))}')
+        key = np.reshape(np.asarray(key, np.int64), 2)
         found = penalties.penalties_for(1, hp.n_vocab, **penalty)
         padded = bucket(len(prompt))
         context = np.zeros([1, padded], np.int32)

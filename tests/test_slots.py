@@ -110,12 +110,26 @@ def test_bad_rows_are_refused_before_anything_runs(model):
                              (dict(top_k=-3), 'top_k must be an integer >= 0'),
                              (dict(top_p=1.7), r'top_p must be in \[0, 1\]'),
                              (dict(key=(2 ** 70, 0)), 'seed values must be integers'),
-                             (dict(key=5), 'key must be a pair of integers')]:
+                             (dict(key=5), r'key must be a pair of integers .*got shape \[\]')]:
         with pytest.raises(GPT2Error, match=message):
             engine.join(1, [1, 2], length=4, **{'key': (0, 0), **options})
     with pytest.raises(GPT2Error, match='no slot holds a row'):  # every join above left its slot free
         engine.step()
     assert not engine.occupied.any() and engine.top_k.tolist() == [0, 0]
+
+
+def test_a_join_that_fails_once_its_prefill_ran_leaves_the_slot_free(model, monkeypatch):
+    from gpt2_tf import slots as module
+    from gpt2_tf.noise import row_keys
+
+    engine = Slots(model, 2, chunk=4, mode='function')
+    engine.join(0, [1, 2], length=4, key=row_keys(5, 1))  # row_keys' own [1, 2] shape is a key
+    monkeypatch.setattr(module.tf, 'tensor_scatter_nd_update', lambda *a: (_ for _ in ()).throw(MemoryError('full')))
+    with pytest.raises(MemoryError):
+        engine.join(1, [3, 4, 5], length=4, key=(0, 0), top_k=5)
+    monkeypatch.undo()
+    assert engine.occupied.tolist() == [True, False] and engine.top_k.tolist() == [0, 0]
+    assert engine.step()['tokens'].shape[0] == 1  # the one row decodes; the failed one left no trace
 
 
 def test_a_step_compiles_once_wherever_its_rows_are(model):

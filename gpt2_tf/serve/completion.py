@@ -98,8 +98,9 @@ class Choice:
 
     def stopped(self, text: str) -> str:
         """The text up to the stop string that ends first in it (which finishes the choice; of two that end
-        together, the longer), or all of it. Where each stop ends does not depend on how the text arrived,
-        token by token or a chunk at once, nor on the order of the stops."""
+        together, the longer), or all of it. Where each stop ends does not depend on the order of the stops, nor
+        on how the text arrived, token by token or a chunk at once (but for a stop holding U+FFFD, which a
+        character not yet whole shows as)."""
         found = [(at + len(stop), at) for stop in self.stops if (at := text.find(stop)) >= 0]
         if found:
             _, at = min(found)
