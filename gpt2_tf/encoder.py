@@ -81,8 +81,6 @@ def _tiktoken_encoding(encoder: dict, bpe_merges: Sequence[tuple]):
 
 
 BLANK_RUN = 1 << 17  # tiktoken's regex engine panics on a whitespace run of about 10^6; this is well short of it
-
-
 BLANKS = (' ', '\n', '\t', '\r', '\r\n', ' \n', '\n ', ' \t', '\xa0', '\u3000')  # what long blank runs are made of
 
 

@@ -56,12 +56,12 @@ def explore(model: Graph, tokens) -> dict:
     next_probs, next_ids = tf.math.top_k(probs[-1, -1], k=min(10, model.hparams.n_vocab))
     log_probs = score(model, tokens[None])[0] if tokens.size >= 2 else np.zeros([0], np.float32)
     return finite({'tokens': tokens, 'residual_norms': norms.astype(np.float32),
-            'attention': np.stack([block['attn_weights'][0] for block in states]),
-            'norm_stats': np.stack([[norm_stats(b['x'][0], b['z1'][0]), norm_stats(b['x_attn'][0], b['z2'][0])]
-                                    for b in states]),
-            **mlp_inside(model, states), 'embedding_norms': embedding_norms(model, tokens, states[0]['x'][0]),
-            'lens_ids': lens_ids.numpy(), 'lens_probs': lens_probs.numpy(),
-            'next_ids': next_ids.numpy(), 'next_probs': next_probs.numpy(), 'prompt_log_probs': log_probs})
+                   'attention': np.stack([block['attn_weights'][0] for block in states]),
+                   'norm_stats': np.stack([[norm_stats(b['x'][0], b['z1'][0]), norm_stats(b['x_attn'][0], b['z2'][0])]
+                                           for b in states]),
+                   **mlp_inside(model, states), 'embedding_norms': embedding_norms(model, tokens, states[0]['x'][0]),
+                   'lens_ids': lens_ids.numpy(), 'lens_probs': lens_probs.numpy(),
+                   'next_ids': next_ids.numpy(), 'next_probs': next_probs.numpy(), 'prompt_log_probs': log_probs})
 
 
 NOT_FINITE = ('(an overflow in a reduced precision, or a damaged checkpoint): explore it with --dtype float32 '
@@ -76,7 +76,8 @@ def finite(measured: dict) -> dict:
     for name, value in measured.items():
         bad = ~np.isfinite(value) if np.asarray(value).dtype.kind == 'f' else None
         if bad is not None and bad.any():
-            where = f' from block h{np.argmax(bad.reshape(len(bad), -1).any(axis=1))} on' if name in PER_BLOCK else ''
+            first = int(np.argmax(bad.reshape(len(bad), -1).any(axis=1)))  # per block: the first block's
+            where = f' from block h{first} on' if name in PER_BLOCK else ''
             raise GPT2Error(f'{name} is not finite{where} {NOT_FINITE}')
     return measured
 
