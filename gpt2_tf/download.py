@@ -14,6 +14,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import sys
 import time
 import urllib.parse
@@ -123,6 +124,14 @@ def _differs(session, url: str, path: str, sha256: Optional[str], timeout: float
     return f'{os.path.getsize(path):,} bytes here, {int(size):,} at {url}'
 
 
+def _check_kept(session, url: str, path: str, sha256: Optional[str], timeout: float) -> None:
+    """A file under its final name, complete once by the rule above: a difference now is the server's (a wrong
+    mirror, a changed file) or damage, and the file is left as it is."""
+    if (why := _differs(session, url, path, sha256, timeout)) is not None:
+        raise DownloadError(f'{path} differs from the server\'s ({why}); it is left as it is: check --base-url, or '
+                            f'delete the file to fetch it again')
+
+
 def _attempt(session, url: str, part: str, *, timeout: float, progress, announced: dict) -> Optional[int]:
     """One request: appends to part from where it ends. Returns the total size, when the server says.
 
@@ -191,11 +200,9 @@ def download_file(url: str, path: str, *, sha256: Optional[str] = None, retries:
     from tqdm import tqdm
 
     session = session or requests.Session()
-    if os.path.exists(path):  # complete once, by the rule above: a difference now is the server's, or damage
-        if (why := _differs(session, url, path, sha256, timeout)) is None:
-            return False
-        raise DownloadError(f'{path} differs from the server\'s ({why}); it is left as it is: check --base-url, or '
-                            f'delete the file to fetch it again')
+    if os.path.exists(path):
+        _check_kept(session, url, path, sha256, timeout)
+        return False
     part = path + '.part'
     name = os.path.basename(path)
     announced = {'sha256': sha256}
@@ -268,7 +275,7 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
                             f'--models_dir')
     # A folder an earlier run left (complete, or interrupted) is worked on in place: its complete files are
     # checked, never replaced. Otherwise (none, or an empty one) the model is built in the .partial folder.
-    folder = final if os.path.isdir(final) and os.listdir(final) else partial_folder(final)
+    folder = final if os.path.isdir(final) and (os.listdir(final) or os.path.islink(final)) else partial_folder(final)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -276,11 +283,15 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
     import requests
 
     session = requests.Session()
+    url = {filename: f'{base_url}models/{model}/{filename}' for filename in FILES}
+    kept = [f for f in FILES if os.path.exists(os.path.join(folder, f))]
+    for filename in kept:  # every one checked before anything is fetched: a wrong mirror is named before it adds files
+        _check_kept(session, url[filename], os.path.join(folder, filename), KNOWN_SHA256.get(filename), timeout)
     for filename in FILES:
-        fetched = download_file(f'{base_url}models/{model}/{filename}', os.path.join(folder, filename),
-                                sha256=KNOWN_SHA256.get(filename), retries=retries, backoff=backoff,
-                                timeout=timeout, quiet=quiet, session=session)
-        if not fetched and not quiet and sys.stderr.isatty():  # beside the progress bars, which need a terminal
+        if filename not in kept:
+            download_file(url[filename], os.path.join(folder, filename), sha256=KNOWN_SHA256.get(filename),
+                          retries=retries, backoff=backoff, timeout=timeout, quiet=quiet, session=session)
+        elif not quiet and sys.stderr.isatty():  # beside the progress bars, which need a terminal
             print(f'{filename}: already complete, skipped', file=sys.stderr)
     if verify:
         from . import quiet as tf_start
@@ -298,6 +309,8 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
             os.replace(folder, final)  # onto an empty folder too
         except OSError as e:
             raise DownloadError(f'cannot move {folder} to {final}: {e.strerror}') from None
+    else:
+        shutil.rmtree(partial_folder(final), ignore_errors=True)  # an earlier version's repair, of no use now
     return final
 
 

@@ -307,14 +307,34 @@ def test_a_file_under_a_final_name_that_differs_from_the_servers_is_named_and_ke
     assert_complete(server, tmp_path / '124M')
 
 
-def test_a_wrong_mirror_cannot_overwrite_a_model(server, tmp_path):
+def test_a_wrong_mirror_cannot_overwrite_a_model_nor_add_to_it(server, tmp_path):
     fetch(server, tmp_path)
+    (tmp_path / '124M' / 'checkpoint').unlink()  # one file lacking, to be fetched
     before = {f.name: f.read_bytes() for f in (tmp_path / '124M').iterdir()}
     for name in server.files:  # a mirror that answers every path with its login page
         server.files[name] = b'<html>login</html>'
+    server.requests.clear()
     with pytest.raises(DownloadError, match='differs from the server'):
         fetch(server, tmp_path)
     assert {f.name: f.read_bytes() for f in (tmp_path / '124M').iterdir()} == before
+    assert [r for r in server.requests if r[0] == 'GET'] == []  # named before anything was fetched
+
+
+def test_an_empty_folder_linked_from_the_models_folder_is_filled_where_it_is(server, tmp_path):
+    (tmp_path / 'elsewhere').mkdir()  # say, on a larger disk
+    (tmp_path / 'models').mkdir()
+    (tmp_path / 'models' / '124M').symlink_to(tmp_path / 'elsewhere')
+    fetch(server, tmp_path / 'models')
+    assert (tmp_path / 'models' / '124M').is_symlink()
+    assert_complete(server, tmp_path / 'elsewhere')
+
+
+def test_a_partial_folder_beside_a_complete_model_is_removed(server, tmp_path):
+    fetch(server, tmp_path)
+    (tmp_path / '124M.partial').mkdir()  # an earlier repair's, interrupted
+    (tmp_path / '124M.partial' / 'model.ckpt.index.part').write_bytes(b'x' * 10)
+    fetch(server, tmp_path)
+    assert not (tmp_path / '124M.partial').exists()
 
 
 def test_an_interrupted_download_in_the_model_folder_resumes_there(server, tmp_path):
