@@ -86,8 +86,8 @@ BLANKS = (' ', '\n', '\t', '\r', '\r\n', ' \n', '\n ', ' \t', '\xa0', '\u3000') 
 
 def _long_blank(text: str) -> bool:
     """Whether text holds a run of BLANK_RUN characters repeating one of BLANKS (substring searches: linear, in C).
-    A longer run mixed otherwise still reaches tiktoken, whose panic _encode_ordinary catches: the same ids, and
-    Rust's panic message on stderr."""
+    A long run of other whitespace (\x0c, U+2003, ...), or mixed otherwise, still reaches tiktoken, whose panic
+    _encode_ordinary catches: the same ids, and Rust's panic message on stderr."""
     return len(text) >= BLANK_RUN and any(b * (BLANK_RUN // len(b)) in text for b in BLANKS)
 
 

@@ -249,8 +249,8 @@ def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict,
         try:  # the step's adapter is in place from here: a failure says what it lacks
             os.replace(os.path.join(staging, lora.CONFIG), os.path.join(run_dir, lora.CONFIG))
         except OSError as e:
-            raise Unfinished(e.errno, e.strerror, f'its {lora.CONFIG} (the adapter does not load until the step is '
-                                                  f'saved again)') from None
+            raise Unfinished(e.errno, e.strerror, f'its {lora.CONFIG} and optimizer state (the new adapter is beside '
+                                                  f'the previous step\'s config)') from None
         try:
             if slots:
                 checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)

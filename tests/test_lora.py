@@ -418,8 +418,8 @@ def test_an_adapter_whose_config_was_not_replaced_with_it_is_refused(tmp_path, m
         replace(source, target)
 
     monkeypatch.setattr(os, 'replace', cut_short)
-    with pytest.raises(OSError, match=r'step 2 is saved in \S+, but writing its adapter_config.json \(the adapter '
-                                      r'does not load until the step is saved again\) failed'):
+    with pytest.raises(OSError, match=r'step 2 is saved in \S+, but writing its adapter_config.json and optimizer '
+                                      r'state \(the new adapter is beside the previous step.s config\) failed'):
         lora_run(tmp_path, restore_from='fresh', lora_alpha=64.0)
     monkeypatch.undo()
     with pytest.raises(lora.AdapterError, match=r'was saved with lora_alpha 64.0, but adapter_config.json says 4: a '
