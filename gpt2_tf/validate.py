@@ -106,20 +106,17 @@ def token_array(tokens, *, name: str = 'tokens') -> np.ndarray:
     return array
 
 
-ENCODED = 'text'  # check_token_ids(..., given=ENCODED): ids the encoder gave for text, not ids given as such
-
-
-def check_token_ids(tokens, n_vocab: int, *, name: str = 'token', given: str = 'ids') -> None:
-    """Raises for any id outside [0, n_vocab). Call it before casting to int32. given=ENCODED: the ids are text's,
-    and the next step is the model's own vocabulary files, not other ids."""
+def check_token_ids(tokens, n_vocab: int, *, name: str = 'token', encoded: bool = False) -> None:
+    """Raises for any id outside [0, n_vocab). Call it before casting to int32. encoded=True: the ids are what the
+    encoder gave for text, and the next step is the model's own vocabulary files, not other ids."""
     array = np.asarray(tokens)
     if array.size == 0:
         return
     low, high = array.min(), array.max()
     if low < 0 or high >= n_vocab:
         bad = low if low < 0 else high
-        remedy = (f'give ids below {n_vocab}, from this model\'s own vocabulary' if given != ENCODED else
-                  'the vocabulary files hold more tokens than the model: use the ones made for it')
+        remedy = ('the vocabulary files hold more tokens than the model: use the ones made for it' if encoded else
+                  f'give ids below {n_vocab}, from this model\'s own vocabulary')
         raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab}): {remedy}')
 
 

@@ -68,17 +68,22 @@ def prepare(args, conditional: bool):
     return folder, hparams, encoder, length
 
 
-def check_prompt(text: str, encoder, hparams, length: int, *, empty: str = 'the prompt is empty: give some text'):
-    from ..validate import ENCODED, check_token_ids, check_window
+def undecodable(text: str) -> Optional[int]:
+    """Where the first undecodable byte's stand-in (surrogateescape's U+DC80-U+DCFF) is in text, or None."""
+    return next((i for i, c in enumerate(text) if '\udc80' <= c <= '\udcff'), None)
 
-    odd = next((i for i, c in enumerate(text) if '\udc80' <= c <= '\udcff'), None)  # undecodable bytes' stand-ins
+
+def check_prompt(text: str, encoder, hparams, length: int, *, empty: str = 'the prompt is empty: give some text'):
+    from ..validate import check_token_ids, check_window
+
+    odd = undecodable(text)
     if odd is not None:
         raise CommandError(f'the prompt is not UTF-8 text (byte 0x{ord(text[odd]) - 0xdc00:02x} at character {odd}): '
                            f'give it in UTF-8')
     ids = encoder.encode(text)
     if not ids:
         raise CommandError(empty)
-    check_token_ids(ids, hparams.n_vocab, name="the prompt's token", given=ENCODED)
+    check_token_ids(ids, hparams.n_vocab, name="the prompt's token", encoded=True)
     check_window(len(ids), length, hparams.n_ctx, what='the prompt')
 
 
@@ -178,7 +183,7 @@ def refusal(prompt: str, encoder, hparams, length: int) -> Optional[str]:
     """Why interactive mode asks again for a prompt (an empty one in the original's words), or None."""
     from ..validate import GPT2Error
 
-    if any('\udc80' <= c <= '\udcff' for c in prompt):  # surrogateescape's stand-ins for undecodable bytes
+    if undecodable(prompt) is not None:
         return 'Prompt is not UTF-8 text: type it again.'
     try:
         check_prompt(prompt, encoder, hparams, length, empty='Prompt should not be empty!')
@@ -216,7 +221,7 @@ def read_text(path: str) -> str:
 
 def encoded_files(args, encoder, hparams) -> dict:
     """{path: token ids} for each file, checked (at least 2 tokens, or 1 with --bos)."""
-    from ..validate import ENCODED, check_token_ids
+    from ..validate import check_token_ids
 
     encoded = {}
     for path in dict.fromkeys(args.files):
@@ -224,7 +229,7 @@ def encoded_files(args, encoder, hparams) -> dict:
         if len(ids) + args.bos < 2:
             raise CommandError(f'{path}: the text has {len(ids)} token(s); scoring needs at least 2'
                                + ('' if args.bos else ' (or 1 with --bos)'))
-        check_token_ids(ids, hparams.n_vocab, name=f'{path}: token', given=ENCODED)
+        check_token_ids(ids, hparams.n_vocab, name=f'{path}: token', encoded=True)
         encoded[path] = ids
     return encoded
 

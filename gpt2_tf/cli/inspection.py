@@ -28,11 +28,11 @@ def cmd_explore(args):
     """One self-contained HTML page of the block, for a checkpoint and a prompt."""
     folder = model_folder(args)
     hparams, encoder = folder.hparams(), folder.encoder()
-    from ..validate import ENCODED, check_explorer_prompt, check_token_ids
+    from ..validate import check_explorer_prompt, check_token_ids
 
     tokens = encoder.encode(args.prompt)
     check_explorer_prompt(len(tokens), hparams.n_layer, hparams.n_head, hparams.n_ctx, name='--prompt')
-    check_token_ids(tokens, hparams.n_vocab, name="the prompt's token", given=ENCODED)
+    check_token_ids(tokens, hparams.n_vocab, name="the prompt's token", encoded=True)
     if not args.output or os.path.isdir(args.output) or os.path.basename(args.output) in ('', '.', '..'):
         raise CommandError(f'-o {args.output!r} is not a file name: give the page\'s path, e.g. '
                            f'{os.path.join(args.output, "report.html") if args.output else "report.html"}')

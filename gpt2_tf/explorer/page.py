@@ -21,7 +21,7 @@ import numpy as np
 from ..checkpoint import ORIGINAL_CODE
 from ..encoder import Encoder, well_formed
 from ..model import Graph
-from ..validate import ENCODED, check_explorer_prompt, check_token_ids
+from ..validate import check_explorer_prompt, check_token_ids
 from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
 from .panels import (LN_1, LN_2, LN_F, INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, claimed,
@@ -321,7 +321,7 @@ def write_report(model: Graph, encoder: Encoder, prompt: str, path: str, *, mode
     tokens = encoder.encode(prompt)
     hp = model.hparams
     check_explorer_prompt(len(tokens), hp.n_layer, hp.n_head, hp.n_ctx)
-    check_token_ids(tokens, hp.n_vocab, name="the prompt's token", given=ENCODED)
+    check_token_ids(tokens, hp.n_vocab, name="the prompt's token", encoded=True)
     page = render(model, encoder, explore(model, tokens), model_dir=model_dir, prompt=prompt)
     temporary = f'{path}.tmp-{os.getpid()}'
     try:
