@@ -375,7 +375,14 @@ def few_rows(transpose_w: bool) -> range:
 def float_matmul(x, w, *, transpose_w: bool = False):
     """x float32 [M, K] times float32 w [K, N] (or [N, K] with transpose_w, wte's layout) -> [M, N], by the
     kernel (no gradient: training traces inside tensorflow_ops())."""
-    return _loaded().gpt2_float_mat_mul(x, w, transpose_w=transpose_w)
+    return _loaded().gpt2_float_mat_mul(x, w, transpose_w=transpose_w, threads=_threads())
+
+
+def _threads() -> int:
+    """How many threads a product or attention takes when XLA runs it (its custom call): TensorFlow's intra-op
+    setting when traced (0: one per CPU this process may use), so that processes sharing a machine's cores
+    (Beam's local workers, say) each keep to their share. Outside XLA they run on TensorFlow's own threads."""
+    return tf.config.threading.get_intra_op_parallelism_threads()
 
 
 def cached_attention(q, cache, mask):
@@ -383,7 +390,7 @@ def cached_attention(q, cache, mask):
     values at S slots), mask float32 [B, S] (1 where the row's query sees the slot, else 0) -> the original's
     attention, softmax((q . k) / sqrt(F) masked by -1e10) . v, float32 [B, H, F]; by the kernel (no
     gradient), reading only the slots each row sees."""
-    return _loaded().gpt2_cached_attention(q, cache, mask)
+    return _loaded().gpt2_cached_attention(q, cache, mask, threads=_threads())
 
 
 def unpack(w, panel: int):
@@ -411,7 +418,8 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
         return _dequantized_product(x, w, scale, transpose_w, panel)
     dequantized = lambda: _dequantized_product(x, w, scale, transpose_w, panel, DEQUANTIZED_ROWS)  # noqa: E731
     library = _loaded('the int8 kernel')
-    tiles = lambda: library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel)  # noqa: E731
+    tiles = lambda: library.gpt2_int8_mat_mul(x, w, scale, transpose_w=transpose_w, panel=panel,
+                                                   threads=_threads())  # noqa: E731
     if kernel:
         return tiles()
     rows = x.shape[0]

@@ -30,6 +30,7 @@
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -85,6 +86,7 @@ REGISTER_OP("Gpt2Int8MatMul")
     .Output("y: float")
     .Attr("transpose_w: bool = false")
     .Attr("panel: int = 0")  // 0: the plain [K, N] layout (panel = N)
+    .Attr("threads: int = 0")  // XLA's custom call: see Attrs
     .SetShapeFn(ProductShape);
 
 REGISTER_OP("Gpt2FloatMatMul")
@@ -92,6 +94,7 @@ REGISTER_OP("Gpt2FloatMatMul")
     .Input("w: float")
     .Output("y: float")
     .Attr("transpose_w: bool = false")  // float32 weights keep the plain layout: no panels
+    .Attr("threads: int = 0")
     .SetShapeFn(ProductShape);
 
 REGISTER_OP("Gpt2CachedAttention")
@@ -99,6 +102,7 @@ REGISTER_OP("Gpt2CachedAttention")
     .Input("cache: float")  // [B, 2, H, S, F]: a layer's keys, then values, at S slots
     .Input("mask: float")   // [B, S]: 1 where the row's query sees the slot, else 0
     .Output("a: float")     // [B, H, F]
+    .Attr("threads: int = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle q;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &q));
@@ -813,14 +817,15 @@ class MatMulOp : public OpKernel {
 
 #ifdef GPT2_TF_XLA
 
-// XLA passes a custom call no threads: the library's own, one per CPU this process may run on (a Team for the
-// products' units, an Eigen pool for Gemm's).
+// XLA passes a custom call no threads: the library's own (a Team for the products' units, an Eigen pool for
+// Gemm's), as many as the op's `threads` attribute says, at most one per CPU this process may run on.
 int Cpus() {
   cpu_set_t set;
   return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
 }
 
-// A fork-join team for the custom calls: the calling thread (XLA's, already running) and Cpus() - 1 helpers.
+// A fork-join team for the custom calls: the calling thread (XLA's, already running) and helpers, started as
+// a call first asks for them (a call on `size` threads takes the first size - 1; none for one thread).
 // A decode step's products come one after another, a few hundred microseconds each, with little between them;
 // a helper that finishes spins for the next product a while (kSpin) before it sleeps, since waking a sleeping
 // thread costs tens of microseconds on a virtual machine, and the caller works instead of waiting. Units are
@@ -828,17 +833,15 @@ int Cpus() {
 // that finds the team busy (another product at once) runs its units alone.
 class Team {
  public:
-  explicit Team(int helpers) : size_(helpers + 1) {
-    for (int i = 0; i < helpers; ++i) std::thread([this] { Help(); }).detach();
-  }
-
-  void For(int64_t units, const std::function<void(int64_t, int64_t)>& fn) {
+  // fn(start, limit) over [0, units) on at most `size` threads, the caller's included.
+  void For(int64_t units, int64_t size, const std::function<void(int64_t, int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy.owns_lock() || units < 2) {
+    if (!busy.owns_lock() || units < 2 || size < 2) {
       fn(0, units);
       return;
     }
-    Job job{fn, units, std::max<int64_t>(1, units / (kShares * size_))};
+    for (; started_ < size - 1; ++started_) std::thread([this, index = started_] { Help(index); }).detach();
+    Job job{fn, units, std::max<int64_t>(1, units / (kShares * size)), size - 1};
     job_.store(&job);
     generation_.fetch_add(1);
     if (sleeping_.load() > 0) {
@@ -854,7 +857,7 @@ class Team {
  private:
   struct Job {
     const std::function<void(int64_t, int64_t)>& fn;
-    const int64_t units, grain;
+    const int64_t units, grain, helpers;  // helpers: how many of the team's take part (the first ones)
     std::atomic<int64_t> next{0}, remaining{units};
 
     void Run() {
@@ -907,17 +910,19 @@ class Team {
     return generation_.load();
   }
 
-  void Help() {
+  void Help(int64_t index) {
+    pthread_setname_np(pthread_self(), "gpt2_tf-team");  // as top and /proc/<pid>/task name it
     for (uint64_t seen = generation_.load();;) {
       seen = Await(seen);
       users_.fetch_add(1);
-      if (Job* job = job_.load()) job->Run();
+      Job* job = job_.load();
+      if (job && index < job->helpers) job->Run();
       users_.fetch_sub(1);
     }
   }
 
-  const int64_t size_;  // threads, the caller's included
   std::mutex busy_;  // held by the call the team works for
+  int64_t started_ = 0;  // helpers, under busy_
   std::atomic<Job*> job_{nullptr};
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> users_{0}, sleeping_{0};  // helpers holding job_; asleep
@@ -925,42 +930,52 @@ class Team {
   std::condition_variable wake_;
 };
 
-const Threads& PoolThreads() {
-  static Eigen::ThreadPool* pool = new Eigen::ThreadPool(Cpus());
-  static Eigen::ThreadPoolDevice* device = new Eigen::ThreadPoolDevice(pool, pool->NumThreads());
-  static Team* team = new Team(Cpus() - 1);
-  static const Threads threads{*device, [](int64_t units, int64_t /*cost*/,
-                                           const std::function<void(int64_t, int64_t)>& fn) { team->For(units, fn); },
-                               Cpus()};
-  return threads;
+// A custom call's threads: `threads` of them (0: one per CPU), at most one per CPU.
+Threads PoolThreads(int64_t threads) {
+  static const int cpus = Cpus();
+  static Eigen::ThreadPool* pool = new Eigen::ThreadPool(cpus);
+  static const std::vector<Eigen::ThreadPoolDevice*> devices = [] {  // devices[n - 1] runs Eigen on n threads
+    std::vector<Eigen::ThreadPoolDevice*> all;
+    for (int n = 1; n <= cpus; ++n) all.push_back(new Eigen::ThreadPoolDevice(pool, n));
+    return all;
+  }();
+  static Team* team = new Team();
+  const int64_t size = threads > 0 ? std::min<int64_t>(threads, cpus) : cpus;
+  return Threads{*devices[size - 1],
+                 [size](int64_t units, int64_t /*cost*/, const std::function<void(int64_t, int64_t)>& fn) {
+                   team->For(units, size, fn);
+                 },
+                 size};
 }
 
 // The custom calls (XLA's API_VERSION_STATUS_RETURNING_UNIFIED): in = {x, w, scale} (int8) or {x, w} (float32),
-// out = y; the shapes come in `config` as "M K N panel transpose_w", written by MatMulXla (matmul_xla.cc),
-// which has checked them.
+// out = y; the shapes come in `config` as "M K N panel transpose_w threads", written by MatMulXla
+// (matmul_xla.cc), which has checked them.
 template <typename W>
 void MatMulCall(void* out, const void** in, const char* config, size_t size, void* /*status*/) {
-  long long M, K, N, panel;
+  long long M, K, N, panel, threads;
   int transpose_w;
-  if (std::sscanf(std::string(config, size).c_str(), "%lld %lld %lld %lld %d", &M, &K, &N, &panel,
-                  &transpose_w) != 5) {
+  if (std::sscanf(std::string(config, size).c_str(), "%lld %lld %lld %lld %d %lld", &M, &K, &N, &panel,
+                  &transpose_w, &threads) != 6) {
     return;
   }
   const Problem<W> p{static_cast<const float*>(in[0]), static_cast<const W*>(in[1]),
                      kScaled<W> ? static_cast<const float*>(in[2]) : nullptr, static_cast<float*>(out), M, K, N,
                      panel};
-  const Threads& threads = PoolThreads();
-  const std::unique_ptr<float[]> temporary(new float[Temporary(p, transpose_w, threads)]);  // left unset
-  Multiply(p, transpose_w, temporary.get(), threads);
+  const Threads team = PoolThreads(threads);
+  const std::unique_ptr<float[]> temporary(new float[Temporary(p, transpose_w, team)]);  // left unset
+  Multiply(p, transpose_w, temporary.get(), team);
 }
 
-// in = {q, cache, mask}, out = a; `config` is "B H S F", written by AttentionXla (matmul_xla.cc).
+// in = {q, cache, mask}, out = a; `config` is "B H S F threads", written by AttentionXla (matmul_xla.cc).
 void AttentionCall(void* out, const void** in, const char* config, size_t size, void* /*status*/) {
-  long long B, H, S, F;
-  if (std::sscanf(std::string(config, size).c_str(), "%lld %lld %lld %lld", &B, &H, &S, &F) != 4) return;
+  long long B, H, S, F, threads;
+  if (std::sscanf(std::string(config, size).c_str(), "%lld %lld %lld %lld %lld", &B, &H, &S, &F, &threads) != 5) {
+    return;
+  }
   const Attention t{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
                     static_cast<const float*>(in[2]), static_cast<float*>(out), B, H, S, F};
-  AttendAll(t, PoolThreads());
+  AttendAll(t, PoolThreads(threads));
 }
 
 void Int8MatMulCall(void* out, const void** in, const char* config, size_t size, void* status) {

@@ -18,10 +18,14 @@ namespace gpt2_tf {
 struct Attrs {
   bool transpose_w = false;
   int64_t panel = 0;  // 0: the plain layout
+  // XLA's custom call runs on this many of the library's threads (0: one per CPU this process may use; the
+  // Python side writes TensorFlow's intra-op setting); the op itself runs on TensorFlow's intra-op threads.
+  int64_t threads = 0;
 
   explicit Attrs(tensorflow::OpKernelConstruction* context) {
     OP_REQUIRES_OK(context, context->GetAttr("transpose_w", &transpose_w));
     if (context->HasAttr("panel")) OP_REQUIRES_OK(context, context->GetAttr("panel", &panel));
+    OP_REQUIRES_OK(context, context->GetAttr("threads", &threads));
   }
 };
 

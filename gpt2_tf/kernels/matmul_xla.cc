@@ -25,9 +25,10 @@ class MatMulXla : public XlaOpKernel {
     const TensorShape scale = kScaled<W> ? context->InputShape(2) : TensorShape();
     OP_REQUIRES_OK(context, Checked(context->InputShape(0), context->InputShape(1), kScaled<W> ? &scale : nullptr,
                                     attrs_, &n));
-    // "M K N panel transpose_w", as the custom call reads it
+    // "M K N panel transpose_w threads", as the custom call reads it
     const std::string config = std::to_string(n.M) + " " + std::to_string(n.K) + " " + std::to_string(n.N) + " " +
-                               std::to_string(n.panel) + " " + (attrs_.transpose_w ? "1" : "0");
+                               std::to_string(n.panel) + " " + (attrs_.transpose_w ? "1" : "0") + " " +
+                               std::to_string(attrs_.threads);
     std::vector<xla::XlaOp> operands = {context->Input(0), context->Input(1)};
     if (kScaled<W>) operands.push_back(context->Input(2));
     context->SetOutput(0, xla::CustomCall(context->builder(), kCallTarget<W>, operands,
@@ -43,14 +44,17 @@ class MatMulXla : public XlaOpKernel {
 
 class AttentionXla : public XlaOpKernel {
  public:
-  explicit AttentionXla(OpKernelConstruction* context) : XlaOpKernel(context) {}
+  explicit AttentionXla(OpKernelConstruction* context) : XlaOpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("threads", &threads_));
+  }
 
   void Compile(XlaOpKernelContext* context) override {
     AttentionSizes n;
     OP_REQUIRES_OK(context, CheckedAttention(context->InputShape(0), context->InputShape(1),
                                              context->InputShape(2), &n));
-    const std::string config =  // "B H S F", as the custom call reads it
-        std::to_string(n.B) + " " + std::to_string(n.H) + " " + std::to_string(n.S) + " " + std::to_string(n.F);
+    const std::string config = std::to_string(n.B) + " " + std::to_string(n.H) + " " +  // "B H S F threads", as
+                               std::to_string(n.S) + " " + std::to_string(n.F) + " " +  // the custom call reads it
+                               std::to_string(threads_);
     context->SetOutput(0, xla::CustomCall(context->builder(), kAttentionTarget,
                                           {context->Input(0), context->Input(1), context->Input(2)},
                                           xla::ShapeUtil::MakeShape(xla::F32, {n.B, n.H, n.F}), config,
@@ -58,6 +62,9 @@ class AttentionXla : public XlaOpKernel {
                                           /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
                                           xla::CustomCallApiVersion::API_VERSION_STATUS_RETURNING_UNIFIED));
   }
+
+ private:
+  int64_t threads_;  // as Attrs' (matmul.h)
 };
 
 }  // namespace
