@@ -219,9 +219,7 @@ def _first_invalid_byte(path: str, block: int = 1 << 20) -> int:
 
 def ids_of(encoder: Encoder, piece: str) -> np.ndarray:
     """encoder.encode(piece) as an array of the token file's dtype."""
-    fast = getattr(encoder, '_tiktoken', None)  # encode_ordinary: the same ids, without encode's special-token scan
-    ids = fast.encode_ordinary(piece) if fast is not None else encoder.encode(piece)
-    return np.array(ids, dtype_for(encoder.n_vocab))
+    return np.array(encoder.encode(piece), dtype_for(encoder.n_vocab))
 
 
 def _encode(piece: str) -> np.ndarray:

@@ -199,6 +199,13 @@ def test_stdin_is_one_document(tmp_path):
     assert np.asarray(corpus.read_tokens(tmp_path / 'in.bin')).tolist() == get_encoder().encode(as_read(MIXED)) + [END]
 
 
+def test_a_blank_run_too_long_for_tiktoken_is_encoded_as_the_encoder_encodes_it(tmp_path):
+    # about 10^6 blanks without a cut make tiktoken's regex engine panic; the encoder takes the original's way
+    (tmp_path / 'blank.txt').write_text('a' + ' ' * 1_100_000 + 'b\n' + '\t' * 1_200_000 + 'c')
+    corpus.encode_corpus([tmp_path / 'blank.txt'], tmp_path / 'out.bin', processes=1)
+    assert np.asarray(corpus.read_tokens(tmp_path / 'out.bin')).tolist() == expected([tmp_path / 'blank.txt'])
+
+
 def test_a_failed_run_leaves_no_output_and_keeps_an_older_one(tmp_path):
     (tmp_path / 'a.txt').write_text('fine text ' * 100)
     (tmp_path / 'b.txt').write_bytes(b'caf\xe9 is latin-1')
