@@ -22,15 +22,17 @@ import numpy as np
 import tensorflow as tf
 
 from . import compiled, penalties, validate
-from .compiled import bucket
+from .compiled import BUCKET_STEP, bucket
 from .sample import DECODER, Decoder, Options, Plan, _outputs, _pick, begin, plan_for
 
 MIN_CACHE = 64  # cache slots at least; sizes are powers of two, so the compiled step sees a handful
 
 
-def cache_size(need: int) -> int:
-    """The cache slots for rows that need `need`: a power of two, at least MIN_CACHE."""
-    return max(MIN_CACHE, 1 << (need - 1).bit_length())
+def cache_size(need: int, n_ctx: int) -> int:
+    """The cache slots for rows that need `need`: a power of two, at least MIN_CACHE, and at most n_ctx +
+    BUCKET_STEP. A row needs its window (at most n_ctx) and its prompt's padding (under BUCKET_STEP), so a
+    row that fills the window takes a few slots past n_ctx, not twice the cache."""
+    return max(MIN_CACHE, min(1 << (need - 1).bit_length(), n_ctx + BUCKET_STEP))
 
 
 def decode_slots(model, logits, caches, *, pads, pos, made, options: Options, plan: Plan,
@@ -186,7 +188,7 @@ class Slots:
         needs (powers of two), grown when a row joins and shrunk once rows leave."""
         held = np.flatnonzero(self.occupied)
         width = min(1 << int(held.max()).bit_length(), self.slots) if held.size else 1
-        size = cache_size(int(self.need.max()))
+        size = cache_size(int(self.need.max()), self.model.hparams.n_ctx)
         if self.caches is None:
             self.caches = self.decoder.cache(self.model, width, size)
             self.logits = tf.zeros([width, self.model.hparams.n_vocab])

@@ -98,6 +98,23 @@ def test_a_short_row_does_not_wait_for_a_long_one():
         queue.close()
 
 
+def test_a_freed_slot_goes_to_the_request_holding_the_fewest_not_to_the_first_in_the_queue():
+    queue = batcher(capacity=2, chunk=4)
+    try:
+        many, short = [Inbox(queue) for _ in range(6)], Inbox(queue)
+        queue.submit([row([i + 1], 20, inbox) for i, inbox in enumerate(many)])  # n=6: three rounds of 5 chunks
+        while not many[0].tokens:
+            time.sleep(0.01)
+        queue.submit([row([9], 4, short)])
+        assert short.ended.wait(30) and all(inbox.ended.wait(30) for inbox in many)
+    finally:
+        queue.close()
+    assert short.chunks[0] - many[0].chunks[0] <= 6  # at the first freed slots (in queue order: after 10 chunks)
+    assert short.tokens == expected([9], 4) and all(inbox.tokens == expected([i + 1], 20)
+                                                    for i, inbox in enumerate(many))
+    assert many[2].chunks[0] <= short.chunks[0]  # the earlier request took the first of the two slots
+
+
 def test_a_row_whose_client_left_frees_its_slot_at_the_next_chunk():
     queue = batcher(capacity=1, chunk=4)
     try:

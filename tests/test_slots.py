@@ -66,24 +66,30 @@ def test_rows_joining_and_leaving_draw_their_solo_tokens(model, mode, slots, chu
     assert len(sizes) > 1  # the cache grew for the long prompt and shrank after it
 
 
-@pytest.mark.parametrize('mode', ['eager', 'function'])  # XLA's gather clamps an index past wpe; these raise
-def test_a_row_that_fills_the_window_decodes_past_it_in_its_last_chunk(model, mode):
+@pytest.mark.parametrize('mode, start, length', [('eager', 8, 121), ('function', 8, 121),  # XLA's gather clamps
+                                                 ('function', 65, 63)])  # an index past wpe; these raise
+def test_a_row_that_fills_the_window_decodes_past_it_in_its_last_chunk(model, mode, start, length):
     """8 prompt tokens + 121 new - 1 = n_ctx: the last chunk also feeds tokens past the window (and an idle
-    slot beside it runs on), whose outputs nobody reads; the step must not fail on their positions."""
+    slot beside it runs on), whose outputs nobody reads; the step must not fail on their positions. 65 prompt
+    tokens are padded to 128 slots: with 63 new ones the row needs 191."""
     engine = Slots(model, 2, chunk=8, mode=mode)
-    prompt, length = list(range(1, 9)), 121
+    prompt = list(range(1, start + 1))
     engine.join(0, prompt, length=length, key=(3, 4))
     engine.join(1, [5], length=2, key=(0, 1))
-    got = []
+    got, sizes = [], set()
     while len(got) < length:
         got += engine.step()['tokens'][0, :length - len(got)].tolist()
+        sizes.add(engine.caches[0].shape[3])
         if engine.occupied[1]:
             engine.leave(1)
     assert got == alone(model, prompt, length, (3, 4), {}, mode)
+    assert sizes == {128 + 64}  # the window and a bucket's padding, not the next power of two (256)
 
 
-def test_the_cache_sizes_are_powers_of_two():
-    assert [cache_size(n) for n in (1, 64, 65, 128, 129, 1000, 1025)] == [64, 64, 128, 128, 256, 1024, 2048]
+def test_the_cache_sizes_are_powers_of_two_up_to_the_window_and_its_padding():
+    assert [cache_size(n, 1024) for n in (1, 64, 65, 128, 129, 1000, 1025, 1087)] == \
+        [64, 64, 128, 128, 256, 1024, 1088, 1088]
+    assert [cache_size(n, 128) for n in (100, 129, 191)] == [128, 192, 192]
 
 
 def test_only_the_slots_up_to_the_highest_held_one_decode(model):

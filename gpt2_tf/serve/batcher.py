@@ -1,8 +1,11 @@
 """Scheduling: the Batcher runs every row (each prompt times n) in a slot of one in-flight batch (gpt2_tf.slots).
 
 Between chunks, finished rows leave and waiting rows join, so no row waits for
-another to finish. A row carries its own options and key, so it draws the
-tokens it would draw alone, whatever else runs beside it.
+another to finish while a slot is free; when every slot is held, a freed slot
+goes to the request that holds the fewest, so one request's many rows do not
+keep later requests waiting round after round. A row carries its own options
+and key, so it draws the tokens it would draw alone, whatever else runs beside
+it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Row:
         self.logprobs, self.deliver = logprobs, deliver
         self.done = False
         self.sent = 0  # tokens delivered
+        self.request = None  # the rows submitted with it share it (Batcher.submit)
 
     def fail(self, message: str) -> None:
         self.done = True
@@ -68,7 +72,7 @@ class Batcher:
     """A queue of at most `queue_size` rows, run by one worker thread in `capacity` slots (gpt2_tf.slots).
 
     At every chunk boundary, rows that are done (all their tokens, or their client
-    gone) leave and waiting rows join, in queue order. When nothing runs, the
+    gone) leave and waiting rows join (next_rows: fairly between requests). When nothing runs, the
     worker waits up to `timeout` seconds after the first row for others to start
     with it. A row that can never fit the window fails with validate.check_window's
     message. decoder: the model's own decode, or a fake in tests.
@@ -98,8 +102,9 @@ class Batcher:
         """Queues the rows, or raises APIError: 400 when they could never all be queued, 503 when the queue is
         full now. A row that cannot fit the window fails now."""
         self.check_rows(len(rows))
-        fitting = []
+        fitting, request = [], object()
         for row in rows:
+            row.request = request
             try:
                 check_window(len(row.prompt), row.max_tokens, self.n_ctx)
                 fitting.append(row)
@@ -161,7 +166,8 @@ class Batcher:
             if self.stopped:
                 return False
             free = [slot for slot, row in enumerate(self.held) if row is None]
-            joining, self.pending = self.pending[:len(free)], self.pending[len(free):]
+            joining = next_rows(self.pending, self.held, len(free))
+            self.pending = [row for row in self.pending if row not in joining]
         for slot, row in zip(free, joining):  # prefills run outside the lock: submits go on meanwhile
             try:
                 row.join(self.slots, slot)
@@ -199,3 +205,23 @@ class Batcher:
     def _leave(self, slot: int) -> None:
         self.held[slot] = None
         self.slots.leave(slot)
+
+
+def next_rows(pending: List[Row], held: List[Optional[Row]], free: int) -> List[Row]:
+    """The waiting rows that take `free` slots: one slot at a time, to the request that holds the fewest (the
+    slots given here counted), the earliest of those that hold as few; a request's own rows in their order."""
+    holding = {}
+    for row in held:
+        if row is not None:
+            holding[row.request] = holding.get(row.request, 0) + 1
+    queues = {}  # request -> its waiting rows, requests in the order their first row waits
+    for row in pending:
+        queues.setdefault(row.request, []).append(row)
+    chosen = []
+    for _ in range(min(free, len(pending))):
+        request = min(queues, key=lambda r: holding.get(r, 0))  # min keeps the first of equals: the earliest
+        chosen.append(queues[request].pop(0))
+        holding[request] = holding.get(request, 0) + 1
+        if not queues[request]:
+            del queues[request]
+    return chosen
