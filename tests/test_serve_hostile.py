@@ -369,6 +369,19 @@ def test_a_client_that_leaves_before_a_whole_response_frees_its_rows(model, monk
                         log.getvalue().strip()), log.getvalue()
 
 
+def test_a_client_that_leaves_before_its_body_ends_is_counted_as_gone_not_refused(model):
+    log = io.StringIO()
+    app = make_app(model, access_log=log)
+    with running(app) as port:
+        with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                         b'Content-Length: 1000\r\n\r\n{"prompt": ')  # 11 of the 1000 bytes, then it leaves
+        got = settled(lambda: samples(port), lambda got: any(name == 'gpt2_tf_requests_total' for name, _ in got))
+    assert [(labels, value) for (name, labels), value in got.items() if name == 'gpt2_tf_requests_total'] == \
+        [(frozenset({'code': '499', 'outcome': 'disconnected'}.items()), 1)]
+    assert re.fullmatch(r'gpt2-tf: POST /v1/completions 499 latency_ms=\d+', log.getvalue().strip()), log.getvalue()
+
+
 def test_time_per_output_token_is_per_decode_step():
     from gpt2_tf.serve.metrics import Metrics
     from gpt2_tf.serve.protocol import Usage

@@ -195,6 +195,9 @@ class Gate:
                 messages, error = await read_body(receive)
             if error is not None:
                 return await error_response(error)(scope, receive, sending)
+            if messages[-1]['type'] == 'http.disconnect':  # gone before its body ended: nobody to answer
+                status[0] = CLIENT_GONE
+                return
             replay = iter(messages)
             await self.app(scope, lambda: _next(replay, receive), sending)
         finally:
