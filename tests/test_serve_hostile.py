@@ -234,6 +234,34 @@ def test_a_client_that_leaves_during_an_echos_scoring_stops_it(model, monkeypatc
         assert len(scored) == stopped < 20, 'the scoring went on after its client left'
 
 
+def test_an_echo_s_prompts_being_scored_count_against_the_queue_and_show_as_running(model, monkeypatch):
+    from gpt2_tf.serve import completion
+
+    scored, score = [], completion.echo_entries
+
+    def slowly(*args):
+        scored.append(1)
+        time.sleep(0.5)
+        return score(*args)
+
+    monkeypatch.setattr(completion, 'echo_entries', slowly)
+    echo = {'max_tokens': 0, 'echo': True, 'logprobs': 1}
+    with running(make_app(model)) as port:
+        first = threading.Thread(target=post, args=(port, json.dumps({'prompt': [[7, 8]] * 20, **echo}).encode()))
+        first.start()
+        settled(lambda: len(scored), lambda n: n >= 1)
+        gauge = ('gpt2_tf_num_requests_running', frozenset())
+        assert samples(port)[gauge] == 20
+        for body in ({'prompt': [[7, 8]] * 5, **echo}, {'prompt': 'Hi', 'n': 5, 'max_tokens': 2}):  # 25 > QUEUE
+            status, reply = post(port, json.dumps(body).encode())
+            assert status == 503 and reply['error']['code'] == 'overloaded', reply
+            assert reply['error']['message'] == 'the server is busy (20 rows waiting or being scored); retry shortly'
+        assert post(port, json.dumps({'prompt': 'Hi', 'n': 4, 'max_tokens': 2}).encode())[0] == 200  # 24 fit
+        first.join(60)
+        assert samples(port)[gauge] == 0
+        assert post(port, json.dumps({'prompt': [[7, 8]] * 24, **echo}).encode())[0] == 200
+
+
 def test_a_token_the_vocabulary_cannot_write_fails_the_request_as_the_servers_fault(random_checkpoint):
     from gpt2_tf.encoder import encoder_for
     from gpt2_tf.serve import create_app
@@ -386,7 +414,7 @@ def test_time_per_output_token_is_per_decode_step():
     from gpt2_tf.serve.metrics import Metrics
     from gpt2_tf.serve.protocol import Usage
 
-    metrics = Metrics(types.SimpleNamespace(running=0, waiting=0))
+    metrics = Metrics(types.SimpleNamespace(running=0, waiting=0, scoring=0))
     four_choices = types.SimpleNamespace(  # 4 choices of 11 tokens each, side by side: 3 at 0.5 s, the last at 1.5
         complete=True, failed=False, started=0.0, first_token=0.5, first_count=3, last_token=1.5, longest=lambda: 11,
         usage=lambda: Usage(prompt_tokens=2, completion_tokens=44, total_tokens=46))

@@ -201,8 +201,10 @@ class Gate:
             replay = iter(messages)
             await self.app(scope, lambda: _next(replay, receive), sending)
         finally:
+            completion = state.get('completion')
+            if completion is not None:  # a stream that never started runs no finally of its own
+                completion.close()
             if scope['path'] not in UNCOUNTED:
-                completion = state.get('completion')
                 self.metrics.record(status[0], completion)
                 log_access(self.log, scope['method'], scope['path'], status[0], completion, started)
 

@@ -86,6 +86,7 @@ class Batcher:
         self.slots = Slots(model, capacity, chunk=chunk, mode=mode, decoder=decoder)
         self.held: List[Optional[Row]] = [None] * capacity  # the row in each slot
         self.pending: List[Row] = []
+        self.scoring = 0  # prompts being scored off the queue (reserve), counted against queue_size too
         self.lock = threading.Condition()
         self.stopped = False
         self.chunks = 0  # chunks decoded, for tests and logs
@@ -111,14 +112,30 @@ class Batcher:
             except GPT2Error as e:
                 row.fail(str(e))
         with self.lock:
-            if self.stopped:
-                raise APIError(503, 'the server is shutting down; retry on another', kind='server_error',
-                               code='shutting_down')
-            if len(self.pending) + len(fitting) > self.queue_size:
-                raise APIError(503, f'the server is busy ({len(self.pending)} rows waiting); retry shortly',
-                               kind='server_error', code='overloaded', headers={'Retry-After': '1'})
+            self._check_room(len(fitting))
             self.pending.extend(fitting)
             self.lock.notify()
+
+    def reserve(self, count: int) -> None:
+        """Counts `count` prompts whose log-probs are scored off the queue (an echo's) against the queue's size
+        until release(count): APIError 503 as submit's when they do not fit now."""
+        with self.lock:
+            self._check_room(count)
+            self.scoring += count
+
+    def release(self, count: int) -> None:
+        with self.lock:
+            self.scoring -= count
+
+    def _check_room(self, count: int) -> None:
+        """Under the lock: 503 when closed, or when `count` more rows would pass queue_size."""
+        if self.stopped:
+            raise APIError(503, 'the server is shutting down; retry on another', kind='server_error',
+                           code='shutting_down')
+        if len(self.pending) + self.scoring + count > self.queue_size:
+            raise APIError(503, f'the server is busy ({len(self.pending) + self.scoring} rows waiting or being '
+                                f'scored); retry shortly', kind='server_error', code='overloaded',
+                           headers={'Retry-After': '1'})
 
     @property
     def waiting(self) -> int:

@@ -238,6 +238,7 @@ class Completion:
         self.complete = False  # the whole response or stream was handed out
         self.failed = False  # a stream that failed after its first bytes (it ends with an error event)
         self.scorer: Optional[Model] = None  # the model, when the echoed prompts' logprobs are to be scored
+        self.reserved: Optional[Batcher] = None  # whose queue counts the prompts being scored, until released
 
     def submit(self, model: Model, batcher: Batcher) -> None:
         """Makes the choices and queues their rows; an echo's log-probs are scored when its events start."""
@@ -254,20 +255,36 @@ class Completion:
                     self.rows[index] = Row(prompt, request.max_tokens, self.sampling.options,
                                            (self.sampling.seed, index), 0 if ranked else request.logprobs,
                                            functools.partial(self._deliver, index))
-        if self.rows:
-            batcher.submit(list(self.rows.values()))
+        if self.scorer is not None:
+            batcher.reserve(len(self.sampling.prompts))
+            self.reserved = batcher
+        try:
+            if self.rows:
+                batcher.submit(list(self.rows.values()))
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        """Takes the prompts being scored off the queue's count, once."""
+        if self.reserved is not None:
+            self.reserved.release(len(self.sampling.prompts))
+            self.reserved = None
 
     async def _score_echoes(self) -> None:
         """The echoed prompts' logprobs, scored off the event loop a group at a time: a client that goes away
         (its task cancelled) stops the scoring at the next group."""
         given, best_of, top = self.sampling.given, self.sampling.best_of, self.request.logprobs
-        for group in echo_groups(given, ECHO_TOKENS):
-            prompts = [given[i] for i in group]
-            scored = await asyncio.to_thread(echo_entries, self.scorer, self.encoder, prompts, top)
-            for i, entries in zip(group, scored):
-                if given[i]:  # an empty prompt echoes nothing
-                    for choice in self.choices[i * best_of:(i + 1) * best_of]:
-                        choice.entries = copy.deepcopy(entries)
+        try:
+            for group in echo_groups(given, ECHO_TOKENS):
+                prompts = [given[i] for i in group]
+                scored = await asyncio.to_thread(echo_entries, self.scorer, self.encoder, prompts, top)
+                for i, entries in zip(group, scored):
+                    if given[i]:  # an empty prompt echoes nothing
+                        for choice in self.choices[i * best_of:(i + 1) * best_of]:
+                            choice.entries = copy.deepcopy(entries)
+        finally:
+            self._release()
 
     def _deliver(self, index: int, tokens, log_probs, *, error: Optional[str] = None) -> None:
         # Called on the Batcher's thread: hand over to the event loop.
@@ -277,9 +294,11 @@ class Completion:
             self.close()
 
     def close(self) -> None:
-        """Done, or the client went away: their rows leave their slots at the next chunk."""
+        """Done, or the client went away: their rows leave their slots at the next chunk, and prompts not yet
+        scored leave the queue's count."""
         for row in self.rows.values():
             row.done = True
+        self._release()
 
     async def events(self) -> AsyncIterator[tuple]:
         """Yields (choice, new text, finished) as rows deliver; every choice ends with a finish."""

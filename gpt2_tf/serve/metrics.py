@@ -41,9 +41,9 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        running = Gauge('num_requests_running', 'Rows (prompts times best_of) being decoded now',
-                        namespace=NAMESPACE, registry=registry)
-        running.set_function(lambda: batcher.running)
+        running = Gauge('num_requests_running', 'Rows (prompts times best_of) being decoded now, and echoed '
+                        'prompts being scored', namespace=NAMESPACE, registry=registry)
+        running.set_function(lambda: batcher.running + batcher.scoring)
         waiting = Gauge('num_requests_waiting', 'Rows queued, not yet decoding', namespace=NAMESPACE,
                         registry=registry)
         waiting.set_function(lambda: batcher.waiting)
