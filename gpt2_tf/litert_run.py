@@ -46,6 +46,8 @@ def gumbel(key: tuple, step: int, n_vocab: int) -> np.ndarray:
 
 def choose(logits: np.ndarray, step: int, *, top_k: int, temperature: float, key: tuple) -> int:
     """The next token from float32 logits [n_vocab]: the argmax, or a top_k draw."""
+    if np.isnan(logits).any():  # no token is the likeliest (argmax would say 0): the library refuses them too
+        raise GPT2Error(validate.NOT_DRAWN)
     if top_k == 1 or temperature == 0 or key is None:
         return int(np.argmax(logits))
     kept = logits >= np.sort(logits)[-top_k] if 0 < top_k < logits.size else np.ones(logits.shape, bool)

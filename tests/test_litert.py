@@ -219,6 +219,22 @@ def test_the_runner_checks_its_arguments_by_the_librarys_rules(tmp_path, capsys,
     assert 'is not a LiteRT export (model.tflite and its model.json)' in capsys.readouterr().err
 
 
+def test_nan_logits_are_refused_with_the_library_s_error(tmp_path):
+    import tensorflow as tf
+
+    from gpt2_tf import litert_run
+
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    model.ln_f.g.assign(tf.tensor_scatter_nd_update(model.ln_f.g, [[0]], [np.nan]))  # every logit NaN
+    export_litert(model, tmp_path, max_len=8)
+    with pytest.raises(GPT2Error) as library:
+        gpt2_tf.sample_sequence(model, 3, context=[1, 2], top_k=1)
+    for options in (dict(top_k=1), dict(top_k=40, temperature=0.5, seed=1)):  # argmax said token 0, each step
+        with pytest.raises(GPT2Error) as caught:
+            litert_run.generate(tmp_path, [1, 2], 3, **options)
+        assert str(caught.value) == str(library.value)
+
+
 @pytest.mark.slow
 def test_124m_s_widths(tmp_path, random_checkpoint):
     # 124M's vocabulary, width and heads at two blocks: the converter's time grows with blocks, the shapes it
