@@ -62,17 +62,54 @@ def cache_shape(description: dict) -> list:
 
 
 def export_of(folder: str) -> dict:
-    """An export folder's model.json; a folder that is not one is refused in one line."""
-    try:
-        with open(os.path.join(folder, 'model.json'), encoding='utf-8') as f:
-            description = json.load(f)
-        readable = cache_shape(description)[4] > 0 and description['hparams']['n_vocab'] > 0  # what a run reads
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        readable = False
-    if not readable or not os.path.exists(os.path.join(folder, 'model.tflite')):
+    """An export folder's model.json, holding what a run reads; a folder that is not one is refused in one line."""
+    paths = [os.path.join(folder, name) for name in ('model.json', 'model.tflite')]
+    if not all(os.path.isfile(path) for path in paths):
         raise GPT2Error(f'{folder} is not a LiteRT export (model.tflite and its model.json): write one with '
                         f'gpt2-tf export MODEL {folder} --format litert')
+    try:
+        with open(paths[0], encoding='utf-8') as f:
+            description = json.load(f)
+        complete = described(description)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        complete = False
+    if not complete:
+        raise incomplete(folder, 'its model.json lacks the cache shape or the hparams a run reads')
     return description
+
+
+def described(description: dict) -> bool:
+    """Whether model.json holds what a run reads: the cache's six sizes, n_vocab and n_ctx, each a positive int."""
+    shape, hparams = cache_shape(description), description['hparams']
+    sizes = [*shape, hparams['n_vocab'], hparams['n_ctx']]
+    return len(shape) == 6 and all(validate.is_int(n) and n > 0 for n in sizes)
+
+
+def incomplete(folder: str, why: str) -> GPT2Error:
+    return GPT2Error(f'{folder} is not a complete LiteRT export ({why}): export it again with '
+                     f'gpt2-tf export MODEL {folder} --format litert')
+
+
+def signatures(folder: str, description: dict, threads: int) -> list:
+    """The prefill and decode signature runners of the folder's model.tflite; a file the interpreter cannot read,
+    or whose cache and logits are not the ones its model.json describes, is refused in one line."""
+    try:
+        from ai_edge_litert.interpreter import Interpreter
+    except ImportError:
+        raise GPT2Error("running a LiteRT export needs the LiteRT runtime: pip install -e '.[litert]' "
+                        "(or pip install ai-edge-litert)") from None
+    if not validate.is_int(threads) or threads < 1:  # checked here: the interpreter's own error would read as damage
+        raise GPT2Error(f'threads must be an integer >= 1, got {validate.shown(threads)}')
+    try:
+        interpreter = Interpreter(model_path=os.path.join(folder, 'model.tflite'), num_threads=threads)
+        runners = [interpreter.get_signature_runner(name) for name in ('prefill', 'decode')]
+        shapes = [(r.get_input_details()['kv_cache']['shape'].tolist(), r.get_output_details()['logits']['shape'][-1])
+                  for r in runners]
+    except (ValueError, KeyError, RuntimeError):  # the interpreter's words for an empty, truncated or foreign file
+        shapes = None
+    if shapes != [(cache_shape(description), description['hparams']['n_vocab'])] * 2:
+        raise incomplete(folder, 'its model.tflite is damaged, or is not the model its model.json describes')
+    return runners
 
 
 def check_fits(description: dict, ids: list, length: int) -> None:
@@ -95,13 +132,7 @@ def generate(folder: str, ids: list, length: int, *, top_k: int = 0, temperature
     """length new token ids after the prompt ids, through the folder's model.tflite."""
     description = export_of(folder)
     check_fits(description, ids, length)
-    try:
-        from ai_edge_litert.interpreter import Interpreter
-    except ImportError:
-        raise GPT2Error("running a LiteRT export needs the LiteRT runtime: pip install -e '.[litert]' "
-                        "(or pip install ai-edge-litert)") from None
-    interpreter = Interpreter(model_path=os.path.join(folder, 'model.tflite'), num_threads=threads)
-    prefill, decode = interpreter.get_signature_runner('prefill'), interpreter.get_signature_runner('decode')
+    prefill, decode = signatures(folder, description, threads)
     key = None if seed is None else (seed, 0)
     out = prefill(tokens=np.array([ids], np.int32), input_pos=np.arange(len(ids), dtype=np.int32),
                   kv_cache=np.zeros(cache_shape(description), np.float32))

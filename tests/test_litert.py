@@ -51,6 +51,14 @@ def run_exported(folder, prompt, length, seed=5) -> dict:
     return result
 
 
+@pytest.fixture(scope='module')
+def tiny_export(tmp_path_factory):
+    """tf1-tiny exported with a cache of 8 positions, for the tests that only run it (or damage a copy)."""
+    folder = tmp_path_factory.mktemp('tiny_export')
+    export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder, max_len=8)
+    return folder
+
+
 def check_against_library(model, folder, prompt, length, seed=5):
     result = run_exported(folder, prompt, length, seed)
     reference = model(np.array([prompt]))['logits'].numpy()[0, -1]
@@ -233,6 +241,44 @@ def test_nan_logits_are_refused_with_the_library_s_error(tmp_path):
         with pytest.raises(GPT2Error) as caught:
             litert_run.generate(tmp_path, [1, 2], 3, **options)
         assert str(caught.value) == str(library.value)
+
+
+def damage(folder, how: str) -> None:
+    model, described = folder / 'model.tflite', json.loads((folder / 'model.json').read_text())
+    if how == 'empty model':
+        model.write_bytes(b'')
+    elif how == 'truncated model':
+        model.write_bytes(model.read_bytes()[:model.stat().st_size // 2])
+    elif how == 'no n_ctx':
+        del described['hparams']['n_ctx']
+    else:  # another export's model.json: a cache of 4 positions, the model's is 8
+        for signature in described['signatures'].values():
+            signature['inputs']['kv_cache']['shape'][4] = 4
+    (folder / 'model.json').write_text(json.dumps(described))
+
+
+@pytest.mark.parametrize('how', ['empty model', 'truncated model', 'no n_ctx', 'another cache'])
+def test_a_damaged_export_is_refused_in_one_line(tiny_export, tmp_path, capsys, how):
+    import shutil
+
+    from gpt2_tf import litert_run
+
+    folder = tmp_path / 'export'
+    shutil.copytree(tiny_export, folder)
+    damage(folder, how)
+    named = 'model.json' if how == 'no n_ctx' else 'model.tflite'
+    message = (re.escape(f'{folder} is not a complete LiteRT export (its {named} ') + '.*' +
+               re.escape(f'): export it again with gpt2-tf export MODEL {folder} --format litert') + '$')
+    with pytest.raises(GPT2Error, match=message) as caught:
+        litert_run.generate(folder, [1, 2], 3)
+    assert '\n' not in str(caught.value)
+    with pytest.raises(SystemExit):
+        litert_run.main([str(folder), 'ab', '--length', '3'])  # 'ab' is one token, 397, of the model's 512
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search(message, err[-1]) and not any('Traceback' in line for line in err), err
+    if how == 'empty model':  # a bad thread count is not taken for damage
+        with pytest.raises(GPT2Error, match='threads must be an integer >= 1, got 0'):
+            litert_run.generate(tiny_export, [1, 2], 3, threads=0)
 
 
 @pytest.mark.slow
