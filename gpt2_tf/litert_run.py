@@ -6,7 +6,8 @@ This is the loop to port to Kotlin or Swift: encode the prompt, prefill it into
 an empty cache, then decode one token at a time, feeding each back at the next
 position. Greedy by default; with --top_k it draws as the library does
 (temperature, the top_k filter, and Gumbel-max with the library's SplitMix64
-noise), so seed s gives the tokens of sample_sequence(..., seed=[[s, 0]]).
+noise), so seed s gives the tokens of sample_sequence(..., seed=[[s, 0]]);
+generate() without a seed draws at random, as the library does.
 No TensorFlow is imported.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 
 import numpy as np
@@ -48,7 +50,7 @@ def choose(logits: np.ndarray, step: int, *, top_k: int, temperature: float, key
     """The next token from float32 logits [n_vocab]: the argmax, or a top_k draw."""
     if np.isnan(logits).any():  # no token is the likeliest (argmax would say 0): the library refuses them too
         raise GPT2Error(validate.NOT_DRAWN)
-    if top_k == 1 or temperature == 0 or key is None:
+    if top_k == 1 or temperature == 0:
         return int(np.argmax(logits))
     kept = logits >= np.sort(logits)[-top_k] if 0 < top_k < logits.size else np.ones(logits.shape, bool)
     z = (logits - logits.max()) / np.float32(temperature)  # as the library scales before the noise
@@ -127,13 +129,30 @@ def check_fits(description: dict, ids: list, length: int) -> None:
     validate.check_window(len(ids), length, positions, what='the prompt')
 
 
-def generate(folder: str, ids: list, length: int, *, top_k: int = 0, temperature: float = 1.0,
+def draw_options(top_k, temperature, seed) -> tuple:
+    """(top_k, temperature, key) by the library's rules: seed s is the library's seed=[[s, 0]], and None a random
+    key, as noise.row_keys draws one."""
+    temperatures, top_ks, _ = validate.check_sampling(temperature, top_k, 1.0, 1)
+    if seed is None:
+        return int(top_ks[0]), temperatures[0], (secrets.randbits(63), secrets.randbits(63))
+    if not validate.is_int(seed):  # a pair would be folded by the library (Philox), which this runner does not do
+        raise GPT2Error(f"seed must be an integer s (the library's seed=[[s, 0]]) or None (a random draw), "
+                        f'got {validate.shown(seed)}')
+    validate.check_seed(seed, 1)
+    return int(top_ks[0]), temperatures[0], (int(seed), 0)
+
+
+def generate(folder: str, ids: list, length: int, *, top_k: int = 1, temperature: float = 1.0,
              seed=None, threads: int = 2) -> list:
-    """length new token ids after the prompt ids, through the folder's model.tflite."""
+    """length new token ids after the prompt ids, through the folder's model.tflite.
+
+    top_k=1 (the default) or temperature=0 takes the argmax; otherwise each token is the library's draw (top_k=0:
+    from the whole vocabulary), with the noise of seed, or of a random key when seed is None.
+    """
     description = export_of(folder)
     check_fits(description, ids, length)
+    top_k, temperature, key = draw_options(top_k, temperature, seed)
     prefill, decode = signatures(folder, description, threads)
-    key = None if seed is None else (seed, 0)
     out = prefill(tokens=np.array([ids], np.int32), input_pos=np.arange(len(ids), dtype=np.int32),
                   kv_cache=np.zeros(cache_shape(description), np.float32))
     new = []
@@ -156,12 +175,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:  # the library's rules, in one line each
         export_of(args.folder)
-        validate.check_sampling(args.temperature, args.top_k, 1.0, 1)
-        validate.check_seed(args.seed, 1)
         encoder = get_encoder(args.folder)
         ids = encoder.encode(args.prompt)
-        new = generate(args.folder, ids, args.length, top_k=args.top_k, temperature=args.temperature,
-                       seed=args.seed if args.top_k else None)
+        new = generate(args.folder, ids, args.length, top_k=args.top_k or 1, temperature=args.temperature,
+                       seed=args.seed)  # --top_k 0, the command's default, is greedy
     except GPT2Error as e:
         parser.error(str(e))
     print(args.prompt + encoder.decode(new))

@@ -243,6 +243,35 @@ def test_nan_logits_are_refused_with_the_library_s_error(tmp_path):
         assert str(caught.value) == str(library.value)
 
 
+def test_generate_without_a_seed_draws_with_a_random_key_as_the_library(tiny_export, monkeypatch):
+    import secrets
+
+    from gpt2_tf import litert_run
+
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    drawn = gpt2_tf.sample_sequence(model, 6, context=[1, 2], top_k=40, temperature=2.0,
+                                    seed=np.array([[7, 9]]))[0, 2:].tolist()
+    assert drawn != gpt2_tf.sample_sequence(model, 6, context=[1, 2], top_k=1)[0, 2:].tolist()  # not greedy's
+    keys = iter([7, 9])
+    monkeypatch.setattr(secrets, 'randbits', lambda bits: next(keys))  # the random key, made known
+    assert litert_run.generate(tiny_export, [1, 2], 6, top_k=40, temperature=2.0) == drawn
+
+
+@pytest.mark.parametrize('options, message', [
+    (dict(top_k=40, temperature=-1.0, seed=1), r'temperature must be in \[0, 2\] \(0 is greedy\), got -1.0'),
+    (dict(top_k=-3, seed=1), r'top_k must be an integer >= 0 \(0: no truncation\), got -3'),
+    (dict(top_k=40, seed=2 ** 70), 'seed 1180591620717411303424 is out of range'),
+    (dict(top_k=40, seed='1'), r"seed must be an integer s \(the library's seed=\[\[s, 0\]\]\) or None"),
+    (dict(top_k=40, seed=(1, 2)), r"seed must be an integer s \(the library's seed=\[\[s, 0\]\]\) or None"),
+])
+def test_generate_checks_its_options_by_the_library_s_rules(tiny_export, options, message):
+    from gpt2_tf import litert_run
+
+    with pytest.raises(GPT2Error, match=message) as caught:
+        litert_run.generate(tiny_export, [1, 2], 3, **options)
+    assert '\n' not in str(caught.value)
+
+
 def damage(folder, how: str) -> None:
     model, described = folder / 'model.tflite', json.loads((folder / 'model.json').read_text())
     if how == 'empty model':
