@@ -174,9 +174,10 @@ def main(argv=None) -> int:
     parser.add_argument('--seed', type=int, default=0, help='for --top_k draws (default: 0)')
     args = parser.parse_args(argv)
     try:  # the library's rules, in one line each
-        export_of(args.folder)
+        description = export_of(args.folder)
         encoder = get_encoder(args.folder)
         ids = encoder.encode(args.prompt)
+        validate.check_token_ids(ids, description['hparams']['n_vocab'], name="the prompt's token", encoded=True)
         new = generate(args.folder, ids, args.length, top_k=args.top_k or 1, temperature=args.temperature,
                        seed=args.seed)  # --top_k 0, the command's default, is greedy
     except GPT2Error as e:
