@@ -114,11 +114,16 @@ def signatures(folder: str, description: dict, threads: int) -> list:
     return runners
 
 
-def check_fits(description: dict, ids: list, length: int) -> None:
-    """The prompt's ids are the model's, and the prompt and length fit the export's cache."""
-    if not ids:
+def check_fits(description: dict, ids, length: int) -> list:
+    """The prompt's ids (a list, a tuple, a numpy array: any one row of integers) as a list, after checking that
+    they are the model's, and that the prompt and length fit the export's cache."""
+    array = validate.token_array(ids, name='the prompt')
+    if array.ndim != 1:
+        raise GPT2Error(f'the prompt must be one row of token ids, got shape {list(array.shape)}: give a 1-D one')
+    if not array.size:
         raise GPT2Error('the prompt is empty: give some text')
-    validate.check_token_ids(np.asarray(ids), description['hparams']['n_vocab'], name="the prompt's token")
+    validate.check_token_ids(array, description['hparams']['n_vocab'], name="the prompt's token")
+    ids = array.tolist()
     positions, n_ctx = cache_shape(description)[4], description['hparams']['n_ctx']
     need = len(ids) + length - 1 if validate.is_int(length) and length >= 1 else 0  # the last is not fed back
     if need > positions and positions < n_ctx:
@@ -127,6 +132,7 @@ def check_fits(description: dict, ids: list, length: int) -> None:
                         f'n_ctx = {n_ctx}), or ask for fewer tokens')
     validate.check_length(length, positions)
     validate.check_window(len(ids), length, positions, what='the prompt')
+    return ids
 
 
 def draw_options(top_k, temperature, seed) -> tuple:
@@ -142,7 +148,7 @@ def draw_options(top_k, temperature, seed) -> tuple:
     return int(top_ks[0]), temperatures[0], (int(seed), 0)
 
 
-def generate(folder: str, ids: list, length: int, *, top_k: int = 1, temperature: float = 1.0,
+def generate(folder: str, ids, length: int, *, top_k: int = 1, temperature: float = 1.0,
              seed=None, threads: int = 2) -> list:
     """length new token ids after the prompt ids, through the folder's model.tflite.
 
@@ -150,7 +156,7 @@ def generate(folder: str, ids: list, length: int, *, top_k: int = 1, temperature
     from the whole vocabulary), with the noise of seed, or of a random key when seed is None.
     """
     description = export_of(folder)
-    check_fits(description, ids, length)
+    ids = check_fits(description, ids, length)
     top_k, temperature, key = draw_options(top_k, temperature, seed)
     prefill, decode = signatures(folder, description, threads)
     out = prefill(tokens=np.array([ids], np.int32), input_pos=np.arange(len(ids), dtype=np.int32),

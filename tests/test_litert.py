@@ -273,6 +273,20 @@ def test_generate_checks_its_options_by_the_library_s_rules(tiny_export, options
     assert '\n' not in str(caught.value)
 
 
+def test_a_prompt_is_any_one_row_of_integers(tiny_export):
+    from gpt2_tf import litert_run
+
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    greedy = gpt2_tf.sample_sequence(model, 4, context=[15, 11, 314], top_k=1)[0, 3:].tolist()
+    for ids in ([15, 11, 314], (15, 11, 314), np.array([15, 11, 314]), np.array([15, 11, 314], np.uint16)):
+        assert litert_run.generate(tiny_export, ids, 4) == greedy
+    for ids, message in [([[15, 11, 314]], r'the prompt must be one row of token ids, got shape \[1, 3\]'),
+                         (np.array([15.0, 11.0]), 'the prompt must be integers, got float64'),
+                         ('Hello', 'the prompt must be token ids, got text: encode it first')]:
+        with pytest.raises(GPT2Error, match=message):
+            litert_run.generate(tiny_export, ids, 4)
+
+
 def damage(folder, how: str) -> None:
     model, described = folder / 'model.tflite', json.loads((folder / 'model.json').read_text())
     if how == 'empty model':
