@@ -8,7 +8,8 @@ position. Greedy by default; with --top_k it draws as the library does
 (temperature, the top_k filter, and Gumbel-max with the library's SplitMix64
 noise), so seed s gives the tokens of sample_sequence(..., seed=[[s, 0]]);
 generate() without a seed draws at random, as the library does.
-No TensorFlow is imported.
+No TensorFlow is imported, and generate() on token ids needs only numpy and
+the LiteRT runtime (the tokenizer, for text, also needs regex).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import sys
 import numpy as np
 
 from . import validate
-from .encoder import get_encoder
 from .validate import GPT2Error
 
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64, as gpt2_tf.noise: the same bits for the same (key, step, token)
@@ -170,6 +170,15 @@ def generate(folder: str, ids, length: int, *, top_k: int = 1, temperature: floa
     return new
 
 
+def encoder_of(folder: str):
+    """The export's tokenizer, imported here: it needs the regex package, which generate on token ids does not."""
+    try:
+        from .encoder import get_encoder
+    except ImportError as e:
+        raise GPT2Error(f"encoding the prompt's text needs the {e.name} package: pip install {e.name}") from None
+    return get_encoder(folder)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m gpt2_tf.litert_run', description=__doc__.split('\n')[0])
     parser.add_argument('folder', help='a folder written by gpt2-tf export --format litert')
@@ -181,7 +190,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:  # the library's rules, in one line each
         description = export_of(args.folder)
-        encoder = get_encoder(args.folder)
+        encoder = encoder_of(args.folder)
         ids = encoder.encode(args.prompt)
         validate.check_token_ids(ids, description['hparams']['n_vocab'], name="the prompt's token", encoded=True)
         new = generate(args.folder, ids, args.length, top_k=args.top_k or 1, temperature=args.temperature,

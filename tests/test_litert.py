@@ -23,9 +23,15 @@ require('ai_edge_litert')
 
 ROOT = pathlib.Path(__file__).parent.parent
 
-# Runs in a fresh interpreter: prefill logits for a prompt, then the runner's greedy and top-k tokens.
+# Runs in a fresh interpreter that finds only the standard library, numpy and the LiteRT runtime, as a device
+# would: prefill logits for a prompt, then the runner's greedy and top-k tokens.
 RUNNER = '''
-import json, sys
+import importlib.abc, json, sys
+class Device(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] not in {*sys.stdlib_module_names, 'numpy', 'ai_edge_litert', 'gpt2_tf'}:
+            raise ModuleNotFoundError(f'{name} is not installed on the device', name=name)
+sys.meta_path.insert(0, Device())
 import numpy as np
 from ai_edge_litert.interpreter import Interpreter
 from gpt2_tf import litert_run
@@ -34,7 +40,13 @@ interpreter = Interpreter(model_path=folder + '/model.tflite', num_threads=2)
 shape = json.load(open(folder + '/model.json'))['signatures']['prefill']['inputs']['kv_cache']['shape']
 out = interpreter.get_signature_runner('prefill')(tokens=np.array([prompt], np.int32),
     input_pos=np.arange(len(prompt), dtype=np.int32), kv_cache=np.zeros(shape, np.float32))
+try:
+    litert_run.encoder_of(folder)
+    tokenizer = 'loaded'
+except litert_run.GPT2Error as e:
+    tokenizer = str(e)
 print(json.dumps({
+    'tokenizer': tokenizer,
     'logits': out['logits'][0].tolist(),
     'greedy': litert_run.generate(folder, prompt, length),
     'top_k': litert_run.generate(folder, prompt, length, top_k=40, temperature=0.5, seed=seed),
@@ -48,6 +60,7 @@ def run_exported(folder, prompt, length, seed=5) -> dict:
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result['tensorflow'] is False  # the runner needs the LiteRT interpreter only
+    assert result['tokenizer'] == "encoding the prompt's text needs the regex package: pip install regex"
     return result
 
 
