@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:  # the library's rules, in one line each
         description = export_of(args.folder)
+        validate.check_utf8(args.prompt)
         encoder = encoder_of(args.folder)
         ids = encoder.encode(args.prompt)
         validate.check_token_ids(ids, description['hparams']['n_vocab'], name="the prompt's token", encoded=True)

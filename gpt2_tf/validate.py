@@ -124,6 +124,20 @@ NOT_DRAWN = ("the model's logits were not finite (NaN), so no token could be dra
              "activations overflowed its dtype (load it in float32)")
 
 
+def undecodable(text: str):
+    """Where the first undecodable byte's stand-in (surrogateescape's U+DC80-U+DCFF, as a command line's
+    argument holds it) is in text, or None."""
+    return next((i for i, c in enumerate(text) if '\udc80' <= c <= '\udcff'), None)
+
+
+def check_utf8(text: str, *, name: str = 'the prompt') -> None:
+    """Refuses text holding undecodable bytes (the encoder would read each as U+FFFD)."""
+    odd = undecodable(text)
+    if odd is not None:
+        raise GPT2Error(f'{name} is not UTF-8 text (byte 0x{ord(text[odd]) - 0xdc00:02x} at character {odd}): '
+                        f'give it in UTF-8')
+
+
 def check_drawn(tokens, n_vocab: int) -> None:
     """A decode loop's tokens: an id outside the vocabulary is what a row whose logits were NaN draws (no
     logit is the largest, and no token passes the filters' threshold)."""

@@ -213,6 +213,8 @@ def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(t
     (['Hello', '--length', '2', '--n_vocab', '300'], "the prompt's token id 15496 is outside the vocabulary "
                                                       r'\[0, 300\): the vocabulary files hold more tokens than the '
                                                       'model: use the ones made for it$'),  # as gpt2-tf generate
+    (['ab\udcffcd', '--length', '2'], r'the prompt is not UTF-8 text \(byte 0xff at character 2\): give it in '
+                                       'UTF-8$'),  # as gpt2-tf generate; the encoder would have read U+FFFD
 ])
 def test_the_runner_checks_its_arguments_by_the_librarys_rules(tmp_path, capsys, argv, message):
     import shutil

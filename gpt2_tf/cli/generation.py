@@ -68,18 +68,10 @@ def prepare(args, conditional: bool):
     return folder, hparams, encoder, length
 
 
-def undecodable(text: str) -> Optional[int]:
-    """Where the first undecodable byte's stand-in (surrogateescape's U+DC80-U+DCFF) is in text, or None."""
-    return next((i for i, c in enumerate(text) if '\udc80' <= c <= '\udcff'), None)
-
-
 def check_prompt(text: str, encoder, hparams, length: int, *, empty: str = 'the prompt is empty: give some text'):
-    from ..validate import check_token_ids, check_window
+    from ..validate import check_token_ids, check_utf8, check_window
 
-    odd = undecodable(text)
-    if odd is not None:
-        raise CommandError(f'the prompt is not UTF-8 text (byte 0x{ord(text[odd]) - 0xdc00:02x} at character {odd}): '
-                           f'give it in UTF-8')
+    check_utf8(text)
     ids = encoder.encode(text)
     if not ids:
         raise CommandError(empty)
@@ -181,7 +173,7 @@ def next_prompt_samples(model, encoder, hparams, length: int, args, options: dic
 
 def refusal(prompt: str, encoder, hparams, length: int) -> Optional[str]:
     """Why interactive mode asks again for a prompt (an empty one in the original's words), or None."""
-    from ..validate import GPT2Error
+    from ..validate import GPT2Error, undecodable
 
     if undecodable(prompt) is not None:
         return 'Prompt is not UTF-8 text: type it again.'
