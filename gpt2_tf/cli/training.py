@@ -43,8 +43,9 @@ def _terminated(signum, frame):
 
 def add_commands(commands) -> None:
     finetune = commands.add_parser('finetune', help="fine-tune on a dataset, with gpt-2-simple's options")
-    finetune.add_argument('dataset', help='a token file (.bin, gpt2-tf encode), a text file, a folder or glob of '
-                                          '.txt files, or an .npz of tokens')
+    finetune.add_argument('dataset', help='a token file (.bin, gpt2-tf encode), a text file, a folder (every file in '
+                                          'it not hidden, as gpt-2-simple reads one) or a glob of files, or an .npz '
+                                          'of tokens')
     add_model_arguments(finetune, device=False)
     train_config.add_arguments(finetune)
     add_verbose(finetune)
