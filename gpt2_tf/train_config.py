@@ -22,6 +22,7 @@ OPTIMIZERS = ('adam', 'sgd', 'adafactor')
 RESTORE_FROM = ('latest', 'fresh')
 STRATEGIES = ('mirrored', 'multiworker')
 LORA_TARGETS = ('c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')  # a block's conv1d products, as PEFT names them
+VALIDATION = ('val_fraction', 'val_dataset', 'val_batch_size', 'val_batch_count')  # what val_every uses
 
 
 def option(default, help: str, *, choices: tuple = (), aliases: tuple = ()):
@@ -198,9 +199,12 @@ def check_validation(config: FinetuneConfig) -> None:
         raise GPT2Error(f'val_fraction must be in [0, 1), got {_shown(fraction)}')
     if fraction and config.val_dataset is not None:
         raise GPT2Error('give val_fraction or val_dataset, not both: each names the validation data')
-    if fraction and not config.val_every:
-        raise GPT2Error('val_fraction holds out documents for a validation loss that val_every=0 never computes: '
-                        'set val_every too')
+    if not config.val_every:
+        given = [f.name for f in dataclasses.fields(config) if f.name in VALIDATION
+                 and getattr(config, f.name) != f.default]
+        if given:
+            raise GPT2Error(f'{", ".join(given)} shape{"s" if len(given) == 1 else ""} a validation loss that '
+                            f'val_every=0 never computes: set val_every too (100, say)')
     if config.val_every and not fraction and config.val_dataset is None:
         raise GPT2Error('val_every computes a validation loss on data that neither val_dataset nor val_fraction '
                         'gives: set one of them')

@@ -86,7 +86,9 @@ def test_every_flags_help_ends_with_its_default():
     (dict(run_name=''), "run_name must be a non-empty string, got ''"),
     (dict(val_fraction=1.0, val_every=1), r'val_fraction must be in \[0, 1\), got 1.0'),
     (dict(val_fraction=0.1, val_every=1, val_dataset='v.bin'), 'give val_fraction or val_dataset, not both'),
-    (dict(val_fraction=0.1), 'val_fraction holds out documents for a validation loss that val_every=0 never'),
+    (dict(val_fraction=0.1), '^val_fraction shapes a validation loss that val_every=0 never computes: set val_every'),
+    (dict(val_dataset='v.txt', val_batch_count=7), '^val_dataset, val_batch_count shape a validation loss that '
+                                                    'val_every=0 never computes'),  # they were passed over
     (dict(val_every=5), 'val_every computes a validation loss on data that neither val_dataset nor val_fraction '),
     (dict(lora_alpha=16.0), r'lora_alpha shapes LoRA adapters, which lora_rank 0 leaves off: set lora_rank too '
                             r'\(8, say\), or leave it out'),
