@@ -223,7 +223,7 @@ class Sampler:
     def __init__(self, chunks: list, length: int, seed: Optional[int] = None):
         self.chunks = [c for c in chunks if len(c) >= length]
         if not self.chunks:
-            longest = max(len(c) for c in chunks)
+            longest = max((len(c) for c in chunks), default=0)  # no chunk at all: none has a token
             raise GPT2Error(f'the dataset is shorter than one training window: its longest chunk has {longest} '
                             f'tokens, and a window is n_ctx = {length}; give more text')
         self.length = length

@@ -186,6 +186,8 @@ def test_windows_are_reproducible_and_stay_inside_a_chunk():
         assert batch.shape == (3, 32) and (np.diff(batch, axis=1) == 1).all()  # contiguous: one chunk each
     with pytest.raises(ValueError, match='shorter than one training window: its longest chunk has 10 tokens'):
         Sampler([np.arange(10)], 32)
+    with pytest.raises(GPT2Error, match='shorter than one training window: its longest chunk has 0 tokens'):
+        Sampler([], 32)  # no chunk at all (max() of nothing was a ValueError of its own)
 
 
 # --- run folders ------------------------------------------------------------------------------------
