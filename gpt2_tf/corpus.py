@@ -41,6 +41,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 import regex
 
+from . import interrupts
 from .encoder import END_OF_TEXT, Encoder, get_encoder
 from .validate import GPT2Error
 
@@ -274,8 +275,9 @@ class _Writer:
         with open(self.out + SIDECAR + '.partial', 'w', encoding='utf-8') as f:
             json.dump(sidecar, f, indent=2)
             f.write('\n')
-        os.replace(self.partial, self.out)
-        os.replace(self.out + SIDECAR + '.partial', self.out + SIDECAR)
+        with interrupts.deferred():  # the two together: a .bin beside an older run's sidecar reads as that run's
+            os.replace(self.partial, self.out)
+            os.replace(self.out + SIDECAR + '.partial', self.out + SIDECAR)
 
     def abandon(self) -> None:
         self.file.close()
@@ -293,7 +295,8 @@ def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Opt
     bundled one (encoder, when given instead, is used in this process only, so
     processes must then be 1). progress, when given, is called with
     (bytes, tokens) after each piece (see terminal_progress). An interrupted
-    run leaves no `out`.
+    run leaves no `out` (an interrupt as the finished files move into place
+    is held until both are there).
     """
     out = os.fspath(out)
     files = documents(inputs, glob=glob)

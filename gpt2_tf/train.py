@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from . import checkpoint, kernels, loading, lora, runfolder
+from . import checkpoint, interrupts, kernels, loading, lora, runfolder
 from .checkpoint import CheckpointError
 from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
 from .distribute import check_same_step, is_chief, make_strategy  # noqa: F401
@@ -234,7 +234,7 @@ class Trainer:
                                                                         if replicas > 1 else ''))
         # products trace as TensorFlow's ops, which have the activations' gradient (their kernels have none);
         # the attention keeps its kernel, which has one
-        with interrupts_deferred():  # the update and its count together: a Ctrl-C takes effect after both
+        with interrupts.deferred():  # the update and its count together: a Ctrl-C takes effect after both
             with self.model.on_device(), lora.training(self.adapters), kernels.tensorflow_ops(products_only=True):
                 loss, applied = self._step(tf.constant(tokens, tf.int32), tf.constant(self.learning_rate))
             loss = float(loss)
@@ -287,25 +287,6 @@ def terminated_as_interrupted():
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Ctrl-C (and SIGTERM inside terminated_as_interrupted) inside the block raises KeyboardInterrupt at its
-    end, not in its middle; a signal with another handler, or off the main thread, acts as it would."""
-    interrupting = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _terminated}
-    deferred = {} if threading.current_thread() is not threading.main_thread() else \
-        {s: handler for s, handler in interrupting.items() if signal.getsignal(s) is handler}
-    caught = []
-    for s in deferred:
-        signal.signal(s, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in deferred.items():
-            signal.signal(s, handler)
-    if caught:
-        raise KeyboardInterrupt
 
 
 def adafactor_slots(names: list, variables: list) -> dict:

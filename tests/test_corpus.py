@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -218,6 +219,30 @@ def test_a_failed_run_leaves_no_output_and_keeps_an_older_one(tmp_path):
         corpus.encode_corpus([tmp_path / 'a.txt', tmp_path / 'b.txt'], tmp_path / 'out.bin')
     assert (tmp_path / 'out.bin').read_bytes() == before
     assert not [p for p in os.listdir(tmp_path) if p.endswith('.partial')]
+
+
+@pytest.mark.parametrize('handler', [signal.default_int_handler, 'exit'], ids=['ctrl-c', 'a-command-s-own'])
+def test_ctrl_c_as_the_files_move_into_place_waits_for_both(tmp_path, monkeypatch, handler):
+    # between the .bin's rename and its sidecar's, a new .bin stood beside the older run's sidecar
+    (tmp_path / 'a.txt').write_text('fine text ' * 100)
+    (tmp_path / 'b.txt').write_text('other words ' * 30)
+    corpus.encode_corpus([tmp_path / 'a.txt'], tmp_path / 'out.bin')
+    replace = os.replace
+
+    def interrupted(source, target):
+        replace(source, target)
+        if target.endswith('out.bin'):
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends, right after the first rename
+
+    monkeypatch.setattr(corpus.os, 'replace', interrupted)
+    previous = signal.signal(signal.SIGINT, handler if callable(handler) else lambda *_: sys.exit(130))
+    try:
+        with pytest.raises((KeyboardInterrupt, SystemExit)):
+            corpus.encode_corpus([tmp_path / 'b.txt'], tmp_path / 'out.bin')
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert json.loads((tmp_path / 'out.bin.json').read_text())['tokens'] == len(corpus.read_tokens(tmp_path / 'out.bin'))
+    assert np.asarray(corpus.read_tokens(tmp_path / 'out.bin')).tolist() == expected([tmp_path / 'b.txt'])
 
 
 def test_a_bin_without_sidecar_reads_as_uint16_and_damage_is_named(tmp_path):
