@@ -143,6 +143,9 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', 'a b'], '--tokens takes token ids'),
     (['serve', '--max-batch', '0'], '--max-batch must be at least 1, got 0'),
     (['serve', '--queue-size', '-2'], '--queue-size must be at least 1, got -2'),
+    (['serve', '--timeout-graceful-shutdown', 'nan'], '--timeout-graceful-shutdown must be a number of seconds >= 0, '
+                                                      'got nan'),
+    (['serve', '--timeout-graceful-shutdown', '-1'], '--timeout-graceful-shutdown must be .* got -1$'),
     (['generate', 'x', '--adapter', '/nonexistent'], '--adapter /nonexistent: no adapter_config.json there'),
     (['generate', 'x', '--model_dir', 'test', '--model_name', 'nope'], '--model_dir names the model folder itself: '
      'give it or --model_name, not both'),

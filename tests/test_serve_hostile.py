@@ -8,7 +8,10 @@ import http.client
 import io
 import json
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -408,6 +411,36 @@ def test_a_client_that_leaves_before_its_body_ends_is_counted_as_gone_not_refuse
     assert [(labels, value) for (name, labels), value in got.items() if name == 'gpt2_tf_requests_total'] == \
         [(frozenset({'code': '499', 'outcome': 'disconnected'}.items()), 1)]
     assert re.fullmatch(r'gpt2-tf: POST /v1/completions 499 latency_ms=\d+', log.getvalue().strip()), log.getvalue()
+
+
+def test_a_stopping_server_gives_its_requests_the_drain_then_fails_them_in_openai_s_shape(model, monkeypatch):
+    import uvicorn
+
+    from gpt2_tf.serve import bind
+    from gpt2_tf.serve.server import DRAIN, draining
+
+    app = make_app(model)
+    step = app.state.batcher.slots.step
+    monkeypatch.setattr(app.state.batcher.slots, 'step', lambda *a, **k: (time.sleep(0.2), step(*a, **k))[1])
+    sock = bind('127.0.0.1', 0)
+    server = draining(uvicorn.Config(app, log_level='warning'), app.state.batcher, 0.3)
+    serving = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    serving.start()
+    settled(lambda: server.started, bool)
+    replies = []
+    asking = threading.Thread(target=lambda: replies.append(post(sock.getsockname()[1], json.dumps(
+        {'prompt': 'Hi', 'max_tokens': 120}).encode())))  # 15 chunks of 0.2 s at least: past the drain
+    asking.start()
+    settled(lambda: app.state.batcher.chunks, bool)
+    server.handle_exit(signal.SIGTERM, None)  # as the signal would (uvicorn's handler)
+    asking.join(30)
+    serving.join(30)
+    assert not serving.is_alive() and replies, 'the server did not stop after its drain'
+    status, body = replies[0]
+    assert status == 500 and body['error']['message'] == 'generation failed: the server is shutting down', body
+    assert app.state.batcher.chunks < 15
+    shown = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'serve', '--help'], capture_output=True, text=True)
+    assert f'is shutting down (default: {DRAIN:g})' in ' '.join(shown.stdout.split())
 
 
 def test_time_per_output_token_is_per_decode_step():

@@ -57,6 +57,10 @@ def cmd_serve(args):
     for option, value in (('--max-batch', args.max_batch), ('--queue-size', args.queue_size)):
         if value < 1:
             raise CommandError(f'{option} must be at least 1, got {value}')
+    drain = args.timeout_graceful_shutdown
+    if drain is not None and not 0 <= drain < float('inf'):
+        raise CommandError(f'--timeout-graceful-shutdown must be a number of seconds >= 0, got '
+                           f'{drain:g}')
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -69,7 +73,8 @@ def cmd_serve(args):
     check_port(args.host, args.port)  # before the model loads: a taken port fails in a second
     model = open_model(args, folder)
     serve(model, encoder, model_id=names[0], aliases=names[1:], host=args.host, port=args.port,
-          api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode, quiet=args.quiet)
+          api_key=args.api_key, capacity=args.max_batch, queue_size=args.queue_size, mode=args.mode, quiet=args.quiet,
+          drain=drain)
 
 
 def cmd_convert(args):
@@ -142,6 +147,9 @@ def add_commands(commands) -> None:
                        help='decoding slots: rows decoded together, joining and leaving between chunks (default: 16)')
     serve.add_argument('--queue-size', '--queue_size', type=int, default=256,
                        help='rows waiting before new requests get 503 (default: 256)')
+    serve.add_argument('--timeout-graceful-shutdown', '--timeout_graceful_shutdown', type=float, default=None,
+                       metavar='SECONDS', help='on Ctrl-C or SIGTERM, the time the requests in flight have to finish; '
+                                               'then they fail, saying the server is shutting down (default: 30)'),
     serve.add_argument('--quiet', action='store_true',
                        help='no access-log line per request on stderr (method, path, status, tokens, latency) '
                             '(default: off)')

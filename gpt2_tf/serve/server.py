@@ -5,12 +5,16 @@ from __future__ import annotations
 import errno
 import socket
 import sys
+import threading
 from typing import Optional, Sequence
 
 from ..encoder import Encoder
 from ..runtime import Model
 from ..validate import GPT2Error
 from .app import create_app
+
+
+DRAIN = 30.0  # seconds the requests in flight have to finish once the server is told to stop
 
 
 class PortTaken(GPT2Error):
@@ -57,10 +61,12 @@ def check_port(host: str, port: int) -> None:
 
 def serve(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequence[str] = (), host: str = '127.0.0.1',
           port: int = 8000, api_key: Optional[str] = None, capacity: int = 16, queue_size: int = 256,
-          mode: Optional[str] = None, quiet: bool = False) -> None:
+          mode: Optional[str] = None, quiet: bool = False, drain: Optional[float] = None) -> None:
     """Serves create_app(...) with uvicorn until interrupted; says where once it listens there.
 
-    Each request then writes one access-log line to stderr, unless quiet.
+    Each request then writes one access-log line to stderr, unless quiet. On Ctrl-C or SIGTERM it takes no
+    new connection and lets the requests in flight finish for at most `drain` seconds (see draining; None:
+    DRAIN).
     """
     import uvicorn
 
@@ -71,6 +77,24 @@ def serve(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequence[st
         where = f'[{host}]' if ':' in host else host
         print(f'gpt2-tf: serving {model_id} on http://{where}:{port}/v1 (Ctrl-C to stop)', file=sys.stderr,
               flush=True)
-        uvicorn.Server(uvicorn.Config(app, log_level='warning')).run(sockets=[sock])
+        server = draining(uvicorn.Config(app, log_level='warning'), app.state.batcher, DRAIN if drain is None else drain)
+        server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def draining(config, batcher, drain: float):
+    """uvicorn's Server, whose drain has a limit: `drain` seconds after the first Ctrl-C or SIGTERM, the rows
+    still queued or decoding fail ('the server is shutting down'), so that their clients get an error in
+    OpenAI's shape, not a cut connection, and the server exits. (A second Ctrl-C exits at once, as uvicorn's.)"""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                timer = threading.Timer(drain, batcher.close)
+                timer.daemon = True  # a server that drained sooner exits without waiting for it
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return Draining(config)
