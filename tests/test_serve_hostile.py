@@ -213,17 +213,25 @@ def test_a_json_body_without_a_content_type_is_told_to_send_the_header(served):
                                'Content-Type: application/json$')
 
 
-def test_a_client_that_leaves_during_an_echos_scoring_stops_it(model, monkeypatch):
+def slow_scoring(monkeypatch, seconds: float) -> list:
+    """Each group of an echo's scoring takes `seconds` longer; the list returned grows by one a group begun."""
     from gpt2_tf.serve import completion
 
     scored, score = [], completion.echo_entries
 
     def slowly(*args):
         scored.append(1)
-        time.sleep(0.3)
+        time.sleep(seconds)
         return score(*args)
 
     monkeypatch.setattr(completion, 'echo_entries', slowly)
+    return scored
+
+
+def test_a_client_that_leaves_during_an_echos_scoring_stops_it(model, monkeypatch):
+    from gpt2_tf.serve import completion
+
+    scored = slow_scoring(monkeypatch, 0.3)
     monkeypatch.setattr(completion, 'ECHO_TOKENS', 64)  # one prompt of 33..64 tokens a group: 20 groups
     with running(make_app(model)) as port:
         with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
@@ -238,16 +246,7 @@ def test_a_client_that_leaves_during_an_echos_scoring_stops_it(model, monkeypatc
 
 
 def test_an_echo_s_prompts_being_scored_count_against_the_queue_and_show_as_running(model, monkeypatch):
-    from gpt2_tf.serve import completion
-
-    scored, score = [], completion.echo_entries
-
-    def slowly(*args):
-        scored.append(1)
-        time.sleep(0.5)
-        return score(*args)
-
-    monkeypatch.setattr(completion, 'echo_entries', slowly)
+    scored = slow_scoring(monkeypatch, 0.5)
     echo = {'max_tokens': 0, 'echo': True, 'logprobs': 1}
     with running(make_app(model)) as port:
         first = threading.Thread(target=post, args=(port, json.dumps({'prompt': [[7, 8]] * 20, **echo}).encode()))
