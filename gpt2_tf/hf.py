@@ -63,9 +63,10 @@ def names() -> tuple:
 
 
 # Files of an HF folder that save_hf does not write, and that would describe the saved model wrongly: another
-# tokenizer's settings and added tokens, other weights.
+# tokenizer's settings and added tokens, other weights, and a LoRA adapter (transformers applies it again on top of
+# the merged weights save_hf writes).
 OTHER_SAVES = ('tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json', SAFETENSORS_INDEX, TORCH_BIN,
-               TORCH_BIN + '.index.json')
+               TORCH_BIN + '.index.json', 'adapter_config.json')
 IGNORED = ('attn.bias', 'attn.masked_bias')  # the causal-mask buffers older versions saved
 
 

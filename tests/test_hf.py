@@ -219,7 +219,7 @@ def test_a_bin_that_is_not_a_state_dict_is_refused_in_one_line(tmp_path, state, 
         gpt2_tf.load_model(tmp_path)
 
 
-@pytest.mark.parametrize('name', ['tokenizer_config.json', 'pytorch_model.bin'])
+@pytest.mark.parametrize('name', ['tokenizer_config.json', 'pytorch_model.bin', 'adapter_config.json'])
 def test_save_hf_refuses_a_folder_holding_another_saves_files(tmp_path, name):
     gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path)  # the same size: only the stale file stops it
     (tmp_path / name).write_text('{}')
