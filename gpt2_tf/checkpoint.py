@@ -183,16 +183,18 @@ def verify(expected: dict, shapes: dict, *, hparams: HParams, source: str, stric
 
     Its first line names the likely cause and the next step (the command line shows only that line): another
     model size than settings says, variables missing from a checkpoint of the right size, or variables the
-    model does not have (optimizer slots: strict=False); the lines after it list each name."""
+    model does not have (optimizer slots: strict=False); the lines after it list each name. strict=False
+    passes over extra variables, never over a size: blocks past n_layer are another model's, not extras."""
     missing = [name for name in expected if name not in shapes]
     reshaped = [name for name in expected if name in shapes and tuple(shapes[name]) != tuple(expected[name])]
-    extra = sorted(set(shapes) - set(expected)) if strict else []
-    if not (missing or reshaped or extra):
-        return
     hp, size = hparams, _size(shapes)
     ours = {'n_vocab': hp.n_vocab, 'n_embd': hp.n_embd, 'n_ctx': hp.n_ctx, 'n_layer': hp.n_layer}
+    resized = any(size[k] != ours[k] for k in size)
+    extra = sorted(set(shapes) - set(expected)) if strict or resized else []
+    if not (missing or reshaped or extra):
+        return
     where = f'checkpoint {source} does not match the model'
-    if reshaped or any(size[k] != ours[k] for k in size):
+    if reshaped or resized:
         looks = ', '.join(f'{k}={v}' for k, v in size.items()) or 'no GPT-2 variables'
         first = (f'{where} (hparams: n_vocab={hp.n_vocab}, n_ctx={hp.n_ctx}, n_embd={hp.n_embd}, '
                  f'n_layer={hp.n_layer}; checkpoint looks like {looks}). Likely cause: {settings} describes another '

@@ -403,7 +403,8 @@ def test_n_ctx_without_n_positions_names_the_missing_field(tmp_path, state):
         gpt2_tf.load_model(tmp_path / 'old')
 
 
-def test_strict_false_loads_an_hf_folder_with_tensors_gpt2_does_not_have(tmp_path, state, hf_folder):
+def test_strict_false_loads_an_hf_folder_with_tensors_gpt2_does_not_have_but_not_another_size(tmp_path, state,
+                                                                                              hf_folder):
     extra = {**state, 'transformer.h.0.attn.c_attn.lora_A': np.zeros((4, 32), np.float32),
              'transformer.h.2.ln_1.weight': np.ones(32, np.float32)}  # a block past n_layer
     write_tensors(tmp_path / 'extra', extra)
@@ -416,6 +417,11 @@ def test_strict_false_loads_an_hf_folder_with_tensors_gpt2_does_not_have(tmp_pat
                                                       r'model size .*\n.*does not have: model/h2/ln_1/g$'):
         gpt2_tf.load_model(tmp_path / 'extra')
     extra['transformer.h.0.attn.c_attn.lora_A'] = np.zeros((4, 32), np.float32)
+    write_tensors(tmp_path / 'extra', extra)
+    with pytest.raises(gpt2_tf.CheckpointError, match=r'n_layer=3\). Likely cause: config.json describes another '
+                                                      r'model size'):  # strict=False passes over extras, not a size
+        gpt2_tf.load_model(tmp_path / 'extra', strict=False)
+    del extra['transformer.h.2.ln_1.weight']
     write_tensors(tmp_path / 'extra', extra)
     tokens = np.arange(12, dtype=np.int32)[None]
     assert_close(gpt2_tf.load_model(tmp_path / 'extra', strict=False)(tokens)['logits'],
