@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from .hparams import HParams
+from .hparams import HParams, is_hf_folder
 from .precision import assign, stored
 from . import validate
 from .validate import GPT2Error, first_line, save_folder
@@ -484,7 +484,7 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     file to it with an atomic rename, and only then removes the prefixes beyond the
     `keep` newest, as TF's own Saver does: an interrupted save leaves the earlier
     checkpoint loadable. The folder's other files stay. A folder whose hparams.json
-    describes another model size is refused. Attached LoRA adapters are written merged (stored_weights).
+    describes another model size, and a Hugging Face folder (config.json), are refused. Attached LoRA adapters are written merged (stored_weights).
     """
     model_dir = check_save(model, model_dir)
     current, _ = checkpoint_state(model_dir)
@@ -500,11 +500,15 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
 
 def check_save(model: Model, model_dir: str | os.PathLike) -> str:
     """The folder a save of the model may write into (created), before anything is written: an int8 model,
-    and a folder holding a model of another size, are refused."""
+    a folder holding a model of another size, and a Hugging Face folder (whose config.json and weights would
+    stay beside the new checkpoint, describing another model: save_hf refuses the mirror case) are refused."""
     if model.dtype == 'int8':
         raise CheckpointError('an int8 model cannot be saved: the original format holds float32 weights, '
                               'and int8 ones are a lossy copy of them; save the float32 model (dtype="float32")')
     model_dir = save_folder(model_dir)
+    if is_hf_folder(model_dir):
+        raise CheckpointError(f'{model_dir} holds a Hugging Face model (config.json), which would stay beside the '
+                              f'checkpoint and describe another model; save the checkpoint to another folder')
     hparams_path = os.path.join(model_dir, 'hparams.json')
     if os.path.exists(hparams_path):
         existing = HParams.from_json(hparams_path)

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from .encoder import END_OF_TEXT_ID
-from .hparams import HParams
+from .hparams import HParams, is_hf_folder  # noqa: F401  (hf.is_hf_folder: defined below checkpoint, which uses it)
 from .tensorfiles import read_torch, unreadable
 from .validate import GPT2Error, first_line, save_folder
 
@@ -72,10 +72,6 @@ IGNORED = ('attn.bias', 'attn.masked_bias')  # the causal-mask buffers older ver
 
 class HFFormatError(GPT2Error):
     """An HF folder that cannot be read into the original graph as it is."""
-
-
-def is_hf_folder(path) -> bool:
-    return os.path.isfile(os.path.join(path, CONFIG)) and not os.path.isfile(os.path.join(path, 'hparams.json'))
 
 
 def read_config(path) -> HParams:

@@ -10,6 +10,11 @@ from typing import Any, Mapping
 from .validate import GPT2Error, shown
 
 
+def is_hf_folder(path) -> bool:
+    """A Hugging Face folder: its settings in config.json, and no hparams.json (the original layout wins)."""
+    return os.path.isfile(os.path.join(path, 'config.json')) and not os.path.isfile(os.path.join(path, 'hparams.json'))
+
+
 @dataclasses.dataclass(frozen=True)
 class HParams:
     n_vocab: int  # tokens in the vocabulary (50257 for every published model)

@@ -348,6 +348,17 @@ def test_save_hf_refuses_a_folder_holding_an_original_checkpoint(tmp_path):
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
 
 
+def test_save_checkpoint_refuses_an_hf_folder(hf_folder, tmp_path):
+    folder = tmp_path / 'hf'
+    shutil.copytree(hf_folder[0], folder)
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    with pytest.raises(gpt2_tf.CheckpointError, match=r'hf holds a Hugging Face model \(config.json\), which would '
+                                                      r'stay beside the checkpoint'):
+        gpt2_tf.save_checkpoint(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder)
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    assert gpt2_tf.load_model(folder).hparams.n_vocab == HF_CONFIG['vocab_size']  # still the HF model
+
+
 def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys):
     import safetensors
 
