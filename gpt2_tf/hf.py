@@ -184,32 +184,46 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
         else:
             extra.append(name)
             continue
-        value = np.asarray(value)
-        if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != 'bfloat16':
-            raise HFFormatError(f'{source}: {name} is {value.dtype}, expected floating point')
-        if value.dtype != np.float32:
-            upcast.add(str(value.dtype))
-            value = value.astype(np.float32)
+        value = _float32(name, value, source, upcast)
         out[target] = value[None] if conv else value
     if extra and strict:
         raise HFFormatError(f'{source}: {len(extra)} tensor(s) GPT-2 does not have: {", ".join(extra[:5])}; '
                             f'load with strict=False (--no_strict on the command line) to ignore them')
-    head = tensors.get('lm_head.weight', tensors.get('transformer.lm_head.weight'))
-    if head is not None and 'model/wte' in out and not np.array_equal(np.asarray(head, np.float32), out['model/wte']):
-        raise HFFormatError(f'{source}: lm_head.weight differs from wte: an untied head, which GPT-2 does not have')
+    head_name = next((n for n in ('lm_head.weight', 'transformer.lm_head.weight') if n in tensors), None)
+    if head_name is not None:
+        head = _float32(head_name, tensors[head_name], source, upcast)
+        if 'model/wte' not in out:  # a tied pair stored once, under the head's name (safetensors.torch.save_model)
+            out['model/wte'] = head
+        elif not np.array_equal(head, out['model/wte']):
+            raise HFFormatError(f'{source}: lm_head.weight differs from wte: an untied head, which GPT-2 does not '
+                                f'have')
     if upcast:
         warnings.warn(f'{source}: {", ".join(sorted(upcast))} tensors were upcast to float32', stacklevel=3)
     return out
 
 
+def _float32(name: str, value, source: str, upcast: set) -> np.ndarray:
+    """A floating tensor as float32, its other dtype added to upcast; any other tensor refused."""
+    value = np.asarray(value)
+    if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != 'bfloat16':
+        raise HFFormatError(f'{source}: {name} is {value.dtype}, expected floating point')
+    if value.dtype != np.float32:
+        upcast.add(str(value.dtype))
+        value = value.astype(np.float32)
+    return value
+
+
 def check_head(tensors: dict, path) -> None:
-    """A config.json that unties the head (tie_word_embeddings false) needs its lm_head.weight: without it the
-    folder is incomplete (transformers starts such a head at random; GPT-2's is wte itself)."""
+    """A config.json that unties the head (tie_word_embeddings false) needs both its lm_head.weight and wte:
+    without either the folder is incomplete (transformers starts the missing one at random; GPT-2's head is
+    wte itself, and to_original reads a tied pair stored under the head's name alone as wte)."""
     config = _read_json(os.path.join(path, CONFIG))
-    if isinstance(config, dict) and config.get('tie_word_embeddings', True) is False and \
-            'lm_head.weight' not in tensors and 'transformer.lm_head.weight' not in tensors:
-        raise HFFormatError(f'{os.path.join(path, CONFIG)}: tie_word_embeddings is false, but the weights have no '
-                            f'lm_head.weight: the folder is incomplete; copy or download it again')
+    if not (isinstance(config, dict) and config.get('tie_word_embeddings', True) is False):
+        return
+    for name in ('lm_head.weight', 'wte.weight'):
+        if name not in tensors and 'transformer.' + name not in tensors:
+            raise HFFormatError(f'{os.path.join(path, CONFIG)}: tie_word_embeddings is false, but the weights have '
+                                f'no {name}: the folder is incomplete; copy or download it again')
 
 
 def config_for(hparams: HParams) -> dict:

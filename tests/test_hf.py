@@ -124,6 +124,22 @@ def test_names_with_or_without_the_transformer_prefix_and_mask_buffers(tmp_path,
     assert_close(gpt2_tf.load_model(tmp_path / 'bare')(tokens)['logits'], torch_logits(hf_folder[1], tokens), 'bare')
 
 
+def test_a_tied_head_stored_only_as_lm_head_loads(tmp_path, hf_folder):
+    from safetensors.torch import save_model
+
+    folder, reference = hf_folder
+    (tmp_path / 'head').mkdir()
+    shutil.copy(folder / 'config.json', tmp_path / 'head')
+    save_model(reference, str(tmp_path / 'head' / 'model.safetensors'))  # keeps lm_head.weight, drops wte
+    assert 'transformer.wte.weight' not in hf.read_tensors(tmp_path / 'head')
+    tokens = np.arange(12, dtype=np.int32)[None]
+    assert_close(gpt2_tf.load_model(tmp_path / 'head')(tokens)['logits'], torch_logits(reference, tokens), 'head')
+    (tmp_path / 'head' / 'config.json').write_text(json.dumps({**HF_CONFIG, 'tie_word_embeddings': False}))
+    with pytest.raises(hf.HFFormatError, match='tie_word_embeddings is false, but the weights have no wte.weight: '
+                                               'the folder is incomplete'):  # untied: the head is not wte
+        gpt2_tf.load_model(tmp_path / 'head')
+
+
 def test_sharded_safetensors_load(tmp_path, state, hf_folder):
     folder = tmp_path / 'sharded'
     folder.mkdir()
