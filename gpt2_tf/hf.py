@@ -168,7 +168,7 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
                 dropped: Optional[list] = None) -> dict:
     """{HF name: array} -> {checkpoint name: float32 array}, every name and shape checked; strict=False drops
     tensors GPT-2 does not have instead of refusing them (their names appended to dropped, when given)."""
-    out, extra, upcast = {}, [] if dropped is None else dropped, set()
+    out, extra, converted = {}, [] if dropped is None else dropped, set()
     block_names, top_names = names()
     for name, value in tensors.items():
         key = name[len('transformer.'):] if name.startswith('transformer.') else name
@@ -184,33 +184,43 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
         else:
             extra.append(name)
             continue
-        value = _float32(name, value, source, upcast)
+        value = _float32(name, value, source, converted)
         out[target] = value[None] if conv else value
     if extra and strict:
         raise HFFormatError(f'{source}: {len(extra)} tensor(s) GPT-2 does not have: {", ".join(extra[:5])}; '
                             f'load with strict=False (--no_strict on the command line) to ignore them')
     head_name = next((n for n in ('lm_head.weight', 'transformer.lm_head.weight') if n in tensors), None)
     if head_name is not None:
-        head = _float32(head_name, tensors[head_name], source, upcast)
+        head = _float32(head_name, tensors[head_name], source, converted)
         if 'model/wte' not in out:  # a tied pair stored once, under the head's name (safetensors.torch.save_model)
             out['model/wte'] = head
         elif not np.array_equal(head, out['model/wte']):
             raise HFFormatError(f'{source}: lm_head.weight differs from wte: an untied head, which GPT-2 does not '
                                 f'have')
-    if upcast:
-        warnings.warn(f'{source}: {", ".join(sorted(upcast))} tensors were upcast to float32', stacklevel=3)
+    if converted:
+        warnings.warn(f'{source}: {converted_to_float32(converted)}', stacklevel=3)
     return out
 
 
-def _float32(name: str, value, source: str, upcast: set) -> np.ndarray:
-    """A floating tensor as float32, its other dtype added to upcast; any other tensor refused."""
+def _float32(name: str, value, source: str, converted: set) -> np.ndarray:
+    """A floating tensor as float32, its other dtype added to converted; any other tensor refused."""
     value = np.asarray(value)
     if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != 'bfloat16':
         raise HFFormatError(f'{source}: {name} is {value.dtype}, expected floating point')
     if value.dtype != np.float32:
-        upcast.add(str(value.dtype))
+        converted.add(value.dtype.name)
         value = value.astype(np.float32)
     return value
+
+
+def converted_to_float32(dtypes) -> str:
+    """What reading tensors of these dtypes as float32 did: narrower ones are upcast (exactly), wider ones
+    rounded (float64: a downcast)."""
+    upcast = sorted(d for d in dtypes if np.dtype(d).itemsize < 4)
+    rounded = sorted(d for d in dtypes if np.dtype(d).itemsize > 4)
+    said = ([f'{", ".join(upcast)} tensors were upcast to float32'] if upcast else []) + \
+        ([f'{", ".join(rounded)} tensors were rounded to float32 (a downcast)'] if rounded else [])
+    return '; '.join(said)
 
 
 def check_head(tensors: dict, path) -> None:

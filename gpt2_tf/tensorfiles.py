@@ -17,7 +17,8 @@ def unreadable(file: str, e: Exception, error: Type[GPT2Error] = GPT2Error) -> G
 
 def read_torch(file: str, error: Type[GPT2Error] = GPT2Error) -> dict:
     """{name: numpy array} of a PyTorch state dict file, loaded with weights_only=True (no pickled code runs);
-    floating tensors as float32."""
+    each tensor in its own dtype (bfloat16 as ml_dtypes' numpy one), as safetensors reads them: the caller
+    converts, and says so, the same way for both file kinds."""
     try:
         import torch
     except ImportError:
@@ -31,5 +32,13 @@ def read_torch(file: str, error: Type[GPT2Error] = GPT2Error) -> dict:
         kind = type(state).__name__ if not isinstance(state, dict) else 'a dict holding more than tensors'
         raise error(f'{file}: expected a state dict of tensor names to tensors, found {kind}; save the model\'s '
                     f'state_dict() itself (torch.save(model.state_dict(), ...))')
-    return {name: value.float().numpy() if value.is_floating_point() else value.numpy()
-            for name, value in state.items()}
+    return {name: _numpy(value, torch) for name, value in state.items()}
+
+
+def _numpy(tensor, torch):
+    """A CPU tensor as a numpy array of its dtype; numpy has no bfloat16, so those bits are viewed as ml_dtypes'."""
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()

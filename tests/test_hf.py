@@ -154,12 +154,25 @@ def test_sharded_safetensors_load(tmp_path, state, hf_folder):
     assert_close(gpt2_tf.load_model(folder)(tokens)['logits'], torch_logits(hf_folder[1], tokens), 'sharded')
 
 
-def test_half_precision_tensors_are_upcast_with_a_note(tmp_path, state):
-    write_tensors(tmp_path / 'half', {k: v.astype(np.float16) for k, v in state.items()})
-    with pytest.warns(UserWarning, match='float16 tensors were upcast to float32'):
-        model = gpt2_tf.load_model(tmp_path / 'half')
+@pytest.mark.parametrize('kind', ['safetensors', 'bin'])
+@pytest.mark.parametrize('dtype, message', [('float16', r'float16 tensors were upcast to float32$'),
+                                            ('bfloat16', r'bfloat16 tensors were upcast to float32$'),
+                                            ('float64', r'float64 tensors were rounded to float32 \(a downcast\)$')])
+def test_other_float_tensors_are_converted_with_a_true_note_from_either_file(tmp_path, state, kind, dtype, message):
+    import ml_dtypes
+
+    numpy_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.dtype(dtype)
+    if kind == 'safetensors':
+        write_tensors(tmp_path / 'other', {k: v.astype(numpy_dtype) for k, v in state.items()})
+    else:
+        (tmp_path / 'other').mkdir()
+        (tmp_path / 'other' / 'config.json').write_text(json.dumps(HF_CONFIG))
+        torch.save({k: torch.from_numpy(v).to(getattr(torch, dtype)) for k, v in state.items()},
+                   tmp_path / 'other' / 'pytorch_model.bin')
+    with pytest.warns(UserWarning, match=message):
+        model = gpt2_tf.load_model(tmp_path / 'other')
     np.testing.assert_array_equal(model.variables_by_name()['model/wte'].numpy(),
-                                  state['transformer.wte.weight'].astype(np.float16).astype(np.float32))
+                                  state['transformer.wte.weight'].astype(numpy_dtype).astype(np.float32))
 
 
 def test_safetensors_wins_over_a_bin_in_the_same_folder(tmp_path, state):
