@@ -124,14 +124,19 @@ def _read_safetensors(files: list) -> dict:
     except ImportError:
         raise HFFormatError('reading model.safetensors needs the safetensors package: '
                             "pip install -e '.[hf]' (or pip install safetensors)") from None
-    tensors = {}
+    tensors, where = {}, {}  # where: the file each name was read from
     for file in files:
         try:
             with safe_open(file, framework='np') as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                read = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as e:  # safetensors' own error type, OSError, or a broken header's ValueError
             raise unreadable(file, e, HFFormatError) from None
+        twice = sorted(set(read) & set(tensors))
+        if twice:
+            raise HFFormatError(f'{file}: {twice[0]} is also in {where[twice[0]]}, and which one the model holds is '
+                                f'unclear; copy or download the model again')
+        tensors.update(read)
+        where.update(dict.fromkeys(read, file))
     return tensors
 
 
@@ -170,10 +175,12 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
     tensors GPT-2 does not have instead of refusing them (their names appended to dropped, when given)."""
     out, extra, converted = {}, [] if dropped is None else dropped, set()
     block_names, top_names = names()
+    origin = {}  # checkpoint name -> the HF name it was read from: two names for one tensor are refused
     for name, value in tensors.items():
         key = name[len('transformer.'):] if name.startswith('transformer.') else name
         parts = key.split('.', 2)
-        block = len(parts) == 3 and parts[0] == 'h' and parts[1].isdigit()
+        # ASCII digits only: str.isdigit also takes '²', which int() refuses
+        block = len(parts) == 3 and parts[0] == 'h' and parts[1].isascii() and parts[1].isdigit()
         if key == 'lm_head.weight' or (block and parts[2] in IGNORED):
             continue
         if key in top_names:
@@ -184,12 +191,18 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
         else:
             extra.append(name)
             continue
+        if target in origin:  # wte.weight beside transformer.wte.weight, h.01.* beside h.1.*
+            raise _named_twice(source, origin[target], name)
+        origin[target] = name
         value = _float32(name, value, source, converted)
         out[target] = value[None] if conv else value
     if extra and strict:
         raise HFFormatError(f'{source}: {len(extra)} tensor(s) GPT-2 does not have: {", ".join(extra[:5])}; '
                             f'load with strict=False (--no_strict on the command line) to ignore them')
-    head_name = next((n for n in ('lm_head.weight', 'transformer.lm_head.weight') if n in tensors), None)
+    heads = [n for n in ('lm_head.weight', 'transformer.lm_head.weight') if n in tensors]
+    if len(heads) > 1:
+        raise _named_twice(source, *heads)
+    head_name = heads[0] if heads else None
     if head_name is not None:
         head = _float32(head_name, tensors[head_name], source, converted)
         if 'model/wte' not in out:  # a tied pair stored once, under the head's name (safetensors.torch.save_model)
@@ -200,6 +213,12 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
     if converted:
         warnings.warn(f'{source}: {converted_to_float32(converted)}', stacklevel=3)
     return out
+
+
+def _named_twice(source: str, *both: str) -> HFFormatError:
+    first, second = sorted(both)  # in one order, whichever the file lists first
+    return HFFormatError(f'{source}: {first} and {second} name the same tensor, and which one the model holds is '
+                         f'unclear; save the model again with one of them')
 
 
 def _float32(name: str, value, source: str, converted: set) -> np.ndarray:

@@ -154,6 +154,38 @@ def test_sharded_safetensors_load(tmp_path, state, hf_folder):
     assert_close(gpt2_tf.load_model(folder)(tokens)['logits'], torch_logits(hf_folder[1], tokens), 'sharded')
 
 
+@pytest.mark.parametrize('add, message', [
+    ({'wte.weight': 'transformer.wte.weight'}, 'transformer.wte.weight and wte.weight name the same tensor'),
+    ({'transformer.h.01.ln_1.weight': 'transformer.h.1.ln_1.weight'},
+     'transformer.h.01.ln_1.weight and transformer.h.1.ln_1.weight name the same tensor'),
+    ({'transformer.lm_head.weight': 'lm_head.weight'}, 'lm_head.weight and transformer.lm_head.weight name the '
+                                                       'same tensor'),
+    ({'transformer.h.\u00b2.ln_1.weight': 'transformer.h.1.ln_1.weight'},
+     "1 tensor\\(s\\) GPT-2 does not have: transformer.h.\u00b2.ln_1.weight"),  # '²' is no layer index
+])
+def test_two_names_for_one_tensor_are_refused_naming_both(tmp_path, state, add, message):
+    tensors = {**state, 'lm_head.weight': state['transformer.wte.weight']}
+    tensors.update({name: tensors[copy_of] for name, copy_of in add.items()})
+    write_tensors(tmp_path / 'twice', tensors)
+    with pytest.raises(hf.HFFormatError, match=message):
+        gpt2_tf.load_model(tmp_path / 'twice')
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path, state):
+    folder = tmp_path / 'sharded'
+    folder.mkdir()
+    names = sorted(state)
+    halves = {'model-00001-of-00002.safetensors': names[:10], 'model-00002-of-00002.safetensors': names[9:]}
+    for shard, keys in halves.items():
+        safetensors_numpy.save_file({k: np.ascontiguousarray(state[k]) for k in keys}, str(folder / shard))
+    (folder / 'model.safetensors.index.json').write_text(json.dumps(
+        {'weight_map': {k: shard for shard, keys in halves.items() for k in keys}}))
+    (folder / 'config.json').write_text(json.dumps(HF_CONFIG))
+    with pytest.raises(hf.HFFormatError, match=f'model-00002-of-00002.safetensors: {names[9]} is also in '
+                                               f'.*model-00001-of-00002.safetensors'):
+        gpt2_tf.load_model(folder)
+
+
 @pytest.mark.parametrize('kind', ['safetensors', 'bin'])
 @pytest.mark.parametrize('dtype, message', [('float16', r'float16 tensors were upcast to float32$'),
                                             ('bfloat16', r'bfloat16 tensors were upcast to float32$'),
