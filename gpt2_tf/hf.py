@@ -34,6 +34,7 @@ SAFETENSORS_INDEX = 'model.safetensors.index.json'
 TORCH_BIN = 'pytorch_model.bin'
 TOKENIZER_FILES = {'vocab.json': 'encoder.json', 'merges.txt': 'vocab.bpe'}  # HF's names for the same files
 TOKENIZER_JSON = 'tokenizer.json'  # the fast tokenizer's one file, written by the tokenizers library
+WRITTEN = (SAFETENSORS, *TOKENIZER_FILES, TOKENIZER_JSON, CONFIG)  # what save_hf writes, in the order it moves them in
 GPT2_VOCAB = 50257
 
 
@@ -325,7 +326,20 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     if model.dtype == 'int8':
         raise HFFormatError('an int8 model cannot be saved as an HF folder: it holds float weights, and int8 ones '
                             'are a lossy copy of them; save the float32 model (load it with dtype="float32")')
-    path = save_folder(path)
+    path = _check_destination(save_folder(path), model.hparams)
+    tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
+    files = vocabulary or bundled_vocabulary()
+    with staged(path) as staging:  # every file is written beside the folder's own first, then moved in, config last
+        _write_hf_files(staging, model.hparams, tensors, files, destination=path)
+        for name in WRITTEN:
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+    return path
+
+
+def _check_destination(path: str, hparams: HParams) -> str:
+    """The folder save_hf writes into, unless it holds another model: an original checkpoint, an HF model of
+    another size or kind, another save's files transformers would read beside ours (OTHER_SAVES), or without a
+    config.json, files of the names save_hf writes (someone's weights or tokenizer, overwritten otherwise)."""
     if os.path.isfile(os.path.join(path, 'hparams.json')):
         raise HFFormatError(f'{path} holds a model in the original layout (hparams.json), which would stay the one '
                             f'that loads from there; save the HF folder to another folder')
@@ -334,18 +348,17 @@ def save_hf(model, path, *, vocabulary=None) -> str:
             existing = read_config(path)
         except HFFormatError as e:
             raise HFFormatError(f'{path} holds another model ({first_line(e)}); save to another folder') from None
-        if existing != model.hparams:
+        if existing != hparams:
             raise HFFormatError(f'{path} holds a model of another size ({existing}); save to another folder')
+    else:
+        theirs = [name for name in WRITTEN if os.path.lexists(os.path.join(path, name))]
+        if theirs:
+            raise HFFormatError(f'{path} holds {", ".join(theirs)} but no {CONFIG}: another model\'s files, which '
+                                f'this save would overwrite; save to another folder, or remove them first')
     stale = [name for name in OTHER_SAVES if os.path.exists(os.path.join(path, name))]
     if stale:
         raise HFFormatError(f'{path} holds {", ".join(stale)} of another save, which transformers would read with '
                             f'this model; save to another folder, or remove them first')
-    tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
-    files = vocabulary or bundled_vocabulary()
-    with staged(path) as staging:  # every file is written beside the folder's own first, then moved in, config last
-        _write_hf_files(staging, model.hparams, tensors, files, destination=path)
-        for name in (SAFETENSORS, *TOKENIZER_FILES, TOKENIZER_JSON, CONFIG):
-            os.replace(os.path.join(staging, name), os.path.join(path, name))
     return path
 
 

@@ -533,6 +533,23 @@ def test_bfloat16_weights_are_read_before_tensorflow_is_imported(tmp_path, state
     assert done.returncode == 0 and done.stdout.split() == ['bfloat16', 'False'], done.stderr[-500:]
 
 
+def test_save_hf_refuses_a_folder_of_someone_elses_weights_and_tokenizer_without_config_json(tmp_path):
+    folder = tmp_path / 'theirs'
+    folder.mkdir()
+    safetensors_numpy.save_file({'unet.conv.weight': np.ones((4, 4), np.float32)}, str(folder / 'model.safetensors'))
+    (folder / 'tokenizer.json').write_text('{"mine": true}')
+    (folder / 'notes.txt').write_text('mine')
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    with pytest.raises(hf.HFFormatError, match=r'theirs holds model.safetensors, tokenizer.json but no config.json: '
+                                               r"another model's files, which this save would overwrite"):
+        gpt2_tf.save_hf(gpt2_tf.load_model('test'), folder)
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    (folder / 'model.safetensors').unlink()
+    (folder / 'tokenizer.json').unlink()
+    gpt2_tf.save_hf(gpt2_tf.load_model('test'), folder)  # other files of other names stay, as they did
+    assert (folder / 'notes.txt').read_text() == 'mine' and (folder / 'config.json').exists()
+
+
 def test_save_hf_into_a_folder_of_another_kind_of_model_is_refused(tmp_path):
     (tmp_path / 'llama').mkdir()
     (tmp_path / 'llama' / 'config.json').write_text(json.dumps({'model_type': 'llama', 'hidden_size': 64}))
