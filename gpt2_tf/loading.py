@@ -163,7 +163,7 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
     published = name in PUBLISHED
     resume = f'python -m gpt2_tf.download {name}' + (f' --models_dir {models_dir}' if models_dir else '')
     if os.path.isdir(path):
-        if published and _incomplete(path):
+        if published and not hf.is_hf_folder(path) and _incomplete(path):  # an HF folder is no download of ours
             raise ModelNotFound(f'the download in {path} is incomplete: run `{resume}` again to resume it')
         return _folder(path)
     if name == BUNDLED:

@@ -89,6 +89,17 @@ def test_old_names_find_the_folder_download_model_writes(tmp_path):
     assert resolve(model_name='117M', models_dir=tmp_path).path == str(tmp_path / '117M')
 
 
+def test_an_hf_folder_under_a_published_name_resolves_as_its_path_does(kinds, tmp_path):
+    shutil.copytree(kinds['hf'][0], tmp_path / '124M')  # config.json and model.safetensors: no download of ours
+    by_name = resolve(model_name='124M', models_dir=tmp_path)
+    assert (by_name.path, by_name.layout) == (str(tmp_path / '124M'), 'hf')
+    assert by_name == resolve(tmp_path / '124M')
+    (tmp_path / '355M').mkdir()  # an original download cut short is still named as one
+    (tmp_path / '355M' / 'hparams.json').write_text('{}')
+    with pytest.raises(ModelNotFound, match=r'the download in .*355M is incomplete'):
+        resolve(model_name='355M', models_dir=tmp_path)
+
+
 @pytest.mark.parametrize('kind', ['hf', 'run'])
 def test_generate_and_score_take_hf_and_run_folders(kinds, kind, tmp_path):
     folder = kinds[kind][1]
