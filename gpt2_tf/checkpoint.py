@@ -391,22 +391,29 @@ def whole_folder(path):
     staged inside and its entries moved into it."""
     path = validate.check_new_folder(os.path.abspath(path))
     if os.path.isdir(path):
-        for left in filter(validate.left_behind, os.listdir(path)):  # a killed export's staging
-            left = os.path.join(path, left)
-            if os.path.isdir(left):
-                shutil.rmtree(left, ignore_errors=True)
-            else:
-                os.remove(left)
+        _remove_left_behind(path, validate.PARTIAL)
         with staged(path, prefix=f'{validate.PARTIAL}{os.getpid()}-') as staging:
             yield staging
             _move_entries(staging, path)
         return
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
-    with staged(parent, prefix=f'.{name}.partial-') as staging:
+    beside = f'.{name}.partial-'  # + the writer's pid: what a writer killed mid-write (OOM) leaves is known as such
+    _remove_left_behind(parent, beside)
+    with staged(parent, prefix=f'{beside}{os.getpid()}-') as staging:
         yield staging
         os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's folder is private (0700); a save's is not
         os.replace(staging, path)
+
+
+def _remove_left_behind(folder: str, prefix: str) -> None:
+    """The stagings in folder named prefix + pid whose writer has gone (validate.left_behind): killed exports'."""
+    for left in filter(lambda entry: validate.left_behind(entry, prefix), os.listdir(folder)):
+        left = os.path.join(folder, left)
+        if os.path.isdir(left) and not os.path.islink(left):
+            shutil.rmtree(left, ignore_errors=True)
+        else:
+            os.remove(left)
 
 
 def _move_entries(staging: str, path: str) -> None:

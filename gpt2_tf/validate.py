@@ -48,16 +48,17 @@ def save_folder(path) -> str:
 PARTIAL = '.gpt2_tf-partial-'  # + the writer's pid: an export's staging inside the folder it fills
 
 
-def left_behind(entry: str) -> bool:
-    """Whether a folder's entry is the staging of an export whose process has gone (killed mid-write)."""
-    pid = entry[len(PARTIAL):].split('-', 1)[0] if entry.startswith(PARTIAL) else ''
-    if not pid.isdigit():
+def left_behind(entry: str, prefix: str = PARTIAL) -> bool:
+    """Whether a folder's entry is the staging (prefix + the writer's pid + '-') of an export whose process has
+    gone (killed mid-write). A pid that a live process holds again counts as its writer: left, never removed."""
+    pid = entry[len(prefix):].split('-', 1)[0] if entry.startswith(prefix) else ''
+    if not (pid.isascii() and pid.isdigit()):
         return False
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except OSError:  # another user's process: alive
+    except (OSError, OverflowError):  # another user's process: alive; a number past any pid: not our staging
         return False
     return False
 

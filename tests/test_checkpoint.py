@@ -328,3 +328,37 @@ def test_the_index_is_moved_into_place_after_the_data(tmp_path, monkeypatch):
     assert moved == [prefix + '.data-00000-of-00001']
     assert not os.path.exists(prefix + '.index')
     assert os.listdir(tmp_path) == ['model.ckpt.data-00000-of-00001']  # the staging folder is gone too
+
+
+KILLED_WRITER = """
+import sys, time
+from gpt2_tf.checkpoint import whole_folder
+writing = whole_folder(sys.argv[1])  # held: a dropped context manager would clean up
+staging = writing.__enter__()
+open(staging + '/model.tflite', 'wb').write(b'half')
+print(staging, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_writers_staging_beside_a_new_folder_goes_at_the_next_write(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from gpt2_tf.checkpoint import whole_folder
+
+    writer = subprocess.Popen([sys.executable, '-c', KILLED_WRITER, str(tmp_path / 'out')], stdout=subprocess.PIPE,
+                              text=True, cwd=pathlib.Path(__file__).parent.parent)
+    staging = writer.stdout.readline().strip()
+    writer.send_signal(signal.SIGKILL)  # as the OOM killer ends it: no cleanup runs
+    writer.wait(timeout=60)
+    assert os.path.isdir(staging) and os.path.dirname(staging) == str(tmp_path)
+    others = [f'.out.partial-{os.getpid()}-live', '.out.partial-old', '.other.partial-1-x', 'mine']
+    for name in others:  # a live writer's, one without a pid, another destination's, the user's: all stay
+        (tmp_path / name).mkdir()
+    with whole_folder(tmp_path / 'out') as new:
+        (pathlib.Path(new) / 'model.tflite').write_bytes(b'whole')
+    assert (tmp_path / 'out' / 'model.tflite').read_bytes() == b'whole'
+    assert sorted(os.listdir(tmp_path)) == sorted(others + ['out'])
+
