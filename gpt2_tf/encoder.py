@@ -17,7 +17,7 @@ from typing import Iterable, Optional, Sequence
 import regex
 
 from .assets import bundled_vocabulary
-from .validate import GPT2Error, is_int, shown
+from .validate import GPT2Error, first_line, is_int, shown
 
 END_OF_TEXT = '<|endoftext|>'
 END_OF_TEXT_ID = 50256  # its id in GPT-2's vocabulary: every document's end, and the context evaluations start from
@@ -305,6 +305,30 @@ def vocabulary_files(model_dir: str | os.PathLike) -> Optional[tuple]:
             raise VocabularyNotFound(f'{os.fspath(model_dir)} has {have} but not {missing}: copy both files of '
                                      f'the vocabulary in (or neither, for the bundled GPT-2 one)')
     return None
+
+
+PAIR = 'encoder.json and vocab.bpe, or vocab.json and merges.txt'  # what a written folder carries of a vocabulary
+
+
+def carried_vocabulary(model_dir: Optional[str | os.PathLike], n_vocab: int, files: Optional[tuple] = None) -> tuple:
+    """The vocabulary files a model carries into a folder written from it (save_hf, export_litert, the command
+    line's convert and export): files when given, else its folder's own pair under either naming, else the
+    bundled GPT-2 pair (model_dir None: a model load_model did not read). Refused, not replaced: a vocabulary
+    the pair cannot hold (added tokens, a tokenizer.json alone), and one of more tokens than the model's n_vocab
+    (its ids past the model's would fail in any reader of the written folder)."""
+    if files is None and model_dir is not None:
+        try:
+            encoder = encoder_for(model_dir)  # the rules by which the folder's text is read
+            files = vocabulary_files(model_dir) or bundled_vocabulary()
+        except GPT2Error as e:
+            raise GPT2Error(f'{first_line(e)} (a written folder carries only the vocabulary pair: {PAIR})') from None
+    else:
+        files = files or bundled_vocabulary()
+        encoder = _cached_encoder(*map(os.path.abspath, files), None)
+    if encoder.n_vocab > n_vocab:
+        raise GPT2Error(f'the vocabulary {files[0]} holds {encoder.n_vocab} tokens, more than the model\'s {n_vocab}: '
+                        f'put the pair made for the model ({PAIR}) in its folder, or pass it as vocabulary=')
+    return files
 
 
 def _added_tokens(path: str) -> list:

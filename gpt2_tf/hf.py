@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from .encoder import END_OF_TEXT_ID
+from .encoder import END_OF_TEXT_ID, carried_vocabulary
 from .hparams import HParams, is_hf_folder  # noqa: F401  (hf.is_hf_folder: defined below checkpoint, which uses it)
 from .tensorfiles import read_torch, unreadable
 from .validate import GPT2Error, first_line, save_folder
@@ -311,8 +311,9 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     returns the folder. Every file gets the mode a new file gets (0644 under the usual umask). Attached LoRA
     adapters are written merged (checkpoint.stored_weights); an int8 model is refused.
 
-    vocabulary: (encoder.json path, vocab.bpe path) to copy under HF's names
-    (default: the files bundled with the package, GPT-2's own).
+    vocabulary: (encoder.json path, vocab.bpe path) to copy under HF's names (default: the model's own,
+    encoder.carried_vocabulary: its folder's pair, else GPT-2's bundled one); one of more tokens than the
+    model's is refused, as transformers would fail on its ids.
     """
     try:
         import tokenizers  # noqa: F401
@@ -320,15 +321,14 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     except ImportError:
         raise HFFormatError("writing an HF folder needs the safetensors and tokenizers packages: "
                             "pip install -e '.[hf]'") from None
-    from .assets import bundled_vocabulary
     from .checkpoint import staged, stored_weights
 
     if model.dtype == 'int8':
         raise HFFormatError('an int8 model cannot be saved as an HF folder: it holds float weights, and int8 ones '
                             'are a lossy copy of them; save the float32 model (load it with dtype="float32")')
+    files = carried_vocabulary(model.folder.path if model.folder else None, model.hparams.n_vocab, vocabulary)
     path = _check_destination(save_folder(path), model.hparams)
     tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
-    files = vocabulary or bundled_vocabulary()
     with staged(path) as staging:  # every file is written beside the folder's own first, then moved in, config last
         _write_hf_files(staging, model.hparams, tensors, files, destination=path)
         for name in WRITTEN:

@@ -29,9 +29,8 @@ import tensorflow as tf
 
 from . import kernels, validate
 from .checkpoint import whole_folder
-from .assets import bundled_vocabulary
 from .decoding import decode
-from .encoder import END_OF_TEXT
+from .encoder import END_OF_TEXT, carried_vocabulary
 from .runtime import Model
 from .validate import GPT2Error, is_int
 
@@ -86,14 +85,14 @@ def check_options(model: Model, dtype: str, max_len: Optional[int]) -> int:
     if dtype != model.dtype:
         raise GPT2Error(f'the model holds {model.dtype} weights but the export asks for {dtype}: '
                         f"load it with load_model(..., dtype='{dtype}') (--dtype {dtype})")
-    return max_len
+    return int(max_len)  # a numpy integer passes the check, and json.dump refuses it after the whole conversion
 
 
-def describe(model: Model, max_len: int, *, dtype: str, vocabulary: Optional[tuple] = None) -> dict:
+def describe(model: Model, max_len: int, *, dtype: str, vocabulary: tuple) -> dict:
     """model.json: the signatures, the cache and the vocabulary a runner needs (end_of_text: its id, when the
     vocabulary's encoder.json has <|endoftext|> among the model's ids)."""
     hp = model.hparams
-    with open((vocabulary or bundled_vocabulary())[0], encoding='utf-8') as f:
+    with open(vocabulary[0], encoding='utf-8') as f:
         end = json.load(f).get(END_OF_TEXT)
     words = {'encoder': 'encoder.json', 'bpe': 'vocab.bpe'}
     if is_int(end) and 0 <= end < hp.n_vocab:
@@ -119,10 +118,12 @@ def export_litert(model: Model, out_dir, *, dtype: Optional[str] = None, max_len
                   vocabulary: Optional[tuple] = None) -> dict:
     """Writes out_dir/model.tflite, model.json and the vocabulary files into out_dir (a new or empty folder,
     which appears only when complete); returns model.json's contents plus the conversion's seconds. dtype
-    defaults to the model's own ('float32' or 'int8')."""
+    defaults to the model's own ('float32' or 'int8'); vocabulary, (encoder.json path, vocab.bpe path), to the
+    model's own (encoder.carried_vocabulary: its folder's pair, else GPT-2's bundled one)."""
     dtype = dtype or model.dtype
     max_len = check_options(model, dtype, max_len)
     out_dir = validate.check_new_folder(out_dir)
+    vocabulary = carried_vocabulary(model.folder.path if model.folder else None, model.hparams.n_vocab, vocabulary)
     start = time.perf_counter()
     signatures = Signatures(model, max_len)
     with kernels.tensorflow_ops():  # int8 as cast, scale and matmul: the converter keeps the weights int8
@@ -134,7 +135,7 @@ def export_litert(model: Model, out_dir, *, dtype: Optional[str] = None, max_len
     with whole_folder(out_dir) as staging:
         with open(os.path.join(staging, MODEL_FILE), 'wb') as f:
             f.write(flatbuffer)
-        for source, name in zip(vocabulary or bundled_vocabulary(), ('encoder.json', 'vocab.bpe')):
+        for source, name in zip(vocabulary, ('encoder.json', 'vocab.bpe')):
             shutil.copyfile(source, os.path.join(staging, name))
         with open(os.path.join(staging, DESCRIPTION), 'w', encoding='utf-8') as f:
             json.dump(description, f, indent=2)

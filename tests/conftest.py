@@ -1,5 +1,6 @@
 import os
 import pathlib
+import shutil
 import signal
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 from gpt2_tf import HParams  # noqa: E402
-from support import write_random_checkpoint  # noqa: E402
+from support import write_random_checkpoint, write_vocabulary  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures'
 FIXTURE_NAMES = ['tf1-tiny', 'tf1-tiny-hot']
@@ -56,6 +57,36 @@ def random_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope='session')
+def fixture_vocabulary(tmp_path_factory):
+    """make(n_vocab) -> (encoder.json, vocab.bpe) of GPT-2's first n_vocab tokens: what a folder written from a
+    fixture carries (the bundled GPT-2 pair holds more tokens than the fixtures have, and is refused there)."""
+    made = {}
+
+    def make(n_vocab: int) -> tuple:
+        if n_vocab not in made:
+            made[n_vocab] = write_vocabulary(tmp_path_factory.mktemp('vocabulary'), n_vocab)
+        return made[n_vocab]
+
+    return make
+
+
+@pytest.fixture(scope='session')
+def tiny_vocabulary(fixture_vocabulary) -> tuple:
+    """tf1-tiny's: 512 tokens."""
+    return fixture_vocabulary(512)
+
+
+@pytest.fixture
+def tiny_with_vocabulary(tmp_path, tiny_vocabulary) -> pathlib.Path:
+    """A copy of tf1-tiny that carries its own 512-token vocabulary."""
+    folder = tmp_path / 'tf1-tiny'
+    shutil.copytree(FIXTURES / 'tf1-tiny', folder)
+    for path in tiny_vocabulary:
+        shutil.copy(path, folder)
+    return folder
 
 
 @pytest.fixture(params=FIXTURE_NAMES)

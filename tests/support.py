@@ -6,6 +6,7 @@ bench/ imports this module too (it puts tests/ on sys.path).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import threading
@@ -67,6 +68,26 @@ def write_random_checkpoint(model_dir: str | os.PathLike, hparams: HParams, *, s
             prefix = saver.save(session, os.path.join(model_dir, 'model.ckpt'), write_meta_graph=meta_graph)
     hparams.to_json(os.path.join(model_dir, 'hparams.json'))
     return prefix
+
+
+def write_vocabulary(folder: str | os.PathLike, n_vocab: int) -> tuple:
+    """GPT-2's first n_vocab tokens as a vocabulary pair in folder: (encoder.json, vocab.bpe) paths. GPT-2's
+    ids 0..255 are its bytes and id 256 + r is merge r's token, so those tokens and the first n_vocab - 256
+    merges are a whole vocabulary, written here from the bundled files without the encoder's code."""
+    from gpt2_tf.assets import bundled_vocabulary
+
+    encoder_path, bpe_path = bundled_vocabulary()
+    with open(encoder_path, encoding='utf-8') as f:
+        tokens = {token: i for token, i in json.load(f).items() if i < n_vocab}
+    with open(bpe_path, encoding='utf-8') as f:
+        lines = f.read().split('\n')
+    os.makedirs(folder, exist_ok=True)
+    paths = os.path.join(folder, 'encoder.json'), os.path.join(folder, 'vocab.bpe')
+    with open(paths[0], 'w', encoding='utf-8') as f:
+        json.dump(tokens, f)
+    with open(paths[1], 'w', encoding='utf-8') as f:
+        f.write('\n'.join(lines[:1 + n_vocab - 256]) + '\n')  # the #version line, then the merges
+    return paths
 
 
 def chi_square_p_value(counts, expected, *, merge_below: float = 5.0) -> tuple:

@@ -15,6 +15,7 @@ from gpt2_tf import hf
 from gpt2_tf.encoder import encoder_for
 
 from conftest import FIXTURES, assert_close, require
+from support import write_vocabulary
 
 torch = require('torch')
 transformers = require('transformers')
@@ -72,14 +73,14 @@ def test_a_pytorch_bin_loads_the_same(tmp_path, hf_folder):
 
 def test_an_original_checkpoint_written_as_hf_loads_in_transformers(tmp_path):
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot')
-    gpt2_tf.save_hf(model, tmp_path / 'hf')
+    gpt2_tf.save_hf(model, tmp_path / 'hf', vocabulary=write_vocabulary(tmp_path / 'vocabulary', 300))
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
     tokens = np.load(FIXTURES / 'tf1-tiny-hot' / 'reference.npz')['tokens']
     assert_close(torch_logits(theirs, tokens), model(tokens)['logits'], 'transformers on our HF folder')
 
 
-def test_original_to_hf_to_original_is_byte_identical(tmp_path):
-    source = FIXTURES / 'tf1-tiny'
+def test_original_to_hf_to_original_is_byte_identical(tmp_path, tiny_with_vocabulary):
+    source = tiny_with_vocabulary
     for argv in (['convert', str(source), str(tmp_path / 'hf'), '--to', 'hf'],
                  ['convert', str(tmp_path / 'hf'), str(tmp_path / 'back'), '--to', 'original']):
         done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', *argv], capture_output=True, text=True,
@@ -88,11 +89,36 @@ def test_original_to_hf_to_original_is_byte_identical(tmp_path):
     first, back = gpt2_tf.load_model(source), gpt2_tf.load_model(tmp_path / 'back')
     for name, variable in first.variables_by_name().items():
         assert variable.numpy().tobytes() == back.variables_by_name()[name].numpy().tobytes(), name
-    assert (tmp_path / 'back' / 'encoder.json').read_bytes() == (tmp_path / 'hf' / 'vocab.json').read_bytes()
+    assert (tmp_path / 'back' / 'encoder.json').read_bytes() == (tmp_path / 'hf' / 'vocab.json').read_bytes() \
+        == (source / 'encoder.json').read_bytes()  # the model's own vocabulary, carried both ways
+
+
+def test_save_hf_carries_the_models_own_vocabulary_and_transformers_runs_on_its_ids(tmp_path, tiny_with_vocabulary):
+    model = gpt2_tf.load_model(tiny_with_vocabulary)
+    gpt2_tf.save_hf(model, tmp_path / 'hf')  # no vocabulary given: the one of the folder it was loaded from
+    assert (tmp_path / 'hf' / 'vocab.json').read_bytes() == (tiny_with_vocabulary / 'encoder.json').read_bytes()
+    assert (tmp_path / 'hf' / 'merges.txt').read_bytes() == (tiny_with_vocabulary / 'vocab.bpe').read_bytes()
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')('Hello world, this is a test')['input_ids']
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
+    assert_close(torch_logits(theirs, [ids]), model(np.array([ids], np.int32))['logits'], 'own vocabulary')
+
+
+def test_a_vocabulary_of_more_tokens_than_the_model_is_refused_by_save_hf_and_convert(tmp_path, capsys):
+    from gpt2_tf.cli import main
+
+    tiny = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')  # 512 tokens, no vocabulary of its own: the bundled 50257
+    with pytest.raises(gpt2_tf.GPT2Error, match=r"encoder.json holds 50257 tokens, more than the model's 512: put "
+                                                r'the pair made for the model .* in its folder'):
+        gpt2_tf.save_hf(tiny, tmp_path / 'hf')
+    assert not (tmp_path / 'hf').exists()
+    assert main(['convert', str(FIXTURES / 'tf1-tiny'), str(tmp_path / 'out'), '--to', 'hf']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds 50257 tokens, more than the model's 512" in err, err
+    assert not (tmp_path / 'out').exists()
 
 
 def test_hf_tokenizer_files_written_here_give_our_ids(tmp_path):
-    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path)
+    gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path)  # GPT-2's vocabulary: the cases' ids reach 50256
     theirs = transformers.GPT2TokenizerFast.from_pretrained(tmp_path)
     ours = encoder_for(tmp_path)
     cases = [json.loads(line) for line in (FIXTURES / 'bpe-cases.jsonl').read_text(encoding='utf-8').split('\n') if line]
@@ -281,13 +307,14 @@ def test_a_bin_that_is_not_a_state_dict_is_refused_in_one_line(tmp_path, state, 
 
 
 @pytest.mark.parametrize('name', ['tokenizer_config.json', 'pytorch_model.bin', 'adapter_config.json'])
-def test_save_hf_refuses_a_folder_holding_another_saves_files(tmp_path, name):
-    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path)  # the same size: only the stale file stops it
-    (tmp_path / name).write_text('{}')
-    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+def test_save_hf_refuses_a_folder_holding_another_saves_files(tmp_path, tiny_with_vocabulary, name):
+    folder = tmp_path / 'hf'
+    gpt2_tf.save_hf(gpt2_tf.load_model(tiny_with_vocabulary), folder)  # the same size: only the stale file stops it
+    (folder / name).write_text('{}')
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
     with pytest.raises(hf.HFFormatError, match=f'holds {name} of another save, which transformers would read'):
-        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path)
-    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+        gpt2_tf.save_hf(gpt2_tf.load_model(tiny_with_vocabulary), folder)
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
 
 
 @pytest.mark.parametrize('files, message', [
@@ -356,8 +383,8 @@ def test_tokenizer_json_alone_gives_autotokenizer_our_ids(tmp_path):
     assert theirs.convert_tokens_to_ids('<|endoftext|>') == 50256
 
 
-def test_every_file_gets_the_same_mode(tmp_path):
-    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'hf')
+def test_every_file_gets_the_same_mode(tmp_path, tiny_with_vocabulary):
+    gpt2_tf.save_hf(gpt2_tf.load_model(tiny_with_vocabulary), tmp_path / 'hf')
     umask = os.umask(0)
     os.umask(umask)
     modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in os.listdir(tmp_path / 'hf')}
@@ -365,17 +392,18 @@ def test_every_file_gets_the_same_mode(tmp_path):
     assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
-def test_special_token_ids_only_when_the_vocabulary_has_them(tmp_path):
-    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'small')  # 512 tokens
+def test_special_token_ids_only_when_the_vocabulary_has_them(tmp_path, tiny_with_vocabulary):
+    gpt2_tf.save_hf(gpt2_tf.load_model(tiny_with_vocabulary), tmp_path / 'small')  # 512 tokens
     config = json.loads((tmp_path / 'small' / 'config.json').read_text())
     assert config['bos_token_id'] is None and config['eos_token_id'] is None  # GPT2Config's default would be 50256
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / 'small')
     assert loaded.bos_token_id is None and loaded.eos_token_id is None
     with pytest.raises(hf.HFFormatError, match=r'small holds a model of another size \(HParams\(n_vocab=512.*save to '
                                                r'another folder$'):
-        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot'), tmp_path / 'small')
+        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny-hot'), tmp_path / 'small',
+                        vocabulary=write_vocabulary(tmp_path / 'vocabulary', 300))
     assert json.loads((tmp_path / 'small' / 'config.json').read_text()) == config  # untouched
-    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'small')  # the same size: saved again
+    gpt2_tf.save_hf(gpt2_tf.load_model(tiny_with_vocabulary), tmp_path / 'small')  # the same size: saved again
     gpt2_tf.save_hf(gpt2_tf.load_model('test'), tmp_path / 'gpt2')  # 50257 tokens
     config = json.loads((tmp_path / 'gpt2' / 'config.json').read_text())
     assert config['bos_token_id'] == config['eos_token_id'] == 50256
@@ -420,11 +448,11 @@ def test_save_checkpoint_refuses_an_hf_folder(hf_folder, tmp_path):
     assert gpt2_tf.load_model(folder).hparams.n_vocab == HF_CONFIG['vocab_size']  # still the HF model
 
 
-def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys):
+def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys, tiny_vocabulary):
     import safetensors
 
     folder = tmp_path / 'hf'
-    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder)
+    gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder, vocabulary=tiny_vocabulary)
     before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
 
     def full_disk(tensors, filename, metadata=None):
@@ -435,7 +463,8 @@ def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(safetensors_numpy, 'save_file', full_disk)
     with pytest.raises(hf.HFFormatError, match=r'model.safetensors cannot be written \(Error while serializing: '
                                                r'IoError\(No space left on device\)\); nothing in .*hf was changed'):
-        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder)  # the same size again: allowed, and it fails
+        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder,  # the same size again: allowed, and it fails
+                        vocabulary=tiny_vocabulary)
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
     # The command line says it in one line.
     from gpt2_tf.cli import main
@@ -445,8 +474,8 @@ def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys
     assert not (tmp_path / 'new').exists() and sorted(os.listdir(tmp_path)) == ['hf']  # nor a staging folder
 
 
-def test_saving_to_a_file_is_refused_in_one_line(tmp_path):
-    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+def test_saving_to_a_file_is_refused_in_one_line(tmp_path, tiny_with_vocabulary):
+    model = gpt2_tf.load_model(tiny_with_vocabulary)
     (tmp_path / 'file').write_text('mine')
     for save in (gpt2_tf.save_hf, gpt2_tf.save_checkpoint):
         with pytest.raises(ValueError, match=r'file is a file, not a folder: save into a folder$'):
@@ -550,9 +579,9 @@ def test_save_hf_refuses_a_folder_of_someone_elses_weights_and_tokenizer_without
     assert (folder / 'notes.txt').read_text() == 'mine' and (folder / 'config.json').exists()
 
 
-def test_save_hf_into_a_folder_of_another_kind_of_model_is_refused(tmp_path):
+def test_save_hf_into_a_folder_of_another_kind_of_model_is_refused(tmp_path, tiny_with_vocabulary):
     (tmp_path / 'llama').mkdir()
     (tmp_path / 'llama' / 'config.json').write_text(json.dumps({'model_type': 'llama', 'hidden_size': 64}))
     with pytest.raises(hf.HFFormatError, match=r'llama holds another model \(.*\); save to another folder$'):
-        gpt2_tf.save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'llama')
+        gpt2_tf.save_hf(gpt2_tf.load_model(tiny_with_vocabulary), tmp_path / 'llama')
     assert os.listdir(tmp_path / 'llama') == ['config.json']

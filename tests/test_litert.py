@@ -85,11 +85,11 @@ def check_against_library(model, folder, prompt, length, seed=5):
 
 
 @pytest.mark.parametrize('name', ['tf1-tiny', 'tf1-tiny-hot'])
-def test_fixtures_prefill_and_decode_give_the_library_s_logits_and_tokens(tmp_path, name):
+def test_fixtures_prefill_and_decode_give_the_library_s_logits_and_tokens(tmp_path, fixture_vocabulary, name):
     model = gpt2_tf.load_model(FIXTURES / name)
     reference = np.load(FIXTURES / name / 'reference.npz')
     prompt = reference['tokens'][0, :8].tolist()
-    export_litert(model, tmp_path, max_len=model.hparams.n_ctx)
+    export_litert(model, tmp_path, max_len=model.hparams.n_ctx, vocabulary=fixture_vocabulary(model.hparams.n_vocab))
     result = check_against_library(model, tmp_path, prompt, 20)
     # And against the original graph itself: the prefill of the whole fixture row ends at its last position.
     row = reference['tokens'][0].tolist()
@@ -97,22 +97,33 @@ def test_fixtures_prefill_and_decode_give_the_library_s_logits_and_tokens(tmp_pa
     assert len(result['greedy']) == 20
 
 
-def test_description_and_a_short_cache(tmp_path):
-    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
-    info = export_litert(model, tmp_path, max_len=16)
-    described = json.loads((tmp_path / 'model.json').read_text())
+def test_description_and_a_short_cache(tmp_path, tiny_with_vocabulary):
+    model = gpt2_tf.load_model(tiny_with_vocabulary)
+    out = tmp_path / 'out'
+    info = export_litert(model, out, max_len=np.int64(16))  # a numpy integer, as a computed length often is
+    described = json.loads((out / 'model.json').read_text())
+    assert described['max_len'] == info['max_len'] == 16
     hp = model.hparams
     assert described['signatures']['decode']['inputs']['kv_cache']['shape'] == [hp.n_layer, 2, 1, hp.n_head, 16,
                                                                                  hp.head_size]
-    assert sorted(os.listdir(tmp_path)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
-    assert info['bytes'] == os.path.getsize(tmp_path / 'model.tflite')
-    check_against_library(model, tmp_path, [3, 1, 4, 1, 5], 12)
+    assert sorted(os.listdir(out)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
+    for name in ('encoder.json', 'vocab.bpe'):  # by default the model's own vocabulary, the folder it was loaded from
+        assert (out / name).read_bytes() == (tiny_with_vocabulary / name).read_bytes(), name
+    assert info['bytes'] == os.path.getsize(out / 'model.tflite')
+    check_against_library(model, out, [3, 1, 4, 1, 5], 12)
 
 
-def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkeypatch):
+def test_a_vocabulary_of_more_tokens_than_the_model_is_refused_before_converting(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')  # no vocabulary of its own: the bundled one, 50257 tokens
+    with pytest.raises(GPT2Error, match=r"vocabulary .*encoder.json holds 50257 tokens, more than the model's 512"):
+        export_litert(model, tmp_path / 'out', max_len=8)
+    assert not (tmp_path / 'out').exists()
+
+
+def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkeypatch, tiny_with_vocabulary):
     import shutil
 
-    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    model = gpt2_tf.load_model(tiny_with_vocabulary)
     mounted = tmp_path / 'mounted'  # a mount point, or the working folder: it cannot be replaced by another
     mounted.mkdir()
     inode = mounted.stat().st_ino
@@ -120,7 +131,7 @@ def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkey
     export_litert(model, '.', max_len=8)
     assert mounted.stat().st_ino == inode
     assert sorted(os.listdir(mounted)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
-    # the bundled vocabulary's <|endoftext|> (50256) is not among this model's 512 ids: no end_of_text to stop at
+    # this model's 512-token vocabulary has no <|endoftext|>: no end_of_text to stop at
     assert json.loads((mounted / 'model.json').read_text())['vocabulary'] == {'encoder': 'encoder.json',
                                                                                'bpe': 'vocab.bpe'}
     empty = tmp_path / 'empty'
@@ -144,11 +155,12 @@ def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkey
     assert os.listdir(busy) == [f'.gpt2_tf-partial-{os.getpid()}-y']  # left to its writer
 
 
-def test_an_export_takes_the_vocabulary_convert_would_and_refuses_one_it_cannot_hold(tmp_path, capsys):
+def test_an_export_takes_the_vocabulary_convert_would_and_refuses_one_it_cannot_hold(tmp_path, capsys,
+                                                                                     tiny_with_vocabulary):
     from gpt2_tf.cli import main
     from gpt2_tf.hf import save_hf
 
-    save_hf(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'added')
+    save_hf(gpt2_tf.load_model(tiny_with_vocabulary), tmp_path / 'added')
     (tmp_path / 'added' / 'added_tokens.json').write_text('{"<pad>": 511}')
     assert main(['export', str(tmp_path / 'added'), str(tmp_path / 'out'), '--format', 'litert']) == 2
     assert 'added tokens' in capsys.readouterr().err
@@ -181,7 +193,8 @@ def test_bad_options_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / 'out').exists()
 
 
-def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(tmp_path, monkeypatch):
+def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(tmp_path, monkeypatch,
+                                                                               fixture_vocabulary):
     import shutil
 
     half = tmp_path / 'half'
@@ -190,12 +203,13 @@ def test_a_failed_export_leaves_nothing_and_half_a_vocabulary_is_refused_first(t
     done = cli('export', str(half), str(tmp_path / 'out'), '--format', 'litert')
     assert done.returncode == 2 and done.stderr.strip().endswith('has encoder.json but not vocab.bpe: copy both '
                                                                  'files of the vocabulary in (or neither, for the '
-                                                                 'bundled GPT-2 one) (export writes only the '
-                                                                 'vocabulary pair: encoder.json and vocab.bpe, or '
-                                                                 'vocab.json and merges.txt)'), done.stderr
+                                                                 'bundled GPT-2 one) (a written folder carries only '
+                                                                 'the vocabulary pair: encoder.json and vocab.bpe, '
+                                                                 'or vocab.json and merges.txt)'), done.stderr
     monkeypatch.setattr(shutil, 'copyfile', lambda *a: (_ for _ in ()).throw(OSError(28, 'No space left on device')))
     with pytest.raises(OSError, match='No space left'):
-        export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'out', max_len=8)
+        export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'out', max_len=8,
+                      vocabulary=fixture_vocabulary(512))
     assert sorted(os.listdir(tmp_path)) == ['half']  # neither out nor its staging
 
 

@@ -165,7 +165,7 @@ def test_lora_options_are_checked(bad, message):
 # --- against PEFT and transformers --------------------------------------------------------------
 
 @pytest.fixture(scope='module')
-def peft_setup(tmp_path_factory):
+def peft_setup(tmp_path_factory, tiny_vocabulary):
     """(our trained run folder, the base as an HF folder) with adapters on every product, B moved."""
     require('peft')
     folder = tmp_path_factory.mktemp('lora')
@@ -175,7 +175,7 @@ def peft_setup(tmp_path_factory):
     for _ in range(3):
         trainer.step(batch())
     trainer.save(str(folder / 'run'))
-    save_hf(load_model(TINY), folder / 'hf')
+    save_hf(load_model(TINY), folder / 'hf', vocabulary=tiny_vocabulary)
     return folder, model
 
 

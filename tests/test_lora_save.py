@@ -31,14 +31,14 @@ def trained(model, steps=3):
 
 
 @pytest.fixture(scope='module')
-def run(tmp_path_factory):
+def run(tmp_path_factory, tiny_vocabulary):
     """(a LoRA run folder trained here, the base as an HF folder, the run's merged float32 checkpoint)."""
     require('safetensors')
     folder = tmp_path_factory.mktemp('lora-save')
     trainer = trained(load_model(TINY))
     trainer.save(str(folder / 'run'))
     save_checkpoint(trainer.model, folder / 'merged')  # from the attached adapters, not through loading
-    save_hf(load_model(TINY), folder / 'hf')
+    save_hf(load_model(TINY), folder / 'hf', vocabulary=tiny_vocabulary)
     return folder
 
 
@@ -58,12 +58,12 @@ def test_save_checkpoint_mid_training_writes_the_merged_weights(tmp_path):
     trainer.step(batch())  # and training goes on
 
 
-def test_save_hf_mid_training_writes_the_merged_weights(tmp_path):
+def test_save_hf_mid_training_writes_the_merged_weights(tmp_path, tiny_vocabulary):
     require('safetensors')
     model = load_model(TINY)
     trained(model)
     tokens = batch(seed=4)
-    save_hf(model, tmp_path / 'hf')
+    save_hf(model, tmp_path / 'hf', vocabulary=tiny_vocabulary)
     assert not [k for k in read_tensors(tmp_path / 'hf') if 'lora' in k]
     assert_close(load_model(tmp_path / 'hf')(tokens)['logits'], model(tokens)['logits'], 'HF folder reloaded')
 
@@ -142,18 +142,18 @@ def test_lora_over_int8_weights_steps_as_over_their_float32_values():
 
 
 @pytest.mark.parametrize('to', ['original', 'hf'])
-def test_convert_with_an_adapter_keeps_the_sources_own_vocabulary(run, tmp_path, to):
+def test_convert_with_an_adapter_keeps_the_sources_own_vocabulary(run, tmp_path, tiny_vocabulary, to):
     """--adapter lets a folder convert to its own layout; its vocabulary files are then the ones it has."""
-    from gpt2_tf.assets import bundled_vocabulary
     from gpt2_tf.cli import main
 
     source = tmp_path / 'source'
     shutil.copytree(TINY if to == 'original' else run / 'hf', source)
     names = ('encoder.json', 'vocab.bpe') if to == 'original' else ('vocab.json', 'merges.txt')
-    vocabulary = json.loads(open(bundled_vocabulary()[0], encoding='utf-8').read())
-    vocabulary['Hello'], vocabulary['world'] = vocabulary['world'], vocabulary['Hello']  # not GPT-2's own
+    vocabulary = json.loads(open(tiny_vocabulary[0], encoding='utf-8').read())
+    swapped = [token for token, i in vocabulary.items() if i in (300, 301)]
+    vocabulary[swapped[0]], vocabulary[swapped[1]] = vocabulary[swapped[1]], vocabulary[swapped[0]]  # its own
     (source / names[0]).write_text(json.dumps(vocabulary))
-    shutil.copy(bundled_vocabulary()[1], source / names[1])
+    shutil.copy(tiny_vocabulary[1], source / names[1])
     assert main(['convert', str(source), str(tmp_path / 'out'), '--to', to, '--adapter', str(run / 'run')]) == 0
     for name in names:
         assert (tmp_path / 'out' / name).read_bytes() == (source / name).read_bytes(), name

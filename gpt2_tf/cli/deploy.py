@@ -7,8 +7,8 @@ import shutil
 
 LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
 
-from ..encoder import vocabulary_files
-from ..validate import GPT2Error, check_new_folder, first_line
+from ..encoder import carried_vocabulary
+from ..validate import check_new_folder
 from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_strict,
                      add_verbose, model_folder, open_model)
 
@@ -39,7 +39,7 @@ def export_litert(args, folder, hparams) -> None:
     if args.xla:
         raise CommandError('--xla is for a SavedModel; a LiteRT model runs in the LiteRT interpreter')
     check_new_folder(args.out_dir)
-    vocabulary = carried_vocabulary(folder, 'export')
+    vocabulary = carried_vocabulary(folder.path, hparams.n_vocab)  # refused before the model loads
     model = open_model(args, folder, device='/CPU:0')
     from ..litert import export_litert as write
 
@@ -82,13 +82,13 @@ def cmd_convert(args):
     from ..hf import TOKENIZER_FILES
 
     source = model_folder(args)
-    source.hparams()
+    hparams = source.hparams()
     check_new_folder(args.destination)
     if args.to == 'hf' and source.layout == 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is already a Hugging Face folder (config.json); use --to original')
     if args.to == 'original' and source.layout != 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is not a Hugging Face folder (no config.json); use --to hf')
-    vocabulary = carried_vocabulary(source)
+    vocabulary = carried_vocabulary(source.path, hparams.n_vocab)  # refused before the model loads
     model = open_model(args, source, device='/CPU:0')
     from ..checkpoint import save_checkpoint, whole_folder
     from ..hf import save_hf
@@ -101,20 +101,6 @@ def cmd_convert(args):
             for original_name, path in zip(TOKENIZER_FILES.values(), vocabulary):
                 shutil.copyfile(path, os.path.join(staging, original_name))
     print(f'{args.destination}: written ({args.to})')
-
-
-def carried_vocabulary(source, command: str = 'convert') -> tuple:
-    """The vocabulary files a converted or exported folder gets: the source's own pair under either naming,
-    else the bundled GPT-2 one; a vocabulary they cannot hold (added tokens, a tokenizer.json alone) is
-    refused, not replaced."""
-    from ..assets import bundled_vocabulary
-
-    try:
-        source.encoder()  # the rules by which the source's text is read
-    except GPT2Error as e:
-        raise CommandError(f'{first_line(e)} ({command} writes only the vocabulary pair: encoder.json and '
-                           f'vocab.bpe, or vocab.json and merges.txt)') from None
-    return vocabulary_files(source.path) or bundled_vocabulary()
 
 
 def add_commands(commands) -> None:
