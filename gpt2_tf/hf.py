@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from .encoder import END_OF_TEXT_ID, carried_vocabulary
-from .hparams import HParams, is_hf_folder  # noqa: F401  (hf.is_hf_folder: defined below checkpoint, which uses it)
+from .hparams import HParams
 from .tensorfiles import read_torch, unreadable
 from .validate import GPT2Error, first_line, save_folder
 

@@ -25,7 +25,7 @@ from . import hf
 from .assets import bundled_checkpoint
 from .download import partial_folder
 from .encoder import Encoder, encoder_for, is_save, vocabulary_files
-from .hparams import OLD_NAMES, PUBLISHED, HParams
+from .hparams import OLD_NAMES, PUBLISHED, HParams, is_hf_folder
 from .validate import GPT2Error
 
 BUNDLED = 'test'  # the bundled checkpoint's name, accepted wherever a model name is
@@ -101,7 +101,7 @@ def _folder(path: str, *, names: Optional[tuple] = None, notice: Optional[str] =
         what = 'a file' if os.path.exists(path) else 'not there'
         raise ModelNotFound(f'{path} is {what}: give a model folder (hparams.json and a checkpoint, or an HF '
                             f'config.json), or a model name such as {DEFAULT_MODEL} or {BUNDLED}')
-    if hf.is_hf_folder(path):
+    if is_hf_folder(path):
         layout = 'hf'
     elif os.path.isfile(os.path.join(path, 'hparams.json')):
         layout = 'original'
@@ -163,7 +163,7 @@ def resolve(model_dir=None, *, model_name: Optional[str] = None, models_dir=None
     published = name in PUBLISHED
     resume = f'python -m gpt2_tf.download {name}' + (f' --models_dir {models_dir}' if models_dir else '')
     if os.path.isdir(path):
-        if published and not hf.is_hf_folder(path) and _incomplete(path):  # an HF folder is no download of ours
+        if published and not is_hf_folder(path) and _incomplete(path):  # an HF folder is no download of ours
             raise ModelNotFound(f'the download in {path} is incomplete: run `{resume}` again to resume it')
         return _folder(path)
     if name == BUNDLED:
