@@ -212,7 +212,7 @@ def to_original(tensors: dict, hparams: HParams, *, source: str, strict: bool = 
             raise HFFormatError(f'{source}: lm_head.weight differs from wte: an untied head, which GPT-2 does not '
                                 f'have')
     if converted:
-        warnings.warn(f'{source}: {converted_to_float32(converted)}', stacklevel=3)
+        warnings.warn(f'{source}: {_conversion_note(converted)}', stacklevel=3)
     return out
 
 
@@ -233,7 +233,7 @@ def _float32(name: str, value, source: str, converted: set) -> np.ndarray:
     return value
 
 
-def converted_to_float32(dtypes) -> str:
+def _conversion_note(dtypes) -> str:
     """What reading tensors of these dtypes as float32 did: narrower ones are upcast (exactly), wider ones
     rounded (float64: a downcast)."""
     upcast = sorted(d for d in dtypes if np.dtype(d).itemsize < 4)
