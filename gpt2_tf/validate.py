@@ -49,11 +49,13 @@ PARTIAL = '.gpt2_tf-partial-'  # + the writer's pid: an export's staging inside 
 
 
 def left_behind(entry: str, prefix: str = PARTIAL) -> bool:
-    """Whether a folder's entry is the staging (prefix + the writer's pid + '-') of an export whose process has
-    gone (killed mid-write). A pid that a live process holds again counts as its writer: left, never removed."""
-    pid = entry[len(prefix):].split('-', 1)[0] if entry.startswith(prefix) else ''
-    if not (pid.isascii() and pid.isdigit()):
+    """Whether a folder's entry is the staging of an export whose process has gone (killed mid-write): named
+    prefix + the writer's pid + '-' + mkdtemp's eight characters, exactly (a user's '.out.partial-2024-01-15'
+    is not one). A pid that a live process holds again counts as its writer: left, never removed."""
+    named = re.fullmatch(re.escape(prefix) + r'([0-9]+)-[a-z0-9_]{8}', entry)
+    if named is None:
         return False
+    pid = named.group(1)
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

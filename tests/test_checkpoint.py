@@ -354,8 +354,9 @@ def test_a_killed_writers_staging_beside_a_new_folder_goes_at_the_next_write(tmp
     writer.send_signal(signal.SIGKILL)  # as the OOM killer ends it: no cleanup runs
     writer.wait(timeout=60)
     assert os.path.isdir(staging) and os.path.dirname(staging) == str(tmp_path)
-    others = [f'.out.partial-{os.getpid()}-live', '.out.partial-old', '.other.partial-1-x', 'mine']
-    for name in others:  # a live writer's, one without a pid, another destination's, the user's: all stay
+    others = [f'.out.partial-{os.getpid()}-live_123', '.out.partial-old', '.other.partial-1-x', 'mine',
+              '.out.partial-2024-01-15']  # a live writer's, one without a pid, another destination's, the user's
+    for name in others:  # (one named like a staging of pid 2024, but not by mkdtemp): all stay
         (tmp_path / name).mkdir()
     with whole_folder(tmp_path / 'out') as new:
         (pathlib.Path(new) / 'model.tflite').write_bytes(b'whole')

@@ -65,10 +65,10 @@ def run_exported(folder, prompt, length, seed=5) -> dict:
 
 
 @pytest.fixture(scope='module')
-def tiny_export(tmp_path_factory):
+def tiny_export(tmp_path_factory, tiny_vocabulary):
     """tf1-tiny exported with a cache of 8 positions, for the tests that only run it (or damage a copy)."""
     folder = tmp_path_factory.mktemp('tiny_export')
-    export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder, max_len=8)
+    export_litert(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder, max_len=8, vocabulary=tiny_vocabulary)
     return folder
 
 
@@ -143,16 +143,16 @@ def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkey
     monkeypatch.undo()
     gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
                           text=True, check=True).stdout.strip()  # a process that has ended: its pid is free
-    (empty / f'.gpt2_tf-partial-{gone}-x').mkdir()  # what an export killed mid-write left in the folder
-    (empty / f'.gpt2_tf-partial-{gone}-x' / 'model.tflite').write_bytes(b'half')
+    (empty / f'.gpt2_tf-partial-{gone}-x1y2z3_4').mkdir()  # what an export killed mid-write left in the folder
+    (empty / f'.gpt2_tf-partial-{gone}-x1y2z3_4' / 'model.tflite').write_bytes(b'half')
     export_litert(model, empty, max_len=8)  # the folder still counts as empty, and the leftover goes
     assert sorted(os.listdir(empty)) == ['encoder.json', 'model.json', 'model.tflite', 'vocab.bpe']
     busy = tmp_path / 'busy'
     busy.mkdir()
-    (busy / f'.gpt2_tf-partial-{os.getpid()}-y').mkdir()  # another export, still running, writes here
+    (busy / f'.gpt2_tf-partial-{os.getpid()}-y1y2y3_4').mkdir()  # another export, still running, writes here
     with pytest.raises(GPT2Error, match='exists and is not empty'):
         export_litert(model, busy, max_len=8)
-    assert os.listdir(busy) == [f'.gpt2_tf-partial-{os.getpid()}-y']  # left to its writer
+    assert os.listdir(busy) == [f'.gpt2_tf-partial-{os.getpid()}-y1y2y3_4']  # left to its writer
 
 
 def test_an_export_takes_the_vocabulary_convert_would_and_refuses_one_it_cannot_hold(tmp_path, capsys,
@@ -257,14 +257,14 @@ def test_the_runner_checks_its_arguments_by_the_librarys_rules(tmp_path, capsys,
     assert 'is not a LiteRT export (model.tflite and its model.json)' in capsys.readouterr().err
 
 
-def test_nan_logits_are_refused_with_the_library_s_error(tmp_path):
+def test_nan_logits_are_refused_with_the_library_s_error(tmp_path, tiny_vocabulary):
     import tensorflow as tf
 
     from gpt2_tf import litert_run
 
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
     model.ln_f.g.assign(tf.tensor_scatter_nd_update(model.ln_f.g, [[0]], [np.nan]))  # every logit NaN
-    export_litert(model, tmp_path, max_len=8)
+    export_litert(model, tmp_path, max_len=8, vocabulary=tiny_vocabulary)
     with pytest.raises(GPT2Error) as library:
         gpt2_tf.sample_sequence(model, 3, context=[1, 2], top_k=1)
     for options in (dict(top_k=1), dict(top_k=40, temperature=0.5, seed=1)):  # argmax said token 0, each step
