@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from .hparams import HParams, is_hf_folder
+from .hparams import HParams, holds_hf_model
 from .precision import assign, stored
 from . import validate
 from .validate import GPT2Error, first_line, save_folder
@@ -508,15 +508,13 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
 
 def check_save(model: Model, model_dir: str | os.PathLike) -> str:
     """The folder a save of the model may write into (created), before anything is written: an int8 model,
-    a folder holding a model of another size, and a Hugging Face folder (whose config.json and weights would
-    stay beside the new checkpoint, describing another model: save_hf refuses the mirror case) are refused."""
+    a folder holding a model of another size, and one holding a Hugging Face model (refuse_hf_model) are
+    refused."""
     if model.dtype == 'int8':
         raise CheckpointError('an int8 model cannot be saved: the original format holds float32 weights, '
                               'and int8 ones are a lossy copy of them; save the float32 model (dtype="float32")')
     model_dir = save_folder(model_dir)
-    if is_hf_folder(model_dir):
-        raise CheckpointError(f'{model_dir} holds a Hugging Face model (config.json), which would stay beside the '
-                              f'checkpoint and describe another model; save the checkpoint to another folder')
+    refuse_hf_model(model_dir)
     hparams_path = os.path.join(model_dir, 'hparams.json')
     if os.path.exists(hparams_path):
         existing = HParams.from_json(hparams_path)
@@ -524,6 +522,14 @@ def check_save(model: Model, model_dir: str | os.PathLike) -> str:
             raise CheckpointError(f'{model_dir} holds a model of another size ({existing}); '
                                   f'save to another folder')
     return model_dir
+
+
+def refuse_hf_model(model_dir: str) -> None:
+    """A folder holding a Hugging Face model (config.json and its weights) takes no checkpoint: both would stay
+    beside it, describing another model (save_hf refuses the mirror case). A config.json alone is no model."""
+    if holds_hf_model(model_dir):
+        raise CheckpointError(f'{model_dir} holds a Hugging Face model (config.json and its weights), which would '
+                              f'stay beside the checkpoint and describe another model; save to another folder')
 
 
 def publish(model: Model, model_dir: str, name: str, *, keep: int = 1) -> str:

@@ -23,15 +23,14 @@ from typing import Optional
 
 import numpy as np
 
+from . import interrupts
 from .encoder import END_OF_TEXT_ID, carried_vocabulary
-from .hparams import HParams
+from .hparams import HF_CONFIG, HF_WEIGHTS, HParams
 from .tensorfiles import read_torch, unreadable
 from .validate import GPT2Error, first_line, save_folder
 
-CONFIG = 'config.json'
-SAFETENSORS = 'model.safetensors'
-SAFETENSORS_INDEX = 'model.safetensors.index.json'
-TORCH_BIN = 'pytorch_model.bin'
+CONFIG = HF_CONFIG
+SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN = HF_WEIGHTS
 TOKENIZER_FILES = {'vocab.json': 'encoder.json', 'merges.txt': 'vocab.bpe'}  # HF's names for the same files
 TOKENIZER_JSON = 'tokenizer.json'  # the fast tokenizer's one file, written by the tokenizers library
 WRITTEN = (SAFETENSORS, *TOKENIZER_FILES, TOKENIZER_JSON, CONFIG)  # what save_hf writes, in the order it moves them in
@@ -331,8 +330,9 @@ def save_hf(model, path, *, vocabulary=None) -> str:
     tensors = to_hf({name: v.numpy() for name, v in stored_weights(model).items()})  # adapters merged
     with staged(path) as staging:  # every file is written beside the folder's own first, then moved in, config last
         _write_hf_files(staging, model.hparams, tensors, files, destination=path)
-        for name in WRITTEN:
-            os.replace(os.path.join(staging, name), os.path.join(path, name))
+        with interrupts.deferred():  # all moved in, or (Ctrl-C before) none: a retry finds its own save whole
+            for name in WRITTEN:
+                os.replace(os.path.join(staging, name), os.path.join(path, name))
     return path
 
 

@@ -10,9 +10,18 @@ from typing import Any, Mapping
 from .validate import GPT2Error, shown
 
 
+HF_CONFIG = 'config.json'
+HF_WEIGHTS = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin')  # what gpt2_tf.hf reads
+
+
 def is_hf_folder(path) -> bool:
     """A Hugging Face folder: its settings in config.json, and no hparams.json (the original layout wins)."""
-    return os.path.isfile(os.path.join(path, 'config.json')) and not os.path.isfile(os.path.join(path, 'hparams.json'))
+    return os.path.isfile(os.path.join(path, HF_CONFIG)) and not os.path.isfile(os.path.join(path, 'hparams.json'))
+
+
+def holds_hf_model(path) -> bool:
+    """An HF folder with weights in it: a model, not a stray config.json."""
+    return is_hf_folder(path) and any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHTS)
 
 
 @dataclasses.dataclass(frozen=True)

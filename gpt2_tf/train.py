@@ -396,6 +396,7 @@ class Run:
     def _check_folders(self) -> None:
         """Before any step: the run folder takes this model's size (fresh or resumed), and it and the sample
         folder can be written (the chief's, which write them)."""
+        checkpoint.refuse_hf_model(self.run_dir)  # as a save would, but before the first step
         held = os.path.join(self.run_dir, 'hparams.json')
         if os.path.exists(held) and runfolder.run_hparams(self.run_dir) != self.model.hparams:
             raise CheckpointError(f'{self.run_dir} holds a run of another model size '

@@ -441,8 +441,8 @@ def test_save_checkpoint_refuses_an_hf_folder(hf_folder, tmp_path):
     folder = tmp_path / 'hf'
     shutil.copytree(hf_folder[0], folder)
     before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
-    with pytest.raises(gpt2_tf.CheckpointError, match=r'hf holds a Hugging Face model \(config.json\), which would '
-                                                      r'stay beside the checkpoint'):
+    with pytest.raises(gpt2_tf.CheckpointError, match=r'hf holds a Hugging Face model \(config.json and its '
+                                                      r'weights\), which would stay beside the checkpoint'):
         gpt2_tf.save_checkpoint(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder)
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
     assert gpt2_tf.load_model(folder).hparams.n_vocab == HF_CONFIG['vocab_size']  # still the HF model
@@ -472,6 +472,30 @@ def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys
     assert main(['convert', 'test', str(tmp_path / 'new'), '--to', 'hf']) == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith('free some space or save elsewhere')
     assert not (tmp_path / 'new').exists() and sorted(os.listdir(tmp_path)) == ['hf']  # nor a staging folder
+
+
+def test_ctrl_c_as_a_save_moves_its_files_in_waits_for_all_of_them(tmp_path, monkeypatch, tiny_vocabulary):
+    import signal
+
+    model, folder, replace = gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), tmp_path / 'hf', os.replace
+
+    def interrupted(source, target):
+        replace(source, target)
+        if target.endswith(hf.SAFETENSORS):  # the first moved in: config.json, the last, still to come
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(hf.os, 'replace', interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal's process
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gpt2_tf.save_hf(model, folder, vocabulary=tiny_vocabulary)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.setattr(hf.os, 'replace', replace)
+    assert sorted(os.listdir(folder)) == sorted(hf.WRITTEN)  # whole: a retry takes it as its own
+    gpt2_tf.save_hf(model, folder, vocabulary=tiny_vocabulary)
+    np.testing.assert_array_equal(gpt2_tf.load_model(folder)(np.array([[1, 2, 3]]))['logits'],
+                                  model(np.array([[1, 2, 3]]))['logits'])
 
 
 def test_saving_to_a_file_is_refused_in_one_line(tmp_path, tiny_with_vocabulary):

@@ -592,6 +592,23 @@ def test_a_counter_left_behind_by_a_cut_save_resumes_at_the_step_saved(tmp_path)
     assert run_steps(tmp_path, 1).steps == 5 and (run / 'model-5.index').exists()
 
 
+def test_a_run_folder_holding_an_hf_model_is_refused_before_a_step_and_a_stray_config_json_is_not(tmp_path):
+    run = tmp_path / 'checkpoint' / 'run1'
+    run.mkdir(parents=True)
+    (run / 'config.json').write_text('{"lr": 0.0001}')  # someone's notes, not a model
+    assert run_steps(tmp_path, 1).steps == 1 and (run / 'model-1.index').exists()
+    other = tmp_path / 'checkpoint' / 'run2'
+    other.mkdir()
+    (other / 'config.json').write_text('{"model_type": "gpt2"}')
+    (other / 'model.safetensors').write_bytes(b'weights')
+    taken = []
+    with pytest.raises(gpt2_tf.CheckpointError, match=r'run2 holds a Hugging Face model \(config.json and its '
+                                                      r'weights\)'):
+        run_steps(tmp_path, 1, run_name='run2', log=taken.append)
+    assert not [line for line in taken if 'loss=' in line]  # refused before its first step
+    assert sorted(os.listdir(other)) == ['config.json', 'model.safetensors']
+
+
 def test_a_fresh_run_over_a_folder_never_pairs_one_runs_model_with_anothers_optimizer(tmp_path, monkeypatch):
     run = tmp_path / 'checkpoint' / 'run1'
     run_steps(tmp_path, 2)
