@@ -391,7 +391,7 @@ def _tensor(tensors: dict, key: str, shape: tuple, path: str) -> np.ndarray:
     if tuple(value.shape) != shape:
         raise AdapterError(f'{path}: {key} has shape {list(value.shape)}, this base model and rank need '
                            f'{list(shape)} (another model size, or r in {CONFIG} does not match)')
-    if value.dtype not in (np.float32, np.float16) and str(value.dtype) != 'bfloat16':
+    if not np.issubdtype(value.dtype, np.floating) and str(value.dtype) != 'bfloat16':  # read as float32
         raise AdapterError(f'{path}: {key} is {value.dtype}, expected floating point')
     return value
 

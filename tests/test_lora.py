@@ -285,7 +285,8 @@ def test_target_modules_match_as_peft_matches_them(peft_setup, tmp_path, targets
                                   load_model(TINY, adapter=folder / 'run')(tokens)['logits'])
 
 
-def test_an_adapter_model_bin_loads_as_the_safetensors_does(peft_setup, tmp_path):
+@pytest.mark.parametrize('dtype', [np.float32, np.float64])  # float64: read as float32, exactly here
+def test_an_adapter_model_bin_loads_as_the_safetensors_does(peft_setup, tmp_path, dtype):
     torch = require('torch')
     from safetensors.numpy import load_file
 
@@ -293,7 +294,7 @@ def test_an_adapter_model_bin_loads_as_the_safetensors_does(peft_setup, tmp_path
     (tmp_path / 'bin').mkdir()
     (tmp_path / 'bin' / lora.CONFIG).write_bytes((folder / 'run' / lora.CONFIG).read_bytes())
     tensors = load_file(folder / 'run' / lora.WEIGHTS)
-    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, tmp_path / 'bin' / 'adapter_model.bin')
+    torch.save({k: torch.from_numpy(v.astype(dtype)) for k, v in tensors.items()}, tmp_path / 'bin' / 'adapter_model.bin')
     tokens = batch(2, 16, seed=9)
     np.testing.assert_array_equal(load_model(TINY, adapter=tmp_path / 'bin')(tokens)['logits'],
                                   load_model(TINY, adapter=folder / 'run')(tokens)['logits'])
