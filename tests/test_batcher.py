@@ -252,6 +252,7 @@ def test_a_row_whose_event_loop_has_closed_leaves_without_raising_on_the_worker(
     completion.loop = asyncio.new_event_loop()
     completion.loop.close()
     completion.inbox, completion.rows = asyncio.Queue(), {0: row([1], 2, Inbox())}
+    completion.group = completion.reserved = None  # no echo scored
     completion._deliver(0, [5], None)  # call_soon_threadsafe raises RuntimeError on a closed loop
     assert completion.rows[0].done
 

@@ -262,6 +262,24 @@ def test_an_echo_s_prompts_being_scored_count_against_the_queue_and_show_as_runn
         first.join(60)
         assert samples(port)[gauge] == 0
         assert post(port, json.dumps({'prompt': [[7, 8]] * 24, **echo}).encode())[0] == 200
+        # 12 prompts x n=2 rows and their 12 echoes scored: 36 > 24, on an idle server too, so never a 503
+        status, reply = post(port, json.dumps({'prompt': [[7, 8]] * 12, 'n': 2, 'max_tokens': 1, 'echo': True,
+                                               'logprobs': 1}).encode())
+        assert status == 400 and 'asks for 36 rows' in reply['error']['message'], reply
+
+
+def test_a_client_that_leaves_during_an_echo_frees_its_rows_once_the_group_being_scored_ends(model, monkeypatch):
+    scored = slow_scoring(monkeypatch, 2.0)  # the thread scoring a group runs on when its client has gone
+    gauge = ('gpt2_tf_num_requests_running', frozenset())
+    with running(make_app(model)) as port:
+        with socket.create_connection(('127.0.0.1', port), timeout=60) as sock:
+            body = json.dumps({'prompt': [[7, 8]] * 20, 'max_tokens': 0, 'echo': True, 'logprobs': 1}).encode()
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                         b'Content-Length: %d\r\n\r\n%s' % (len(body), body))
+            settled(lambda: len(scored), lambda n: n >= 1)
+        time.sleep(0.75)  # the server looks for a gone client every 0.25 s; the group ends at 2 s
+        assert samples(port)[gauge] == 20, 'the queue let go of prompts still being scored'
+        assert settled(lambda: samples(port)[gauge], lambda n: n == 0) == 0 and len(scored) == 1
 
 
 def test_a_token_the_vocabulary_cannot_write_fails_the_request_as_the_servers_fault(random_checkpoint):
@@ -343,7 +361,7 @@ class Dripping:
     def __init__(self):
         self.rows, self.delivered = [], 0
 
-    def __call__(self, rows):
+    def __call__(self, rows, scored=0):
         self.rows.extend(rows)
         threading.Thread(target=self._drip, args=(rows,), daemon=True).start()
 
@@ -413,31 +431,39 @@ def test_a_client_that_leaves_before_its_body_ends_is_counted_as_gone_not_refuse
 
 
 def test_a_stopping_server_gives_its_requests_the_drain_then_fails_them_in_openai_s_shape(model, monkeypatch):
-    import uvicorn
-
-    from gpt2_tf.serve import bind
-    from gpt2_tf.serve.server import DRAIN, draining
+    from gpt2_tf.serve import bind, completion
+    from gpt2_tf.serve.server import CLOSING, DRAIN, draining
 
     app = make_app(model)
     step = app.state.batcher.slots.step
     monkeypatch.setattr(app.state.batcher.slots, 'step', lambda *a, **k: (time.sleep(0.2), step(*a, **k))[1])
+    scored = slow_scoring(monkeypatch, 0.5)
+    monkeypatch.setattr(completion, 'ECHO_TOKENS', 8)  # one prompt a group: 20 groups of 0.5 s
     sock = bind('127.0.0.1', 0)
-    server = draining(uvicorn.Config(app, log_level='warning'), app.state.batcher, 0.3)
+    port, server = sock.getsockname()[1], draining(app, 0.3)
     serving = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     serving.start()
     settled(lambda: server.started, bool)
-    replies = []
-    asking = threading.Thread(target=lambda: replies.append(post(sock.getsockname()[1], json.dumps(
-        {'prompt': 'Hi', 'max_tokens': 120}).encode())))  # 15 chunks of 0.2 s at least: past the drain
-    asking.start()
-    settled(lambda: app.state.batcher.chunks, bool)
-    server.handle_exit(signal.SIGTERM, None)  # as the signal would (uvicorn's handler)
-    asking.join(30)
-    serving.join(30)
-    assert not serving.is_alive() and replies, 'the server did not stop after its drain'
-    status, body = replies[0]
-    assert status == 500 and body['error']['message'] == 'generation failed: the server is shutting down', body
-    assert app.state.batcher.chunks < 15
+    replies = {}
+    bodies = {'decoding': {'prompt': 'Hi', 'max_tokens': 120},  # 15 chunks of 0.2 s at least: past the drain
+              'scoring': {'prompt': [[7, 8]] * 20, 'max_tokens': 0, 'echo': True, 'logprobs': 1}}
+    asking = [threading.Thread(target=lambda k=k: replies.update({k: post(port, json.dumps(bodies[k]).encode())}))
+              for k in bodies]
+    for thread in asking:
+        thread.start()
+    settled(lambda: app.state.batcher.chunks and scored, bool)
+    with socket.create_connection(('127.0.0.1', port), timeout=60) as slow:  # a body that never ends
+        slow.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                     b'Content-Length: 100\r\n\r\n{"prompt": ')
+        server.handle_exit(signal.SIGTERM, None)  # as the signal would (uvicorn's handler)
+        serving.join(0.3 + CLOSING + 10)
+        assert not serving.is_alive(), 'the server did not stop after its drain'
+    for thread in asking:
+        thread.join(30)
+    assert set(replies) == set(bodies), replies  # each answered, none cut off
+    for kind, (status, body) in replies.items():
+        assert status == 500 and body['error']['message'] == 'generation failed: the server is shutting down', kind
+    assert app.state.batcher.chunks < 15 and len(scored) < 20
     shown = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'serve', '--help'], capture_output=True, text=True)
     assert f'is shutting down (default: {DRAIN:g})' in ' '.join(shown.stdout.split())
 
@@ -552,11 +578,11 @@ def test_a_stream_that_fails_after_its_first_chunk_ends_with_an_error_event_and_
 def test_the_gauges_read_the_batcher_and_two_apps_keep_apart():
     from gpt2_tf.serve.metrics import Metrics
 
-    first = Metrics(types.SimpleNamespace(running=3, waiting=5))
-    second = Metrics(types.SimpleNamespace(running=1, waiting=0))  # a second registry: no duplicate names
+    first = Metrics(types.SimpleNamespace(running=3, waiting=5, scoring=2))  # rows running, and echoes scored
+    second = Metrics(types.SimpleNamespace(running=1, waiting=0, scoring=0))  # a second registry: no duplicates
     first.generation_tokens.inc(7)
     text = first.scrape().decode()
-    assert 'gpt2_tf_num_requests_running 3.0' in text and 'gpt2_tf_num_requests_waiting 5.0' in text
+    assert 'gpt2_tf_num_requests_running 5.0' in text and 'gpt2_tf_num_requests_waiting 5.0' in text
     assert 'gpt2_tf_generation_tokens_total 7.0' in text
     assert 'gpt2_tf_generation_tokens_total 0.0' in second.scrape().decode()
 

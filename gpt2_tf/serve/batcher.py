@@ -22,6 +22,7 @@ from .protocol import MAX_LOGPROBS, APIError
 
 LOG = logging.getLogger(__name__)  # a failed chunk's or prefill's traceback: the client gets its one line
 STREAM_CHUNK = 8  # tokens per compiled call: the first text of a stream arrives early
+SHUTTING_DOWN = 'the server is shutting down'  # what rows left when the Batcher closes fail with
 PENALTIES = ('logit_bias', 'presence_penalty', 'frequency_penalty', 'repetition_penalty')  # Slots.join's names
 
 
@@ -86,7 +87,7 @@ class Batcher:
         self.slots = Slots(model, capacity, chunk=chunk, mode=mode, decoder=decoder)
         self.held: List[Optional[Row]] = [None] * capacity  # the row in each slot
         self.pending: List[Row] = []
-        self.scoring = 0  # prompts being scored off the queue (reserve), counted against queue_size too
+        self.scoring = 0  # prompts being scored off the queue (submit's scored), counted against queue_size too
         self.lock = threading.Condition()
         self.stopped = False
         self.chunks = 0  # chunks decoded, for tests and logs
@@ -96,13 +97,15 @@ class Batcher:
     def check_rows(self, count: int) -> None:
         """Raises APIError 400 when a request of `count` rows could never be queued."""
         if count > self.queue_size:
-            raise APIError(400, f'the request asks for {count} rows (prompts times best_of, n by default); this server '
-                           f'queues at most {self.queue_size}: send fewer prompts, or a smaller n or best_of')
+            raise APIError(400, f'the request asks for {count} rows (prompts times best_of, n by default, and each '
+                           f'prompt whose echo is scored); this server queues at most {self.queue_size}: send fewer '
+                           f'prompts, or a smaller n or best_of')
 
-    def submit(self, rows: List[Row]) -> None:
-        """Queues the rows, or raises APIError: 400 when they could never all be queued, 503 when the queue is
-        full now. A row that cannot fit the window fails now."""
-        self.check_rows(len(rows))
+    def submit(self, rows: List[Row], *, scored: int = 0) -> None:
+        """Queues the rows, and counts `scored` prompts whose log-probs the request scores off the queue (an
+        echo's) until release(scored); or raises APIError: 400 when they could never all be queued, 503 when
+        the queue is full now. A row that cannot fit the window fails now."""
+        self.check_rows(len(rows) + scored)
         fitting, request = [], object()
         for row in rows:
             row.request = request
@@ -112,16 +115,10 @@ class Batcher:
             except GPT2Error as e:
                 row.fail(str(e))
         with self.lock:
-            self._check_room(len(fitting))
+            self._check_room(len(fitting) + scored)
             self.pending.extend(fitting)
+            self.scoring += scored
             self.lock.notify()
-
-    def reserve(self, count: int) -> None:
-        """Counts `count` prompts whose log-probs are scored off the queue (an echo's) against the queue's size
-        until release(count): APIError 503 as submit's when they do not fit now."""
-        with self.lock:
-            self._check_room(count)
-            self.scoring += count
 
     def release(self, count: int) -> None:
         with self.lock:
@@ -130,7 +127,7 @@ class Batcher:
     def _check_room(self, count: int) -> None:
         """Under the lock: 503 when closed, or when `count` more rows would pass queue_size."""
         if self.stopped:
-            raise APIError(503, 'the server is shutting down; retry on another', kind='server_error',
+            raise APIError(503, f'{SHUTTING_DOWN}; retry on another', kind='server_error',
                            code='shutting_down')
         if len(self.pending) + self.scoring + count > self.queue_size:
             raise APIError(503, f'the server is busy ({len(self.pending) + self.scoring} rows waiting or being '
@@ -168,7 +165,7 @@ class Batcher:
             left, self.pending = self.pending + [row for row in self.held if row is not None], []
         for row in left:
             if not row.done:
-                row.fail('the server is shutting down')
+                row.fail(SHUTTING_DOWN)
 
     def _admit(self) -> bool:
         """Blocks until some row can run, then moves waiting rows into free slots; False once closed."""

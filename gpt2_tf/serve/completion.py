@@ -24,7 +24,7 @@ from ..encoder import END_OF_TEXT, Encoder
 from ..runtime import Model
 from ..scoring import score
 from ..validate import GPT2Error
-from .batcher import Batcher, Row
+from .batcher import SHUTTING_DOWN, Batcher, Row
 from .protocol import APIError, CompletionChoice, CompletionRequest, CompletionResponse, Sampling, Usage
 
 
@@ -215,6 +215,13 @@ def echo_groups(prompts: list, tokens: int) -> list:
     return groups + [group] if group else groups
 
 
+def _retrieved(group: asyncio.Future) -> None:
+    """Reads a scoring group's outcome, so that a failure nobody awaits any more (its client gone) is not
+    reported as never retrieved."""
+    if not group.cancelled():
+        group.exception()
+
+
 class Completion:
     """One request: its choices (prompt-major, best_of per prompt), the rows they draw from, and what they make.
 
@@ -239,13 +246,15 @@ class Completion:
         self.failed = False  # a stream that failed after its first bytes (it ends with an error event)
         self.scorer: Optional[Model] = None  # the model, when the echoed prompts' logprobs are to be scored
         self.reserved: Optional[Batcher] = None  # whose queue counts the prompts being scored, until released
+        self.group: Optional[asyncio.Future] = None  # the group of prompts being scored now, on another thread
 
     def submit(self, model: Model, batcher: Batcher) -> None:
         """Makes the choices and queues their rows; an echo's log-probs are scored when its events start."""
         request, best_of = self.request, self.sampling.best_of
         batcher.check_rows(len(self.sampling.prompts) * best_of)  # rows or not: every choice costs the loop work
-        ranked = best_of > request.n and request.logprobs is None  # the ranking needs each token's log-prob
         self.scorer = model if request.echo and request.logprobs is not None else None
+        scored = len(self.sampling.prompts) if self.scorer is not None else 0  # submit counts them with the rows
+        ranked = best_of > request.n and request.logprobs is None  # the ranking needs each token's log-prob
         for i, (prompt, given) in enumerate(zip(self.sampling.prompts, self.sampling.given)):
             prefix = self.encoder.decode(given) if request.echo else ''  # an empty prompt echoes as ''
             for j in range(best_of):
@@ -255,30 +264,33 @@ class Completion:
                     self.rows[index] = Row(prompt, request.max_tokens, self.sampling.options,
                                            (self.sampling.seed, index), 0 if ranked else request.logprobs,
                                            functools.partial(self._deliver, index))
-        if self.scorer is not None:
-            batcher.reserve(len(self.sampling.prompts))
-            self.reserved = batcher
-        try:
-            if self.rows:
-                batcher.submit(list(self.rows.values()))
-        except BaseException:
-            self._release()
-            raise
+        if self.rows or scored:
+            batcher.submit(list(self.rows.values()), scored=scored)
+            self.reserved = batcher if scored else None
 
-    def _release(self) -> None:
-        """Takes the prompts being scored off the queue's count, once."""
+    def _release(self, *_) -> None:
+        """Takes the prompts being scored off the queue's count, once, when no group of them is being scored
+        (a thread, which a client's leaving does not stop: then once that group is done)."""
+        if self.group is not None and not self.group.done():
+            self.group.add_done_callback(self._release)
+            return
         if self.reserved is not None:
             self.reserved.release(len(self.sampling.prompts))
             self.reserved = None
 
     async def _score_echoes(self) -> None:
         """The echoed prompts' logprobs, scored off the event loop a group at a time: a client that goes away
-        (its task cancelled) stops the scoring at the next group."""
+        (its task cancelled), or a server that stops, stops the scoring at the next group."""
         given, best_of, top = self.sampling.given, self.sampling.best_of, self.request.logprobs
         try:
             for group in echo_groups(given, ECHO_TOKENS):
+                if self.reserved is not None and self.reserved.stopped:
+                    raise APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
                 prompts = [given[i] for i in group]
-                scored = await asyncio.to_thread(echo_entries, self.scorer, self.encoder, prompts, top)
+                self.group = asyncio.ensure_future(asyncio.to_thread(echo_entries, self.scorer, self.encoder,
+                                                                     prompts, top))
+                self.group.add_done_callback(_retrieved)
+                scored = await asyncio.shield(self.group)  # a cancelled wait leaves the thread to finish its group
                 for i, entries in zip(group, scored):
                     if given[i]:  # an empty prompt echoes nothing
                         for choice in self.choices[i * best_of:(i + 1) * best_of]:

@@ -15,6 +15,7 @@ from .app import create_app
 
 
 DRAIN = 30.0  # seconds the requests in flight have to finish once the server is told to stop
+CLOSING = 2.0  # seconds after the drain for the requests it failed to say so, before their connections close
 
 
 class PortTaken(GPT2Error):
@@ -68,8 +69,6 @@ def serve(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequence[st
     new connection and lets the requests in flight finish for at most `drain` seconds (see draining; None:
     DRAIN).
     """
-    import uvicorn
-
     sock = bind(host, port)
     try:
         app = create_app(model, encoder, model_id=model_id, aliases=aliases, api_key=api_key, capacity=capacity,
@@ -77,17 +76,20 @@ def serve(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequence[st
         where = f'[{host}]' if ':' in host else host
         print(f'gpt2-tf: serving {model_id} on http://{where}:{port}/v1 (Ctrl-C to stop)', file=sys.stderr,
               flush=True)
-        server = draining(uvicorn.Config(app, log_level='warning'), app.state.batcher, DRAIN if drain is None else drain)
-        server.run(sockets=[sock])
+        draining(app, DRAIN if drain is None else drain).run(sockets=[sock])
     finally:
         sock.close()
 
 
-def draining(config, batcher, drain: float):
-    """uvicorn's Server, whose drain has a limit: `drain` seconds after the first Ctrl-C or SIGTERM, the rows
-    still queued or decoding fail ('the server is shutting down'), so that their clients get an error in
-    OpenAI's shape, not a cut connection, and the server exits. (A second Ctrl-C exits at once, as uvicorn's.)"""
+def draining(app, drain: float):
+    """A uvicorn Server of the app whose drain has a limit: `drain` seconds after the first Ctrl-C or SIGTERM,
+    the rows still queued or decoding, and the echoes still being scored, fail ('the server is shutting down'),
+    so that their clients get an error in OpenAI's shape, not a cut connection; CLOSING seconds later the
+    connections still open (a client still sending its body, or not reading) are closed, and the server exits.
+    (A second Ctrl-C exits at once, as uvicorn's.)"""
     import uvicorn
+
+    batcher = app.state.batcher
 
     class Draining(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -97,4 +99,4 @@ def draining(config, batcher, drain: float):
                 timer.start()
             super().handle_exit(sig, frame)
 
-    return Draining(config)
+    return Draining(uvicorn.Config(app, log_level='warning', timeout_graceful_shutdown=drain + CLOSING))
