@@ -491,8 +491,8 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     file to it with an atomic rename, and only then removes the prefixes beyond the
     `keep` newest, as TF's own Saver does: an interrupted save leaves the earlier
     checkpoint loadable. The folder's other files stay. A folder whose hparams.json
-    describes another model size, and a Hugging Face folder (config.json), are
-    refused. Attached LoRA adapters are written merged (stored_weights).
+    describes another model size, and one holding a Hugging Face model (config.json
+    and its weights), are refused. Attached LoRA adapters are written merged (stored_weights).
     """
     model_dir = check_save(model, model_dir)
     current, _ = checkpoint_state(model_dir)
