@@ -930,18 +930,33 @@ class Team {
   std::condition_variable wake_;
 };
 
+// Runs every task on the calling thread: the Eigen device of a call on one thread, which starts no pool.
+class Inline : public Eigen::ThreadPoolInterface {
+ public:
+  void Schedule(std::function<void()> fn) override { fn(); }
+  int NumThreads() const override { return 1; }
+  int CurrentThreadId() const override { return -1; }
+};
+
+// The Eigen device of a call on `size` threads; the pool behind them all starts with the first call on two.
+const Eigen::ThreadPoolDevice& PoolDevice(int64_t size, int cpus) {
+  static Eigen::ThreadPoolDevice* alone = new Eigen::ThreadPoolDevice(new Inline, 1);
+  if (size == 1) return *alone;
+  static Eigen::ThreadPool* pool = new Eigen::ThreadPool(cpus);
+  static const std::vector<Eigen::ThreadPoolDevice*> devices = [&] {  // devices[n - 2] runs Eigen on n threads
+    std::vector<Eigen::ThreadPoolDevice*> all;
+    for (int n = 2; n <= cpus; ++n) all.push_back(new Eigen::ThreadPoolDevice(pool, n));
+    return all;
+  }();
+  return *devices[size - 2];
+}
+
 // A custom call's threads: `threads` of them (0: one per CPU), at most one per CPU.
 Threads PoolThreads(int64_t threads) {
   static const int cpus = Cpus();
-  static Eigen::ThreadPool* pool = new Eigen::ThreadPool(cpus);
-  static const std::vector<Eigen::ThreadPoolDevice*> devices = [] {  // devices[n - 1] runs Eigen on n threads
-    std::vector<Eigen::ThreadPoolDevice*> all;
-    for (int n = 1; n <= cpus; ++n) all.push_back(new Eigen::ThreadPoolDevice(pool, n));
-    return all;
-  }();
   static Team* team = new Team();
   const int64_t size = threads > 0 ? std::min<int64_t>(threads, cpus) : cpus;
-  return Threads{*devices[size - 1],
+  return Threads{PoolDevice(size, cpus),
                  [size](int64_t units, int64_t /*cost*/, const std::function<void(int64_t, int64_t)>& fn) {
                    team->For(units, size, fn);
                  },
