@@ -12,6 +12,7 @@ from .validate import GPT2Error, shown
 
 HF_CONFIG = 'config.json'
 HF_WEIGHTS = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin')  # what gpt2_tf.hf reads
+HF_MODEL_FILES = (*HF_WEIGHTS, 'pytorch_model.bin.index.json', 'tf_model.h5', 'flax_model.msgpack')  # any HF save's
 
 
 def is_hf_folder(path) -> bool:
@@ -20,8 +21,9 @@ def is_hf_folder(path) -> bool:
 
 
 def holds_hf_model(path) -> bool:
-    """An HF folder with weights in it: a model, not a stray config.json."""
-    return is_hf_folder(path) and any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHTS)
+    """An HF folder with weights in it (any save_pretrained's, those gpt2_tf.hf does not read too): a model, not a
+    stray config.json."""
+    return is_hf_folder(path) and any(os.path.isfile(os.path.join(path, name)) for name in HF_MODEL_FILES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -448,6 +448,17 @@ def test_save_checkpoint_refuses_an_hf_folder(hf_folder, tmp_path):
     assert gpt2_tf.load_model(folder).hparams.n_vocab == HF_CONFIG['vocab_size']  # still the HF model
 
 
+@pytest.mark.parametrize('weights', ['pytorch_model.bin.index.json', 'tf_model.h5', 'flax_model.msgpack'])
+def test_save_checkpoint_refuses_an_hf_folder_of_weights_gpt2_tf_does_not_read(tmp_path, weights):
+    folder = tmp_path / 'hf'  # a sharded .bin, or TFGPT2LMHeadModel's or Flax's save_pretrained
+    folder.mkdir()
+    (folder / 'config.json').write_text(json.dumps(HF_CONFIG))
+    (folder / weights).write_bytes(b'weights')
+    with pytest.raises(gpt2_tf.CheckpointError, match='holds a Hugging Face model'):
+        gpt2_tf.save_checkpoint(gpt2_tf.load_model(FIXTURES / 'tf1-tiny'), folder)
+    assert sorted(os.listdir(folder)) == sorted(['config.json', weights])
+
+
 def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys, tiny_vocabulary):
     import safetensors
 
