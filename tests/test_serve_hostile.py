@@ -431,14 +431,14 @@ def test_a_client_that_leaves_before_its_body_ends_is_counted_as_gone_not_refuse
 
 
 def test_a_stopping_server_gives_its_requests_the_drain_then_fails_them_in_openai_s_shape(model, monkeypatch):
-    from gpt2_tf.serve import bind, completion
+    from gpt2_tf.serve import bind
     from gpt2_tf.serve.server import CLOSING, DRAIN, draining
 
-    app = make_app(model)
+    log = io.StringIO()
+    app = make_app(model, access_log=log)
     step = app.state.batcher.slots.step
     monkeypatch.setattr(app.state.batcher.slots, 'step', lambda *a, **k: (time.sleep(0.2), step(*a, **k))[1])
-    scored = slow_scoring(monkeypatch, 0.5)
-    monkeypatch.setattr(completion, 'ECHO_TOKENS', 8)  # one prompt a group: 20 groups of 0.5 s
+    scored = slow_scoring(monkeypatch, 4.0)  # the echo's one group: past the drain and the closing
     sock = bind('127.0.0.1', 0)
     port, server = sock.getsockname()[1], draining(app, 0.3)
     serving = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
@@ -458,12 +458,15 @@ def test_a_stopping_server_gives_its_requests_the_drain_then_fails_them_in_opena
         server.handle_exit(signal.SIGTERM, None)  # as the signal would (uvicorn's handler)
         serving.join(0.3 + CLOSING + 10)
         assert not serving.is_alive(), 'the server did not stop after its drain'
+        told = slow.recv(4096)
+    assert told.startswith(b'HTTP/1.1 503') and b'the server is shutting down; retry on another' in told, told
+    assert 'POST /v1/completions 503' in log.getvalue(), log.getvalue()
     for thread in asking:
         thread.join(30)
     assert set(replies) == set(bodies), replies  # each answered, none cut off
     for kind, (status, body) in replies.items():
         assert status == 500 and body['error']['message'] == 'generation failed: the server is shutting down', kind
-    assert app.state.batcher.chunks < 15 and len(scored) < 20
+    assert app.state.batcher.chunks < 15 and len(scored) == 1
     shown = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'serve', '--help'], capture_output=True, text=True)
     assert f'is shutting down (default: {DRAIN:g})' in ' '.join(shown.stdout.split())
 

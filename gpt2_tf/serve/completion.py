@@ -150,6 +150,7 @@ class Choice:
 
 
 ECHO_TOKENS = 1024  # padded prompt tokens scored in one call: the logits of one 124M window (206 MB)
+STOP_CHECK = 0.25  # seconds between looks at a stopping server while a group is scored
 
 
 def echo_logprobs(model: Model, encoder: Encoder, prompt: list, top: int) -> dict:
@@ -245,12 +246,14 @@ class Completion:
         self.complete = False  # the whole response or stream was handed out
         self.failed = False  # a stream that failed after its first bytes (it ends with an error event)
         self.scorer: Optional[Model] = None  # the model, when the echoed prompts' logprobs are to be scored
-        self.reserved: Optional[Batcher] = None  # whose queue counts the prompts being scored, until released
+        self.batcher: Optional[Batcher] = None  # the queue the request went to (submit)
+        self.reserved: Optional[Batcher] = None  # the same, while it counts the prompts being scored
         self.group: Optional[asyncio.Future] = None  # the group of prompts being scored now, on another thread
 
     def submit(self, model: Model, batcher: Batcher) -> None:
         """Makes the choices and queues their rows; an echo's log-probs are scored when its events start."""
         request, best_of = self.request, self.sampling.best_of
+        self.batcher = batcher
         batcher.check_rows(len(self.sampling.prompts) * best_of)  # rows or not: every choice costs the loop work
         self.scorer = model if request.echo and request.logprobs is not None else None
         scored = len(self.sampling.prompts) if self.scorer is not None else 0  # submit counts them with the rows
@@ -284,13 +287,16 @@ class Completion:
         given, best_of, top = self.sampling.given, self.sampling.best_of, self.request.logprobs
         try:
             for group in echo_groups(given, ECHO_TOKENS):
-                if self.reserved is not None and self.reserved.stopped:
+                if self.batcher.stopped:
                     raise APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
                 prompts = [given[i] for i in group]
                 self.group = asyncio.ensure_future(asyncio.to_thread(echo_entries, self.scorer, self.encoder,
                                                                      prompts, top))
                 self.group.add_done_callback(_retrieved)
-                scored = await asyncio.shield(self.group)  # a cancelled wait leaves the thread to finish its group
+                while not (await asyncio.wait({self.group}, timeout=STOP_CHECK))[0]:  # a cancelled wait, or a
+                    if self.batcher.stopped:  # stop, leaves the thread to finish its group
+                        raise APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
+                scored = self.group.result()
                 for i, entries in zip(group, scored):
                     if given[i]:  # an empty prompt echoes nothing
                         for choice in self.choices[i * best_of:(i + 1) * best_of]:

@@ -85,8 +85,8 @@ def draining(app, drain: float):
     """A uvicorn Server of the app whose drain has a limit: `drain` seconds after the first Ctrl-C or SIGTERM,
     the rows still queued or decoding, and the echoes still being scored, fail ('the server is shutting down'),
     so that their clients get an error in OpenAI's shape, not a cut connection; CLOSING seconds later the
-    connections still open (a client still sending its body, or not reading) are closed, and the server exits.
-    (A second Ctrl-C exits at once, as uvicorn's.)"""
+    requests still open are ended (a client still sending its body gets a 503), and the server exits once a
+    thread scoring an echo has finished its group. (A second Ctrl-C exits at once, as uvicorn's.)"""
     import uvicorn
 
     batcher = app.state.batcher
