@@ -166,16 +166,20 @@ def test_a_tied_head_stored_only_as_lm_head_loads(tmp_path, hf_folder):
         gpt2_tf.load_model(tmp_path / 'head')
 
 
-def test_sharded_safetensors_load(tmp_path, state, hf_folder):
-    folder = tmp_path / 'sharded'
+def write_shards(folder, state: dict, first: list, second: list) -> None:
+    """An HF folder of two safetensors shards holding the tensors named in first and in second, and its index."""
     folder.mkdir()
-    names = sorted(state)
-    halves = {'model-00001-of-00002.safetensors': names[:10], 'model-00002-of-00002.safetensors': names[10:]}
+    halves = {'model-00001-of-00002.safetensors': first, 'model-00002-of-00002.safetensors': second}
     for shard, keys in halves.items():
         safetensors_numpy.save_file({k: np.ascontiguousarray(state[k]) for k in keys}, str(folder / shard))
     (folder / 'model.safetensors.index.json').write_text(json.dumps(
         {'weight_map': {k: shard for shard, keys in halves.items() for k in keys}}))
     (folder / 'config.json').write_text(json.dumps(HF_CONFIG))
+
+
+def test_sharded_safetensors_load(tmp_path, state, hf_folder):
+    folder, names = tmp_path / 'sharded', sorted(state)
+    write_shards(folder, state, names[:10], names[10:])
     tokens = np.arange(12, dtype=np.int32)[None]
     assert_close(gpt2_tf.load_model(folder)(tokens)['logits'], torch_logits(hf_folder[1], tokens), 'sharded')
 
@@ -198,15 +202,8 @@ def test_two_names_for_one_tensor_are_refused_naming_both(tmp_path, state, add, 
 
 
 def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path, state):
-    folder = tmp_path / 'sharded'
-    folder.mkdir()
-    names = sorted(state)
-    halves = {'model-00001-of-00002.safetensors': names[:10], 'model-00002-of-00002.safetensors': names[9:]}
-    for shard, keys in halves.items():
-        safetensors_numpy.save_file({k: np.ascontiguousarray(state[k]) for k in keys}, str(folder / shard))
-    (folder / 'model.safetensors.index.json').write_text(json.dumps(
-        {'weight_map': {k: shard for shard, keys in halves.items() for k in keys}}))
-    (folder / 'config.json').write_text(json.dumps(HF_CONFIG))
+    folder, names = tmp_path / 'sharded', sorted(state)
+    write_shards(folder, state, names[:10], names[9:])  # names[9] in both
     with pytest.raises(hf.HFFormatError, match=f'model-00002-of-00002.safetensors: {names[9]} is also in '
                                                f'.*model-00001-of-00002.safetensors'):
         gpt2_tf.load_model(folder)
