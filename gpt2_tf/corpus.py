@@ -159,7 +159,7 @@ def documents(inputs: Sequence[str], *, glob: str = '*.txt') -> list:
     return found
 
 
-def _open(path: str, newline: Optional[str] = None):
+def open_text(path: str, newline: Optional[str] = None):
     """A text file (or '-', standard input) read as UTF-8, its line breaks as '\n' (Python's text mode)."""
     if path == '-':
         return open(sys.stdin.fileno(), encoding='utf-8', newline=newline, closefd=False)
@@ -186,7 +186,7 @@ def file_pieces(path: str, size: int = PIECE, *, binary=None) -> Iterator[Option
     newline = '' if path.endswith('.csv') else None  # the csv module reads quoted line breaks itself
     try:
         with (io.TextIOWrapper(binary, encoding='utf-8', newline=newline) if binary is not None
-              else _open(path, newline)) as f:
+              else open_text(path, newline)) as f:
             if path.endswith('.csv'):
                 for row in _csv_rows(f):
                     yield from pieces(io.StringIO(row), size)

@@ -197,10 +197,10 @@ def read_prompt(aside) -> str:
 def read_text(path: str) -> str:
     """A file's text, or stdin's for '-', as strict UTF-8 either way, line breaks (\\r\\n, \\r) read as \\n, as
     encode and finetune read them."""
+    from ..corpus import open_text
+
     try:
-        if path == '-':
-            return sys.stdin.buffer.read().decode('utf-8').replace('\r\n', '\n').replace('\r', '\n')
-        with open(path, encoding='utf-8', newline=None) as f:
+        with open_text(path) as f:
             return f.read()
     except FileNotFoundError:
         raise CommandError(f'{path}: no such file; check the path') from None
