@@ -375,8 +375,11 @@ def replace_atomically(path: str, text: str) -> None:
 @contextlib.contextmanager
 def staged(folder: str, prefix: str = '.saving-'):
     """A fresh staging folder inside folder, removed afterwards with whatever is left in it. Files are written
-    there, then moved into place by os.replace (the same file system): each appears whole or not at all."""
-    staging = tempfile.mkdtemp(prefix=prefix, dir=folder)
+    there, then moved into place by os.replace (the same file system): each appears whole or not at all.
+    It is named prefix + the writer's pid, so the stagings of writers killed outright (the OOM killer) are known
+    as such: those of the same prefix go first (validate.left_behind), a live writer's stay."""
+    _remove_left_behind(folder, prefix)
+    staging = tempfile.mkdtemp(prefix=f'{prefix}{os.getpid()}-', dir=folder)
     try:
         yield staging
     finally:
@@ -391,23 +394,20 @@ def whole_folder(path):
     staged inside and its entries moved into it."""
     path = validate.check_new_folder(os.path.abspath(path))
     if os.path.isdir(path):
-        _remove_left_behind(path, validate.PARTIAL)
-        with staged(path, prefix=f'{validate.PARTIAL}{os.getpid()}-') as staging:
+        with staged(path, prefix=validate.PARTIAL) as staging:
             yield staging
             _move_entries(staging, path)
         return
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
-    beside = f'.{name}.partial-'  # + the writer's pid: what a writer killed mid-write (OOM) leaves is known as such
-    _remove_left_behind(parent, beside)
-    with staged(parent, prefix=f'{beside}{os.getpid()}-') as staging:
+    with staged(parent, prefix=f'.{name}.partial-') as staging:
         yield staging
         os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's folder is private (0700); a save's is not
         os.replace(staging, path)
 
 
 def _remove_left_behind(folder: str, prefix: str) -> None:
-    """The stagings in folder named prefix + pid whose writer has gone (validate.left_behind): killed exports'."""
+    """The stagings in folder named prefix + pid whose writer has gone (validate.left_behind)."""
     for left in filter(lambda entry: validate.left_behind(entry, prefix), os.listdir(folder)):
         left = os.path.join(folder, left)
         if os.path.isdir(left) and not os.path.islink(left):

@@ -53,7 +53,6 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
     folder as it was.
     """
     run_dir = checkpoint.check_save(model, run_dir)
-    remove_stagings(run_dir)
     name = f'model-{step}'
     state = optimizer_prefix(os.path.join(run_dir, name))
     with checkpoint.staged(run_dir) as staging:
@@ -73,12 +72,6 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
     except OSError as e:
         raise Unfinished(e.errno, e.strerror) from None
     return prefix
-
-
-def remove_stagings(run_dir: str) -> None:
-    """A killed save's staging folders."""
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), '.saving-*')):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def remove_orphan_states(run_dir: str) -> None:
@@ -235,7 +228,6 @@ def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict,
     from . import lora
 
     os.makedirs(run_dir, exist_ok=True)
-    remove_stagings(run_dir)
     state = os.path.join(run_dir, f'optimizer-{step}')
     with checkpoint.staged(run_dir) as staging:
         if slots:

@@ -18,6 +18,7 @@ from gpt2_tf.litert import export_litert
 from gpt2_tf.validate import GPT2Error
 
 from conftest import FIXTURES, assert_close, require
+from support import ended_pid
 
 require('ai_edge_litert')
 
@@ -141,8 +142,7 @@ def test_an_existing_empty_folder_stays_the_folder_written_into(tmp_path, monkey
         export_litert(model, empty, max_len=8)
     assert empty.stat().st_ino and os.listdir(empty) == []  # still there, still empty
     monkeypatch.undo()
-    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
-                          text=True, check=True).stdout.strip()  # a process that has ended: its pid is free
+    gone = ended_pid()
     (empty / f'.gpt2_tf-partial-{gone}-x1y2z3_4').mkdir()  # what an export killed mid-write left in the folder
     (empty / f'.gpt2_tf-partial-{gone}-x1y2z3_4' / 'model.tflite').write_bytes(b'half')
     export_litert(model, empty, max_len=8)  # the folder still counts as empty, and the leftover goes

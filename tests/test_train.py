@@ -24,6 +24,7 @@ from gpt2_tf.train import Trainer, finetune
 from gpt2_tf.validate import GPT2Error
 
 from conftest import FIXTURES, default_sigint, tolerance
+from support import ended_pid
 
 HOT = FIXTURES / 'tf1-tiny-hot'
 HPARAMS = HParams.from_json(HOT / 'hparams.json')
@@ -613,8 +614,10 @@ def test_a_fresh_run_over_a_folder_never_pairs_one_runs_model_with_anothers_opti
     run = tmp_path / 'checkpoint' / 'run1'
     run_steps(tmp_path, 2)
     earlier = {f.name: f.read_bytes() for f in run.iterdir() if f.name.startswith(('model-2', 'optimizer-2'))}
-    (run / '.saving-killed').mkdir()  # a staging folder a killed save left
-    (run / '.saving-killed' / 'bundle.data-00000-of-00001').write_bytes(b'x' * 100)
+    killed, live = f'.saving-{ended_pid()}-killed_1', f'.saving-{os.getpid()}-running'
+    for staging in killed, live:  # a killed save's staging, and one of a save still running in this process
+        (run / staging).mkdir()
+        (run / staging / 'bundle.data-00000-of-00001').write_bytes(b'x' * 100)
     writes = []
 
     def full_at_the_last(prefix, tensors, write=gpt2_tf.checkpoint.write_tensors):
@@ -627,7 +630,7 @@ def test_a_fresh_run_over_a_folder_never_pairs_one_runs_model_with_anothers_opti
     with pytest.raises(OSError, match=r'cannot save step 2 .* the previous checkpoint \(model-2\) is intact'):
         run_steps(tmp_path, 2, restore_from='fresh', seed=7, learning_rate=0.05)
     monkeypatch.undo()
-    assert writes == ['model', 'optimizer'] and not (run / '.saving-killed').exists()
+    assert writes == ['model', 'optimizer'] and not (run / killed).exists() and (run / live).exists()
     # Both new bundles are written before the earlier run's are touched: that run's pair is as it was.
     assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == ('model-2', ['model-2'])
     assert {name: (run / name).read_bytes() for name in earlier} == earlier
