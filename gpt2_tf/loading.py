@@ -24,7 +24,7 @@ import numpy as np
 from . import hf
 from .assets import bundled_checkpoint
 from .download import partial_folder
-from .encoder import Encoder, encoder_for, is_save, vocabulary_files
+from .encoder import Encoder, carried_vocabulary, encoder_for, is_save, vocabulary_files
 from .hparams import OLD_NAMES, PUBLISHED, HParams, is_hf_folder
 from .validate import GPT2Error
 
@@ -81,6 +81,13 @@ class ModelFolder:
                           + ('' if n_vocab == hf.GPT2_VOCAB else f' (50257 tokens; the model has {n_vocab})'),
                           stacklevel=2)
         return encoder
+
+    def carried_vocabulary(self) -> tuple:
+        """The vocabulary files a folder written from this one carries (encoder.carried_vocabulary), refused
+        before the model loads; with encoder()'s warning where GPT-2's bundled pair stands in."""
+        files = carried_vocabulary(self.path, self.hparams().n_vocab)
+        self.encoder()
+        return files
 
 
 def _names(path: str) -> tuple:

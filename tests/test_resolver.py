@@ -134,9 +134,11 @@ def test_generate_takes_every_name(kinds, argv):
     assert done.returncode == 0 and done.stderr == '' and 'SAMPLE 1' in done.stdout, done.stderr
 
 
-def test_a_missing_vocabulary_is_one_warning_naming_what_is_used(kinds):
-    done = cli('generate', 'Hello', '--model_dir', kinds['hf-without-vocabulary'][1], '--length', '3', '--seed', '1',
-               '--mode', 'function')
+@pytest.mark.parametrize('command', [('generate', 'Hello', '--model_dir', 'HF', '--length', '3', '--seed', '1',
+                                      '--mode', 'function'),
+                                     ('convert', 'HF', 'OUT', '--to', 'original')])
+def test_a_missing_vocabulary_is_one_warning_naming_what_is_used(kinds, tmp_path, command):
+    done = cli(*[{'HF': kinds['hf-without-vocabulary'][1], 'OUT': tmp_path / 'out'}.get(a, a) for a in command])
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == [f'gpt2-tf: warning: {kinds["hf-without-vocabulary"][1]} has no '
                                         f'vocab.json/merges.txt; using the bundled GPT-2 vocabulary']

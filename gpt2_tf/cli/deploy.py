@@ -7,7 +7,6 @@ import shutil
 
 LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
 
-from ..encoder import carried_vocabulary
 from ..validate import check_new_folder
 from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_strict,
                      add_verbose, model_folder, open_model)
@@ -39,7 +38,7 @@ def export_litert(args, folder, hparams) -> None:
     if args.xla:
         raise CommandError('--xla is for a SavedModel; a LiteRT model runs in the LiteRT interpreter')
     check_new_folder(args.out_dir)
-    vocabulary = carried_vocabulary(folder.path, hparams.n_vocab)  # refused before the model loads
+    vocabulary = folder.carried_vocabulary()
     model = open_model(args, folder, device='/CPU:0')
     from ..litert import export_litert as write
 
@@ -82,13 +81,12 @@ def cmd_convert(args):
     from ..hf import TOKENIZER_FILES
 
     source = model_folder(args)
-    hparams = source.hparams()
     check_new_folder(args.destination)
     if args.to == 'hf' and source.layout == 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is already a Hugging Face folder (config.json); use --to original')
     if args.to == 'original' and source.layout != 'hf' and not args.adapter:
         raise CommandError(f'{source.path} is not a Hugging Face folder (no config.json); use --to hf')
-    vocabulary = carried_vocabulary(source.path, hparams.n_vocab)  # refused before the model loads
+    vocabulary = source.carried_vocabulary()
     model = open_model(args, source, device='/CPU:0')
     from ..checkpoint import save_checkpoint, whole_folder
     from ..hf import save_hf
