@@ -159,11 +159,15 @@ def documents(inputs: Sequence[str], *, glob: str = '*.txt') -> list:
     return found
 
 
+TEXT_ENCODING = 'utf-8-sig'  # UTF-8, less a leading byte-order mark (Windows editors write one; it is not text)
+
+
 def open_text(path: str, newline: Optional[str] = None):
-    """A text file (or '-', standard input) read as UTF-8, its line breaks as '\n' (Python's text mode)."""
+    """A text file (or '-', standard input) read as UTF-8 (TEXT_ENCODING), its line breaks as '\n' (Python's
+    text mode)."""
     if path == '-':
-        return open(sys.stdin.fileno(), encoding='utf-8', newline=newline, closefd=False)
-    return open(path, encoding='utf-8', newline=newline)
+        return open(sys.stdin.fileno(), encoding=TEXT_ENCODING, newline=newline, closefd=False)
+    return open(path, encoding=TEXT_ENCODING, newline=newline)
 
 
 CSV_START = '<|startoftext|>'  # gpt-2-simple's start marker for each CSV row, kept as text
@@ -185,7 +189,7 @@ def file_pieces(path: str, size: int = PIECE, *, binary=None) -> Iterator[Option
     Beam file system's), else the file is opened here."""
     newline = '' if path.endswith('.csv') else None  # the csv module reads quoted line breaks itself
     try:
-        with (io.TextIOWrapper(binary, encoding='utf-8', newline=newline) if binary is not None
+        with (io.TextIOWrapper(binary, encoding=TEXT_ENCODING, newline=newline) if binary is not None
               else open_text(path, newline)) as f:
             if path.endswith('.csv'):
                 for row in _csv_rows(f):

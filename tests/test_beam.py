@@ -164,7 +164,8 @@ def test_encode_pipeline_writes_encode_corpus_s_token_file_byte_for_byte(tmp_pat
     from gpt2_tf import corpus
     from test_corpus import SEPARATED, texts, write_folder
 
-    write_folder(tmp_path / 'in', texts() + ['line one\r\nline two\r\n', '', 'x' * 3000, SEPARATED])
+    write_folder(tmp_path / 'in', texts() + ['line one\r\nline two\r\n', '', 'x' * 3000, SEPARATED,
+                                         '\ufeffled by a byte-order mark'])
     (tmp_path / 'in' / 'skipped.md').write_text('not matched by the glob')
     expected = corpus.encode_corpus([tmp_path / 'in'], tmp_path / 'expected.bin')
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.beam', 'encode', '--input', str(tmp_path / 'in'),

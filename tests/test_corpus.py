@@ -79,7 +79,7 @@ def test_lines_that_are_exactly_end_of_text_split_documents(tmp_path, processes,
     # Each line <|endoftext|> ends a document (its line breaks and blank lines next to it go with it, empty
     # documents are left out); inside a line it is text. Small pieces put a separator across a read.
     encoder = get_encoder()
-    (tmp_path / 'a.txt').write_text(SEPARATED, encoding='utf-8', newline='')
+    (tmp_path / 'a.txt').write_text('\ufeff' + SEPARATED, encoding='utf-8', newline='')  # a byte-order mark: no text
     (tmp_path / 'b.txt').write_text('No separator.\n', encoding='utf-8', newline='')
     info = corpus.encode_corpus([tmp_path / 'a.txt', tmp_path / 'b.txt'], tmp_path / 'out.bin', processes=processes,
                                 piece=piece)
