@@ -180,6 +180,13 @@ def is_token_file(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(TOKEN_FILE)
 
 
+def needs_vocabulary(dataset, config) -> bool:
+    """Whether a fine-tuning run reads or writes text, so needs the model's vocabulary: a dataset or validation
+    dataset that is not a token file, or samples. A token file trains without one, unsampled."""
+    return (not is_token_file(dataset) or bool(config.sample_every)
+            or (config.val_dataset is not None and not is_token_file(config.val_dataset)))
+
+
 def check_token_file(path: str, n_vocab: int, model_dir: Optional[str] = None) -> dict:
     """A token file's sidecar ({} without one) once it agrees with the model: its ids fit n_vocab, and its
     vocabulary is the model folder's when the folder has one (a folder without vocabulary files trains too)."""

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from . import checkpoint, interrupts, kernels, loading, lora, runfolder
 from .checkpoint import CheckpointError
-from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, token_windows  # noqa: F401
+from .dataset import Sampler, encode_dataset, is_token_file, load_dataset, needs_vocabulary, token_windows  # noqa: F401
 from .distribute import check_same_step, is_chief, make_strategy  # noqa: F401
 from .encoder import encoder_for
 from .runtime import Model
@@ -413,11 +413,11 @@ class Run:
                                 f'written') from None
 
     def _encoder(self, model_dir: str, dataset):
-        """The model folder's vocabulary (or the bundled one); a token file trains without it, unsampled."""
+        """The model folder's vocabulary (or the bundled one), unless the run needs none (needs_vocabulary)."""
         try:
             return encoder_for(model_dir)
         except GPT2Error:
-            if not is_token_file(dataset) or self.config.sample_every:
+            if needs_vocabulary(dataset, self.config):
                 raise
             return None
 

@@ -539,6 +539,9 @@ def test_a_token_file_trains_a_model_folder_without_vocabulary_files(tmp_path):
     assert trainer.steps == 3 and (tmp_path / 'checkpoint' / 'run1' / 'model-3.index').exists()
     with pytest.raises(GPT2Error, match='only a tokenizer.json'):  # samples need text: the vocabulary
         finetune_lines(folder, path, tmp_path, seed=1, sample_every=2)
+    (tmp_path / 'val.txt').write_text('Held out text. ' * 40)
+    with pytest.raises(GPT2Error, match='only a tokenizer.json'):  # and so does a validation set of text
+        finetune_lines(folder, path, tmp_path, seed=1, val_dataset=str(tmp_path / 'val.txt'), val_every=1)
 
 
 def test_a_token_file_of_another_vocabulary_is_refused_in_one_line(tmp_path):

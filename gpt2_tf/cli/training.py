@@ -11,10 +11,12 @@ from .common import add_model_arguments, add_verbose, model_folder, start_tensor
 
 def cmd_finetune(args):
     """gpt-2-simple's finetune; Ctrl-C saves the step reached and exits 130."""
+    from ..dataset import needs_vocabulary
+
     config = train_config.from_arguments(args)  # every option checked, before TensorFlow
     folder = model_folder(args)
-    if not args.dataset.endswith('.bin') or config.sample_every:
-        folder.encoder()  # the vocabulary too, unless a token file trains without samples
+    if needs_vocabulary(args.dataset, config):
+        folder.encoder()  # the vocabulary's refusals too, before TensorFlow
     start_tensorflow(args, folder)
     from ..train import finetune
 
