@@ -392,16 +392,20 @@ class Run:
         self.vocabulary = run_vocabulary(model_dir)
         self.saved = self.trainer.steps if resume else None  # the step the run folder holds, when known
         self.first = self.trainer.steps  # where loop() starts
+        self._make_folders()
 
     def _check_folders(self) -> None:
-        """Before any step: the run folder takes this model's size (fresh or resumed), and it and the sample
-        folder can be written (the chief's, which write them)."""
+        """Before the data is read: the run folder takes this model's size (fresh or resumed)."""
         checkpoint.refuse_hf_model(self.run_dir)  # as a save would, but before the first step
         held = os.path.join(self.run_dir, 'hparams.json')
         if os.path.exists(held) and runfolder.run_hparams(self.run_dir) != self.model.hparams:
             raise CheckpointError(f'{self.run_dir} holds a run of another model size '
                                   f'({runfolder.run_hparams(self.run_dir)}); use another --run_name, or the '
                                   f'base model it was trained from')
+
+    def _make_folders(self) -> None:
+        """Once all else is checked (a run refused for its data or options leaves no folder behind), before any
+        step: the run folder and the sample folder exist and can be written (the chief's, which write them)."""
         folders = [('checkpoint_dir', self.run_dir)]
         if self.config.sample_every:
             folders.append(('sample_dir', os.path.join(self.config.sample_dir, self.config.run_name)))

@@ -309,8 +309,10 @@ def test_finetune_command(tmp_path):
     assert '[3 |' in done.stdout and 'loss=' in done.stdout and '======== SAMPLE 1 ========' in done.stdout
     assert (tmp_path / 'checkpoint' / 'run1' / 'model-3.index').exists()
     assert (tmp_path / 'samples' / 'run1' / 'samples-3').exists()
-    bad = subprocess.run([*cmd[:4], 'missing.txt'], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    bad = subprocess.run([*cmd[:4], 'missing.txt', '--run_name', 'run2', '--sample_every', '3'], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and 'no dataset at missing.txt' in bad.stderr.splitlines()[-1]
+    assert sorted(os.listdir(tmp_path / 'checkpoint')) == sorted(os.listdir(tmp_path / 'samples')) == ['run1']
 
 
 def chunks_of(n=500):
