@@ -153,7 +153,10 @@ def _pick(logits, step, out: dict, at, *, options: Options, plan: Plan, state=()
     drawn = penalties.penalize(logits, *state, options.penalties) if plan.penalized else logits
     token = choose(drawn, options.temperature, options.top_k, options.top_p, options.keys, tf.cast(step, tf.int64),
                    kmax=plan.kmax, greedy=plan.greedy, among_top=plan.among_top)
-    found = {'tokens': token}  # a row whose logits are NaN draws an id past the vocabulary: the caller refuses it
+    # A row holding a NaN or +inf logit gets an id past the vocabulary, which the caller refuses (check_drawn):
+    # the filters' arithmetic on it is NaN, and XLA's max on a CPU skips NaN, so it would draw something.
+    broken = tf.reduce_any(tf.logical_not(logits < np.inf), axis=-1)
+    found = {'tokens': tf.where(broken, logits.shape[-1], token)}
     token = tf.minimum(token, logits.shape[-1] - 1)  # ... and the loop goes on with a real id meanwhile
     if plan.logprobs is not None:
         lp = tf.nn.log_softmax(logits)  # float32, stable: logits minus their logsumexp

@@ -123,8 +123,8 @@ def check_token_ids(tokens, n_vocab: int, *, name: str = 'token', encoded: bool 
         raise GPT2Error(f'{name} id {int(bad)} is outside the vocabulary [0, {n_vocab}): {remedy}')
 
 
-NOT_DRAWN = ("the model's logits were not finite (NaN), so no token could be drawn: its weights hold NaN, or its "
-             "activations overflowed its dtype (load it in float32)")
+NOT_DRAWN = ("the model's logits were not finite (NaN or +inf), so no token could be drawn: its weights hold NaN, "
+             "or its activations overflowed its dtype (load it in float32)")
 
 
 def undecodable(text: str):
@@ -142,8 +142,7 @@ def check_utf8(text: str, *, name: str = 'the prompt') -> None:
 
 
 def check_drawn(tokens, n_vocab: int) -> None:
-    """A decode loop's tokens: an id outside the vocabulary is what a row whose logits were NaN draws (no
-    logit is the largest, and no token passes the filters' threshold)."""
+    """A decode loop's tokens: an id outside the vocabulary is what a row holding a NaN or +inf logit draws."""
     array = np.asarray(tokens)
     if array.size and (array.min() < 0 or array.max() >= n_vocab):
         raise GPT2Error(NOT_DRAWN)

@@ -407,13 +407,23 @@ def test_the_loops_log_probs_are_the_models_raw_distribution(models):
                                                           temperature=0.7)[0, 4:])
 
 
+def break_every_logit(model):
+    model.ln_f.g.assign(tf.tensor_scatter_nd_update(model.ln_f.g, [[0]], [np.nan]))  # every logit NaN
+
+
+def break_one_logit(model, value):
+    wte = model.wte  # token 40's row: its logit alone (the prompt does not hold it); XLA's max skips a NaN
+    model.wte.assign(tf.tensor_scatter_nd_update(wte, [[40]], [tf.fill([wte.shape[1]], value)]))
+
+
 @pytest.mark.parametrize('options', [dict(top_k=1), dict(top_k=40), dict(temperature=0.8), dict(top_p=0.9)],
                          ids=['greedy', 'top_k', 'full', 'top_p'])
 @pytest.mark.parametrize('mode', MODES)
-def test_nan_logits_are_refused_not_drawn_as_ids_past_the_vocabulary(options, mode):
+@pytest.mark.parametrize('broken', [break_every_logit, lambda m: break_one_logit(m, np.nan),
+                                    lambda m: break_one_logit(m, np.inf)], ids=['all NaN', 'one NaN', 'inf weights'])
+def test_nan_logits_are_refused_not_drawn_as_ids_past_the_vocabulary(options, mode, broken):
     model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
-    gain = model.ln_f.g
-    gain.assign(tf.tensor_scatter_nd_update(gain, [[0]], [np.nan]))  # one broken weight: every logit NaN
-    with pytest.raises(gpt2_tf.GPT2Error, match=r"^the model's logits were not finite \(NaN\), so no token could "
-                                                r'be drawn: its weights hold NaN'):
+    broken(model)
+    with pytest.raises(gpt2_tf.GPT2Error, match=r"^the model's logits were not finite \(NaN or \+inf\), so no token "
+                                                r'could be drawn: its weights hold NaN'):
         sample_sequence(model, 3, context=[[1, 2, 3]], seed=1, mode=mode, **options)

@@ -625,9 +625,9 @@ def test_a_row_whose_logits_are_nan_fails_its_request_in_one_line():
     with running(make_app(broken)) as port:
         status, body = post(port, json.dumps({'prompt': 'Hi', 'max_tokens': 3}).encode())
     assert status == 500 and body['error']['type'] == 'server_error', body
-    assert body['error']['message'] == ("generation failed: the model's logits were not finite (NaN), so no token "
-                                        "could be drawn: its weights hold NaN, or its activations overflowed its "
-                                        "dtype (load it in float32)")
+    assert body['error']['message'] == ("generation failed: the model's logits were not finite (NaN or +inf), so no "
+                                        "token could be drawn: its weights hold NaN, or its activations overflowed "
+                                        "its dtype (load it in float32)")
 
 
 def test_a_full_queue_is_counted_as_refused_not_failed():
