@@ -167,12 +167,17 @@ def test_a_vocabulary_without_end_of_text_refuses_what_needs_it_in_one_line(caps
     (folder / 'encoder.json').write_text(json.dumps({c: i for i, c in enumerate(bytes_to_unicode().values())}))
     (folder / 'vocab.bpe').write_text('#version: 0.2\n')
     (tmp_path / 'text.txt').write_text('Hello there')
+    loads = quiet.tensorflow
     monkeypatch.setattr(quiet, 'tensorflow', lambda **_: pytest.fail('TensorFlow loaded before the check'))
     for argv, message in ((['sample', '--model_dir', str(folder)], 'which this vocabulary does not have'),
                           (['score', str(tmp_path / 'text.txt'), '--bos', '--model_dir', str(folder)],
                            '--bos puts <|endoftext|> before the text, and this vocabulary has none')):
         code, _, err = run(capsys, monkeypatch, tmp_path, *argv, '--quiet')
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    monkeypatch.setattr(quiet, 'tensorflow', loads)
+    code, out, err = run(capsys, monkeypatch, tmp_path, 'score', str(tmp_path / 'text.txt'), '--model_dir', str(folder),
+                         '--quiet')  # scoring without --bos needs no <|endoftext|>
+    assert code == 0 and '10 tokens, mean NLL' in out, err
 
 
 def test_a_missing_gpu_is_an_error(capsys, monkeypatch, tmp_path):

@@ -248,8 +248,9 @@ def cmd_score(args):
         count = len(windows(len(ids) + args.bos, hparams.n_ctx, stride))
         with tqdm(total=count, desc=f'scoring {path}', unit='window', file=sys.stderr, leave=False, mininterval=0,
                   disable=args.quiet or not sys.stderr.isatty()) as bar:
-            options = dict(stride=stride, bos=args.bos, progress=bar.update,
-                           end_of_text=encoder.encoder[END_OF_TEXT])
+            options = dict(stride=stride, progress=bar.update)
+            if args.bos:  # a vocabulary without <|endoftext|> scores without it (refused above with --bos)
+                options.update(bos=True, end_of_text=encoder.encoder[END_OF_TEXT])
             lp = window_log_probs(model, ids, **options)
         result = summary(lp)
         if args.json:
