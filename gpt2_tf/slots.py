@@ -101,6 +101,8 @@ class Slots:
         penalty: penalties.penalties_for's logit_bias, presence_penalty, frequency_penalty, repetition_penalty.
         """
         hp = self.model.hparams
+        prompt = self._check_prompt(slot, prompt)
+        validate.check_length(length, hp.n_ctx)
         validate.check_window(len(prompt), length, hp.n_ctx)
         (temperature,), (top_k,), (top_p,) = validate.check_sampling(temperature, top_k, top_p, 1)
         validate.check_seed(key, 1)
@@ -130,6 +132,19 @@ class Slots:
         self.pads[slot], self.pos[slot], self.made[slot] = pads[0], padded, 0
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = temperature, top_k, top_p
         self.keys[slot] = key
+
+    def _check_prompt(self, slot, prompt) -> list:
+        """prompt as a list of ids once slot is a free slot and prompt one row of at least one id of the
+        vocabulary."""
+        if not validate.is_int(slot) or not 0 <= slot < self.slots:
+            raise validate.GPT2Error(f'slot must be an integer in [0, {self.slots}), got {validate.shown(slot)}')
+        if self.occupied[slot]:
+            raise validate.GPT2Error(f'slot {slot} is taken: join one of free(), or leave({slot}) first')
+        ids = validate.token_array(prompt, name='the prompt')
+        if ids.ndim != 1 or ids.size == 0:
+            raise validate.GPT2Error(f'the prompt must be one row of at least one token id, got shape {list(ids.shape)}')
+        validate.check_token_ids(ids, self.model.hparams.n_vocab, name="the prompt's token")
+        return ids.tolist()
 
     def _set_penalties(self, slot: int, prompt: list, found: Optional[penalties.Penalties]) -> None:
         self.penalized[slot] = found is not None

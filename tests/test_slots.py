@@ -119,9 +119,24 @@ def test_bad_rows_are_refused_before_anything_runs(model):
                              (dict(key=5), r'key must be a pair of integers .*got shape \[\]')]:
         with pytest.raises(GPT2Error, match=message):
             engine.join(1, [1, 2], length=4, **{'key': (0, 0), **options})
+    for slot, prompt, length, message in [
+            (0, [], 4, r'the prompt must be one row of at least one token id, got shape \[0\]'),
+            (0, [[1, 2]], 4, r'one row of at least one token id, got shape \[1, 2\]'),
+            (0, 'Hello', 4, 'got text: encode it first'),
+            (0, [1, 60000], 4, r"the prompt's token id 60000 is outside the vocabulary \[0, 50257\)"),
+            (0, [-1], 4, "the prompt's token id -1 is outside"),
+            (0, [1, 2], 0, 'length must be a positive integer, got 0'),
+            (0, [1, 2], -5, 'length must be a positive integer, got -5'),
+            (2, [1, 2], 4, r'slot must be an integer in \[0, 2\), got 2'),
+            (-1, [1, 2], 4, r'slot must be an integer in \[0, 2\), got -1')]:
+        with pytest.raises(GPT2Error, match=message):
+            engine.join(slot, prompt, length=length, key=(0, 0))
     with pytest.raises(GPT2Error, match='no slot holds a row'):  # every join above left its slot free
         engine.step()
     assert not engine.occupied.any() and engine.top_k.tolist() == [0, 0]
+    engine.join(0, [1, 2], length=4, key=(0, 0))
+    with pytest.raises(GPT2Error, match=r'slot 0 is taken: join one of free\(\), or leave\(0\) first'):
+        engine.join(0, [3], length=4, key=(0, 0))
 
 
 def test_a_join_that_fails_once_its_prefill_ran_leaves_the_slot_free(model, monkeypatch):
