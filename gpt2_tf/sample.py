@@ -239,11 +239,17 @@ def _prompts(context, start_token, batch_size) -> list:
         if not validate.is_int(start_token):
             raise GPT2Error(f'start_token must be an integer token id, got {validate.shown(start_token)}')
         return [[int(start_token)]] * (batch_size or 1)
-    if isinstance(context, (tf.Tensor, np.ndarray)):
+    if isinstance(context, str):
+        raise GPT2Error('context must be token ids, got text: encode it first (gpt2_tf.encode)')
+    if isinstance(context, (tf.Tensor, np.ndarray, np.generic)):
         context = np.asarray(context).tolist()
-    context = list(context)
-    if not context or not isinstance(context[0], (list, tuple, np.ndarray)):
-        rows = [context] * (batch_size or 1)  # one prompt, repeated
+    if not isinstance(context, (list, tuple)):
+        raise GPT2Error(f'context must be a list of token ids, or one list per row, got {validate.shown(context)}')
+    is_row = [isinstance(row, (list, tuple, np.ndarray)) for row in context]
+    if any(is_row) and not all(is_row):
+        raise GPT2Error('context mixes token ids and lists of them: give one list of ids, or one list per row')
+    if not any(is_row):
+        rows = [list(context)] * (batch_size or 1)  # one prompt, repeated
     else:
         rows = [list(row) for row in context]
         if batch_size is not None and batch_size != len(rows):

@@ -278,6 +278,11 @@ def test_the_loops_log_probs_come_from_the_steps_logits(chunk):
     (dict(length=5, context=[1], start_token=0), 'give exactly one of context and start_token'),
     (dict(length=5, context=[[1], [2]], batch_size=3), 'batch_size 3 differs from the 2 prompts'),
     (dict(length=5, context=[1.5]), 'token ids must be integers'),
+    (dict(length=5, context='Hello'), 'context must be token ids, got text: encode it first'),
+    (dict(length=5, context=5), 'context must be a list of token ids, or one list per row, got 5'),
+    (dict(length=5, context=np.int32(5)), 'context must be a list of token ids, or one list per row, got 5'),
+    (dict(length=5, context=[[1, 2], 3]), 'context mixes token ids and lists of them'),
+    (dict(length=5, context=[3, [1, 2]]), 'context mixes token ids and lists of them'),
     (dict(length=5, context=[1], mode='fast'), "mode must be one of"),
 ])
 def test_bad_requests_fail_before_compute(kwargs, message):
