@@ -233,9 +233,10 @@ def pipeline(p, *, task: str, model_dir: str, input_glob: str, output: str, hand
 # --- encode: text files to one token file ------------------------------------------------------------
 
 def _encoder(model_dir: Optional[str]):
+    """The encoder of corpus.vocabulary_of(model_dir): the folder's own vocabulary, else a one-line refusal."""
     from .encoder import encoder_for, get_encoder
 
-    return encoder_for(model_dir) if model_dir else get_encoder()
+    return get_encoder() if corpus.vocabulary_of(model_dir) is None else encoder_for(model_dir)
 
 
 def text_files(inputs: Sequence[str], glob: str = '*.txt') -> list:
@@ -294,9 +295,7 @@ def join_shards(shards: list, *, output: str, model_dir: Optional[str], inputs: 
             with FileSystems.open(shard) as f:
                 while block := f.read(1 << 24):
                     out.write(block)
-    sidecar = {'dtype': corpus.dtype_for(encoder.n_vocab).name, 'n_vocab': encoder.n_vocab,
-               'vocab_sha256': corpus.vocabulary_sha256(encoder), 'tokens': sum(t for _, _, t, _ in shards),
-               'documents': sum(d for _, _, _, d in shards), 'end_of_text': encoder.encoder['<|endoftext|>']}
+    sidecar = corpus.sidecar_of(encoder, sum(t for _, _, t, _ in shards), sum(d for _, _, _, d in shards))
     with FileSystems.create(output + corpus.SIDECAR + '.partial') as f:
         f.write((json.dumps(sidecar, indent=2) + '\n').encode('utf-8'))
     FileSystems.rename([partial, output + corpus.SIDECAR + '.partial'], [output, output + corpus.SIDECAR])

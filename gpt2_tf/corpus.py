@@ -315,13 +315,35 @@ def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Opt
     try:
         _encode_into(writer, _document_pieces(files, piece), encoder, encoder_files, processes, progress)
         check_text(writer.tokens, inputs)
-        sidecar = {'dtype': writer.dtype.name, 'n_vocab': encoder.n_vocab, 'vocab_sha256': vocabulary_sha256(encoder),
-                   'tokens': writer.tokens, 'documents': writer.documents, 'end_of_text': writer.end}
+        sidecar = sidecar_of(encoder, writer.tokens, writer.documents)
         writer.finish(sidecar)
     except BaseException:
         writer.abandon()
         raise
     return sidecar
+
+
+def sidecar_of(encoder: Encoder, tokens: int, documents: int) -> dict:
+    """A token file's sidecar: its ids' dtype, the vocabulary that made them, and its counts."""
+    return {'dtype': dtype_for(encoder.n_vocab).name, 'n_vocab': encoder.n_vocab,
+            'vocab_sha256': vocabulary_sha256(encoder), 'tokens': tokens, 'documents': documents,
+            'end_of_text': encoder.encoder[END_OF_TEXT]}
+
+
+def vocabulary_of(model_dir: Optional[str]) -> Optional[tuple]:
+    """The vocabulary files text is encoded with for model_dir (encode's --model_dir, Beam's too): the folder's
+    own pair, else a one-line refusal (a folder without one, or with one the encoder cannot read); None (GPT-2's
+    bundled pair) without model_dir."""
+    from .encoder import encoder_for, vocabulary_files
+
+    if model_dir is None:
+        return None
+    files = vocabulary_files(model_dir)
+    if not files:
+        raise GPT2Error(f'{model_dir} has no vocabulary files (encoder.json and vocab.bpe, or vocab.json and '
+                        f'merges.txt); leave out --model_dir to encode with the bundled GPT-2 vocabulary')
+    encoder_for(model_dir)  # refuses a vocabulary the encoder cannot read (added tokens), before any work
+    return files
 
 
 def check_text(tokens: int, inputs: Sequence) -> None:

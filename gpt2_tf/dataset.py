@@ -148,10 +148,7 @@ def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Opt
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise GPT2Error(f'{folder} is not a folder: create it first, or write {os.path.basename(out)} elsewhere')
-    files = vocabulary_files(model_dir) if model_dir is not None else None
-    if model_dir is not None and not files:
-        raise GPT2Error(f'{model_dir} has no vocabulary files (encoder.json and vocab.bpe, or vocab.json and '
-                        f'merges.txt); leave out --model_dir to encode with the bundled GPT-2 vocabulary')
+    files = corpus.vocabulary_of(model_dir)
     if out.endswith('.npz'):
         if '-' in inputs or len(inputs) != 1:
             raise GPT2Error('an .npz is encoded from one dataset (a file, folder or glob); for several inputs or '
@@ -160,8 +157,6 @@ def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Opt
         return {'tokens': encode_dataset(inputs[0], out, encoder, combine, pattern=glob), 'documents': None}
     if not out.endswith(TOKEN_FILE):
         raise GPT2Error(f'{out}: the output must end in {TOKEN_FILE} (a token file) or .npz (gpt-2-simple\'s chunks)')
-    if model_dir is not None:
-        encoder_for(model_dir)  # refuses a vocabulary the encoder cannot read (added tokens), before any work
     glob = glob or '*.txt'
     processes = corpus.default_processes() if processes is None else processes
     bar, close = corpus.terminal_progress(inputs, glob=glob) if progress else (None, lambda finished=False: None)

@@ -276,3 +276,10 @@ def test_encode_pipeline_refuses_inputs_without_text_as_encode_corpus_does(tmp_p
     assert err.startswith('gpt2_tf.beam: error: no text in ') and '\n' not in err
     assert 'blank.txt: nothing to encode (empty documents are left out)' in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ['blank.txt']
+    (tmp_path / 'text.txt').write_text('Some text.')  # encode's rule for --model_dir: its own vocabulary or none
+    assert main(['encode', '--input', str(tmp_path / 'text.txt'), '--output', str(tmp_path / 'out.bin'),
+                 '--model_dir', str(tmp_path / 'no-such-folder')]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f'gpt2_tf.beam: error: {tmp_path / "no-such-folder"} has no vocabulary files (encoder.json and vocab.bpe, or '
+        f'vocab.json and merges.txt); leave out --model_dir to encode with the bundled GPT-2 vocabulary')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['blank.txt', 'text.txt']
