@@ -90,7 +90,7 @@ class ModelFolder:
         return files
 
 
-def _names(path: str) -> tuple:
+def folder_names(path: str) -> tuple:
     """A folder's name, and the published name it stands for ('117M' is 124M's old name), or 'test' for
     the bundled checkpoint."""
     own = os.path.basename(os.path.normpath(path))
@@ -115,7 +115,7 @@ def _folder(path: str, *, names: Optional[tuple] = None, notice: Optional[str] =
     else:
         raise ModelNotFound(f'{path}: no hparams.json (the original layout) or config.json (a Hugging Face '
                             f'folder): not a model folder (a run folder takes its base model\'s hparams.json)')
-    return ModelFolder(path, layout, names or _names(path), notice)
+    return ModelFolder(path, layout, names or folder_names(path), notice)
 
 
 def _one_save(prefix: str) -> ModelFolder:

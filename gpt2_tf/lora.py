@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from .hparams import HParams
-from .train_config import LORA_TARGETS as TARGETS, check_targets
+from .train_config import LORA_TARGETS as TARGETS, check_lora_options, check_targets
 from .validate import GPT2Error, first_line
 
 CONFIG, WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
@@ -45,6 +45,8 @@ PLAIN_INIT = (True, False, 'gaussian', 'orthogonal', 'eva')  # init_lora_weights
 # adapter against that changed base)
 MERGE = 'merge it with PEFT (merge_and_unload, save_pretrained) and load the merged model'
 BIN = 'adapter_model.bin'  # PEFT's PyTorch file (save_pretrained(safe_serialization=False))
+OUTSIDE_BLOCKS = re.compile(r'base_model\.model\.(lm_head|transformer\.wte|transformer\.wpe)\.')  # PEFT's keys of
+# LoRA on the head (tied to wte) or the embeddings
 
 
 class AdapterError(GPT2Error):
@@ -136,8 +138,7 @@ def attach(model, *, rank: int, alpha: Optional[float] = None, targets='c_attn',
            seed: Optional[int] = None) -> dict:
     """Trainable adapters on the model's target products: {'h.N.attn.c_attn': Adapter}. alpha defaults to
     2·rank. The adapters' variables are created where the model's are (its device, its strategy)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise GPT2Error(f'lora_rank must be an integer >= 1 to attach adapters, got {rank!r}')
+    check_options(rank=rank, alpha=alpha, targets=targets, dropout=dropout)
     alpha = 2 * rank if alpha is None else alpha
     rng = np.random.default_rng(seed)
     adapters = {}
@@ -152,6 +153,15 @@ def attach(model, *, rank: int, alpha: Optional[float] = None, targets='c_attn',
             conv.adapter.counter = counter
     _retrace(model)
     return adapters
+
+
+def check_options(*, rank, alpha, targets, dropout) -> None:
+    """attach's options, by the command line's rule (train_config.check_lora_options): the Trainer, built without
+    a config, would otherwise train at scale 0, save an alpha that loading refuses, or call a dropout of 1 a
+    divergence."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:  # 0 is the command line's 'off'
+        raise GPT2Error(f'lora_rank must be an integer >= 1 to attach adapters, got {rank!r}')
+    check_lora_options(rank, alpha, targets, dropout)
 
 
 def _retrace(model) -> None:
@@ -230,9 +240,11 @@ def is_adapter_folder(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), CONFIG))
 
 
-def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = None) -> None:
+def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = None,
+         dtype: Optional[str] = None) -> None:
     """adapter_config.json and adapter_model.safetensors (each whole or absent: written aside, then renamed);
-    the step, when given, goes in the safetensors metadata, which is what a resumed run trusts."""
+    the step and the dtype of the base weights trained over, when given, go in the safetensors metadata, which
+    is what a resumed run trusts."""
     from safetensors.numpy import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -240,6 +252,8 @@ def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = Non
     metadata = {'format': 'pt', 'lora_alpha': str(config.get('lora_alpha'))}  # checked against the config read
     if step is not None:
         metadata['step'] = str(step)
+    if dtype is not None:
+        metadata['dtype'] = dtype
     text = json.dumps(config, indent=2) + '\n'
     settings = os.path.join(folder, f'{CONFIG}.tmp-{os.getpid()}')
     with open(settings, 'w', encoding='utf-8') as f:
@@ -265,9 +279,14 @@ def saved_step(folder: str) -> Optional[int]:
     path = os.path.join(folder, WEIGHTS)
     try:
         with safe_open(path, framework='numpy') as f:
-            step = (f.metadata() or {}).get('step')
+            return step_of(f.metadata() or {})
     except Exception as e:  # a missing, truncated or foreign file
         raise AdapterError(f'cannot read {path}: {first_line(e)}') from None
+
+
+def step_of(metadata: dict) -> Optional[int]:
+    """The step a saved adapter's metadata holds (ours); None for PEFT's, which hold none."""
+    step = metadata.get('step')
     return int(step) if step and step.isdigit() else None
 
 
@@ -291,21 +310,25 @@ def read_config(folder: str) -> dict:
     init = config.get('init_lora_weights', True)
     if not any(init is plain or init == plain and isinstance(init, str) for plain in PLAIN_INIT):
         raise AdapterError(f'{path}: init_lora_weights={init!r} adapts a changed base model, not this one; {MERGE}')
-    for key in ('r', 'lora_alpha'):
-        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
-            raise AdapterError(f'{path}: {key} must be a positive number, got {config.get(key)!r}')
+    rank, alpha = config.get('r'), config.get('lora_alpha')
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:  # PEFT writes an int, and builds no other
+        raise AdapterError(f'{path}: r must be an integer >= 1, got {rank!r}; write there the rank the adapter was '
+                           f'trained with (the rows of its lora_A)')
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:  # json reads NaN
+        raise AdapterError(f'{path}: lora_alpha must be a finite number > 0, got {alpha!r}; write there the alpha '
+                           f'the adapter was trained with')
     return config
 
 
 def read(folder, model) -> tuple:
-    """(config, {'h.N.attn.c_attn': (A [nx, r], B [r, nf])}, step or None), every tensor checked against the
+    """(config, {'h.N.attn.c_attn': (A [nx, r], B [r, nf])}, the file's metadata), every tensor checked against the
     model: names, the config's rank, shapes (another model size or vocabulary), dtype, nothing left over."""
     from safetensors import safe_open
 
     folder = os.fspath(folder)
     config = read_config(folder)
     check_base(folder, model.hparams)
-    path, rank = os.path.join(folder, WEIGHTS), int(config['r'])
+    path, rank = os.path.join(folder, WEIGHTS), config['r']
     if not os.path.exists(path) and os.path.isfile(os.path.join(folder, BIN)):
         from .tensorfiles import read_torch
 
@@ -318,6 +341,7 @@ def read(folder, model) -> tuple:
                 metadata = f.metadata() or {}
         except Exception as e:  # a missing, truncated or foreign file
             raise AdapterError(f'cannot read {path}: {first_line(e)}') from None
+    _check_blocks_only(tensors, path)
     targets = _targets(config, path, model.hparams.n_layer)
     found, pairs = convs(model, targets), {}
     for name, conv in found.items():
@@ -333,8 +357,7 @@ def read(folder, model) -> tuple:
         raise AdapterError(f'{path} was saved with lora_alpha {metadata["lora_alpha"]}, but {CONFIG} says '
                            f'{config["lora_alpha"]}: a save cut short between the two files; save the run again, or '
                            f'set lora_alpha {metadata["lora_alpha"]} there')
-    step = metadata.get('step')
-    return config, pairs, int(step) if step and step.isdigit() else None
+    return config, pairs, metadata
 
 
 def check_base(folder: str, hparams: HParams) -> None:
@@ -344,6 +367,15 @@ def check_base(folder: str, hparams: HParams) -> None:
     if os.path.isfile(held) and HParams.from_json(held) != hparams:
         raise AdapterError(f'{folder} was trained on a base of {HParams.from_json(held)}, not this model\'s '
                            f'{hparams}: load it onto the base it was trained on')
+
+
+def _check_blocks_only(tensors: dict, path: str) -> None:
+    """Adapters here go on the blocks' products; PEFT's on the head (lm_head, whose weight is wte's) or the
+    embeddings are refused as such, not as tensors of another model."""
+    outside = sorted(k for k in tensors if OUTSIDE_BLOCKS.match(k))
+    if outside:
+        raise AdapterError(f'{path}: {outside[0]}: LoRA on the tied head (lm_head/wte) or the embeddings is not '
+                           f'supported here, only on the blocks\' conv1d products; {MERGE}')
 
 
 def _number(text) -> Optional[float]:
@@ -442,7 +474,7 @@ def check_fits(adapters: dict, config: dict, pairs: dict, folder) -> None:
     (alpha scales what was trained; dropout is part of the run)."""
     path, first = os.path.join(os.fspath(folder), CONFIG), next(iter(adapters.values()))
     rank = first.A.shape[-1]
-    if int(config['r']) != rank or set(pairs) != set(adapters):
+    if config['r'] != rank or set(pairs) != set(adapters):
         raise AdapterError(f'{path}: rank {config["r"]} on {config.get("target_modules")}; this run trains rank '
                            f'{rank} on {sorted(set(n.split(".", 2)[2] for n in adapters))}: resume with the same '
                            f'lora options')
@@ -450,7 +482,7 @@ def check_fits(adapters: dict, config: dict, pairs: dict, folder) -> None:
     if scale_of(config) != first.scale:  # this run's adapters scale by alpha / rank
         rslora = ' with use_rslora' if config.get('use_rslora') else ''
         differ.append((f'lora_alpha {config["lora_alpha"]}{rslora}', f'lora_alpha {first.scale * rank:g}'))
-    if float(config.get('lora_dropout', 0.0)) != first.dropout:
+    if _number(config.get('lora_dropout', 0.0)) != first.dropout:
         differ.append((f'lora_dropout {config.get("lora_dropout", 0.0)}', f'lora_dropout {first.dropout:g}'))
     if differ:
         raise AdapterError(f'{path}: {", ".join(d[0] for d in differ)}; this run has {", ".join(d[1] for d in differ)}: '

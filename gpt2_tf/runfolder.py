@@ -19,6 +19,7 @@ import glob
 import os
 import re
 import shutil
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -27,7 +28,9 @@ import tensorflow as tf
 from . import checkpoint
 from .assets import bundled_vocabulary
 from .checkpoint import CheckpointError
-from .hparams import HParams
+from .encoder import is_save
+from .hparams import PUBLISHED, HParams
+from .loading import folder_names
 from .precision import stored
 from .validate import GPT2Error, first_line
 
@@ -233,7 +236,7 @@ def save_adapter(run_dir: str, model, adapters: dict, config: dict, slots: dict,
         if slots:
             checkpoint.write_tensors(os.path.join(staging, 'optimizer'), {n: v.read_value() for n, v in slots.items()})
         try:
-            lora.save(staging, adapters, config, step=step)
+            lora.save(staging, adapters, config, step=step, dtype=model.dtype)
         except OSError as e:  # named where it was to go
             raise OSError(e.errno, (e.strerror or str(e)).replace(staging, run_dir)) from None
         checkpoint.remove_bundle(state)
@@ -280,12 +283,17 @@ def saved_step(run_dir: str) -> Optional[str]:
 
 def restore_adapter(run_dir: str, model, adapters: dict, slots: dict) -> tuple:
     """The run's adapter into the attached adapters and, when saved, its slots: -> (step, slots restored).
-    Both are read and checked before either is assigned."""
+    Both are read and checked, the base they adapt included, before either is assigned."""
     from . import lora
 
-    config, pairs, step = lora.read(run_dir, model)
+    config, pairs, metadata = lora.read(run_dir, model)
     lora.check_fits(adapters, config, pairs, run_dir)
+    check_same_base(run_dir, config.get('base_model_name_or_path'), getattr(model, 'folder', None))
+    step = lora.step_of(metadata)
     step = read_step(run_dir, '') if step is None else step
+    if metadata.get('dtype', model.dtype) != model.dtype:  # a choice of memory, not of the run: said, not refused
+        warnings.warn(f'{run_dir} trained over {metadata["dtype"]} base weights up to step {step}, and goes on over '
+                      f'{model.dtype} ones (--dtype {metadata["dtype"]} resumes it as it ran)', stacklevel=2)
     state = os.path.join(run_dir, f'optimizer-{step}')
     values = None
     if slots and os.path.exists(state + '.index'):
@@ -294,3 +302,36 @@ def restore_adapter(run_dir: str, model, adapters: dict, slots: dict) -> tuple:
     for name, value in (values or {}).items():
         slots[name].assign(value)
     return step, values is not None
+
+
+def check_same_base(run_dir: str, saved, folder) -> None:
+    """A LoRA run resumes on the base it trained on, which its adapter_config.json names (base_model_name_or_path,
+    the base as the run was given it): its adapters correct that base's weights, and another base of the same
+    sizes would train on without a word. The same base reached otherwise is no mismatch: the same folder by
+    another path (relative, absolute, through a symlink) or the same published model (124M, 117M). A base that
+    is no longer where the run recorded it (a moved or copied run folder) cannot be compared: a note."""
+    from . import lora
+
+    if folder is None or not isinstance(saved, str) or not saved:
+        return  # a model built by hand, or an adapter that names no base (PEFT writes null then)
+    current = folder.checkpoint or folder.path
+    if os.path.realpath(saved) == os.path.realpath(current) or _published(saved) & _published(current):
+        return
+    if not (os.path.exists(saved) or is_save(saved)):
+        warnings.warn(f'{run_dir} was trained on {saved}, which is not there now; it resumes on {current}',
+                      stacklevel=3)
+        return
+    raise lora.AdapterError(f'{run_dir} holds adapters for {saved}, not for {current}: resume it with --model_dir '
+                            f'{saved}, or give --restore_from fresh (or another --run_name) to train new ones')
+
+
+def _published(path: str) -> set:
+    """The published model (or 'test', the bundled checkpoint) a base is, among the names loading gives its
+    folder, by its path or the one a symlink leads to: two downloads of 124M are one base. Not a folder's own
+    name (any folder may be called 'model'), and nothing for one save of a run folder (model-2), which is no
+    published model."""
+    found = set()
+    for spelling in (path, os.path.realpath(path)):
+        own, *others = folder_names(spelling)
+        found |= set(others) | ({own} & set(PUBLISHED))
+    return found

@@ -171,14 +171,18 @@ def check_targets(targets) -> tuple:
     return tuple(t for t in LORA_TARGETS if t in chosen)
 
 
-def check_lora(config: FinetuneConfig) -> None:
-    check_integer('lora_rank', config.lora_rank, 0, ' (0: off)')
-    if config.lora_alpha is not None:
-        check_positive('lora_alpha', config.lora_alpha)
-    check_targets(config.lora_targets)
-    dropout = config.lora_dropout
+def check_lora_options(rank, alpha, targets, dropout) -> None:
+    """LoRA's options, for FinetuneConfig and for lora.attach (a Trainer built without a config)."""
+    check_integer('lora_rank', rank, 0, ' (0: off)')
+    if alpha is not None:
+        check_positive('lora_alpha', alpha)
+    check_targets(targets)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise GPT2Error(f'lora_dropout must be in [0, 1), got {_shown(dropout)}')
+
+
+def check_lora(config: FinetuneConfig) -> None:
+    check_lora_options(config.lora_rank, config.lora_alpha, config.lora_targets, config.lora_dropout)
     check_choice('dtype', config.dtype, DTYPES)
     if not config.lora_rank:
         same = {'lora_targets': lambda a, b: check_targets(a) == check_targets(b)}

@@ -5,6 +5,8 @@ import errno
 import json
 import os
 import pathlib
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -156,10 +158,18 @@ def test_finetune_trains_adapters_over_int8_weights_and_refuses_full_fine_tuning
     (dict(lora_rank=2, lora_alpha=0), 'lora_alpha must be a finite number > 0, got 0'),
     (dict(lora_rank=2, lora_targets='attn.c_fc'), "lora_targets: no module 'attn.c_fc'; choose from"),
     (dict(lora_rank=2, lora_dropout=1.0), r'lora_dropout must be in \[0, 1\), got 1.0'),
+    (dict(lora_rank=2, lora_alpha=-1.0), 'lora_alpha must be a finite number > 0, got -1.0'),
+    (dict(lora_rank=2, lora_alpha=float('nan')), 'lora_alpha must be a finite number > 0, got nan'),
+    (dict(lora_rank=2, lora_dropout=-0.5), r'lora_dropout must be in \[0, 1\), got -0.5'),
 ])
 def test_lora_options_are_checked(bad, message):
     with pytest.raises(GPT2Error, match=message):
         FinetuneConfig(**bad)
+    if bad['lora_rank'] > 0:  # the Trainer, built without a config, by the same check
+        model = load_model(TINY)
+        with pytest.raises(GPT2Error, match=message):
+            Trainer(model, 1e-2, 'adam', 1, False, **bad)
+        assert model.h[0].attn.c_attn.adapter is None  # refused before any adapter is attached
 
 
 # --- against PEFT and transformers --------------------------------------------------------------
@@ -241,6 +251,9 @@ def rewrite(src, dst, *, config=None, tensors=None):
 
 
 KEY = 'base_model.model.transformer.h.1.mlp.c_fc.lora_A.weight'
+HEAD = {'base_model.model.lm_head.base_layer.weight': np.zeros((512, 32), np.float32),
+        'base_model.model.lm_head.lora_A.weight': np.zeros((3, 32), np.float32),
+        'base_model.model.lm_head.lora_B.weight': np.zeros((512, 3), np.float32)}
 
 
 @pytest.mark.parametrize('change, message', [
@@ -260,6 +273,18 @@ KEY = 'base_model.model.transformer.h.1.mlp.c_fc.lora_A.weight'
     (dict(config=lambda c: c | {'target_modules': ['transformer.h.0.attn.c_attn']}),
      'adapts attn.c_attn in some blocks only'),
     (dict(config=lambda c: c | {'target_modules': '(attn'}), r"target_modules '\(attn' is not a regular expression"),
+    (dict(config=lambda c: c | {'lora_alpha': float('nan')}),  # json reads NaN and Infinity
+     r'adapter_config.json: lora_alpha must be a finite number > 0, got nan; write there the alpha'),
+    (dict(config=lambda c: c | {'lora_alpha': float('inf')}), r'adapter_config.json: lora_alpha must be .*got inf'),
+    (dict(config=lambda c: c | {'r': float('inf')}), r'adapter_config.json: r must be an integer >= 1, got inf'),
+    (dict(config=lambda c: c | {'r': 3.5}), r'adapter_config.json: r must be an integer >= 1, got 3.5; write'),
+    (dict(config=lambda c: c | {'r': 3.0}), 'r must be an integer >= 1, got 3.0'),  # PEFT builds no float rank
+    (dict(config=lambda c: c | {'target_modules': c['target_modules'] + ['lm_head']},
+          tensors=lambda t: t | HEAD),  # PEFT's keys for target_modules [..., 'lm_head']
+     r'lm_head\.base_layer\.weight: LoRA on the tied head \(lm_head/wte\) or the embeddings is not supported '
+     r'here.*; merge it with PEFT'),
+    (dict(tensors=lambda t: t | {'base_model.model.transformer.wte.lora_embedding_A': np.zeros((3, 512), 'f4')}),
+     r'wte\.lora_embedding_A: LoRA on the tied head'),
 ])
 def test_an_adapter_that_does_not_fit_is_refused_naming_the_tensor(peft_setup, tmp_path, change, message):
     folder, _ = peft_setup
@@ -371,10 +396,50 @@ def test_a_run_folder_of_the_other_kind_is_refused_not_overwritten(tmp_path):
     assert (tmp_path / 'adapters' / 'counter').read_text().strip() == '2'
 
 
-def lora_run(tmp_path, **options):
-    return finetune(str(TINY), [np.arange(300) % 512], steps=2, lora_rank=2, checkpoint_dir=str(tmp_path),
+def lora_run(tmp_path, base=TINY, steps=2, **options):
+    return finetune(str(base), [np.arange(300) % 512], steps=steps, lora_rank=2, checkpoint_dir=str(tmp_path),
                     run_name='r', sample_every=0, print_every=0, accumulate_gradients=1, save_every=0,
                     log=lambda line: None, **options)
+
+
+def test_a_lora_run_resumes_on_its_base_by_any_path_and_on_no_other(tmp_path, monkeypatch):
+    shutil.copytree(TINY, tmp_path / 'mine')
+    os.symlink(tmp_path / 'mine', tmp_path / 'link')
+    write_random_checkpoint(tmp_path / 'other', load_model(TINY).hparams, seed=7)  # another base of its sizes
+    run = tmp_path / 'r'
+    lora_run(tmp_path, base=tmp_path / 'mine', steps=1)
+    monkeypatch.chdir(tmp_path)
+    for steps, base in enumerate(['mine', tmp_path / 'link'], 2):  # relative, through a symlink
+        lora_run(tmp_path, base=base, steps=1)
+        assert (run / 'counter').read_text().strip() == str(steps)  # resumed
+    with pytest.raises(lora.AdapterError, match=r'r holds adapters for \S+/link, not for \S+/other: resume it with '
+                                                r'--model_dir \S+/link, or give --restore_from fresh'):
+        lora_run(tmp_path, base=tmp_path / 'other', steps=1)
+    assert (run / 'counter').read_text().strip() == '3'
+    assert json.loads((run / lora.CONFIG).read_text())['base_model_name_or_path'] == str(tmp_path / 'link')
+    lora_run(tmp_path, base=tmp_path / 'other', steps=1, restore_from='fresh')
+
+
+def test_a_lora_run_resumes_on_another_folder_of_its_published_base(tmp_path):
+    shutil.copytree(TINY, tmp_path / 'a' / '124M')  # two downloads of one model, one under its old name
+    shutil.copytree(TINY, tmp_path / 'b' / '117M')
+    lora_run(tmp_path, base=tmp_path / 'a' / '124M', steps=1)
+    lora_run(tmp_path, base=tmp_path / 'b' / '117M', steps=1)
+    assert (tmp_path / 'r' / 'counter').read_text().strip() == '2'
+
+
+def test_a_lora_run_resumed_over_another_dtype_or_a_moved_base_says_so(tmp_path):
+    shutil.copytree(TINY, tmp_path / 'base')
+    lora_run(tmp_path, base=tmp_path / 'base', steps=1, dtype='int8')
+    os.rename(tmp_path / 'base', tmp_path / 'moved')  # cannot be compared: a note, not a refusal
+    with pytest.warns(UserWarning) as caught:
+        lora_run(tmp_path, base=tmp_path / 'moved', steps=1)
+    notes = [str(w.message) for w in caught]
+    assert any(re.search(r'r was trained on \S+/base, which is not there now; it resumes on \S+/moved', n)
+               for n in notes), notes
+    assert any(re.search(r'r trained over int8 base weights up to step 1, and goes on over float32 ones '
+                         r'\(--dtype int8 resumes it as it ran\)', n) for n in notes), notes
+    assert (tmp_path / 'r' / 'counter').read_text().strip() == '2'
 
 
 def test_a_failed_lora_save_never_pairs_one_runs_adapter_with_anothers_moments(tmp_path, monkeypatch):
