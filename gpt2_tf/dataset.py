@@ -22,7 +22,7 @@ import numpy as np
 
 from . import corpus, validate
 from .encoder import END_OF_TEXT, END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
-from .train_config import check_integer
+from .train_config import COMBINE, check_integer
 from .validate import GPT2Error, first_line
 
 TOKEN_FILE = '.bin'
@@ -90,7 +90,7 @@ def _npz_chunks(file: str) -> list:
         raise GPT2Error(f'{file}: not an .npz of token arrays ({first_line(e)}); encode the text again') from None
 
 
-def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress: Optional[Callable] = None,
+def load_dataset(path: str, encoder: Encoder, combine: int = COMBINE, *, progress: Optional[Callable] = None,
                  pattern: Optional[str] = None) -> list:
     """Token chunks (int32 arrays) from a text file, a folder or glob of files, or an .npz of token arrays.
 
@@ -120,7 +120,7 @@ def load_dataset(path: str, encoder: Encoder, combine: int = 50000, *, progress:
     return [c.astype(np.int32) for c in chunks]
 
 
-def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = 50000, *,
+def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = COMBINE, *,
                    pattern: Optional[str] = None) -> int:
     """Encodes a text dataset to an .npz of token chunks (gpt-2-simple's format); returns the token count.
     The .npz appears under its name only when complete."""
@@ -137,11 +137,11 @@ def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = 50
 
 
 def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Optional[int] = None,
-           combine: int = 50000, progress: bool = False, model_dir: Optional[str] = None) -> dict:
+           combine: Optional[int] = None, progress: bool = False, model_dir: Optional[str] = None) -> dict:
     """`gpt2-tf encode`: text to a token file (OUT.bin, corpus.encode_corpus, streaming, in `processes`
     processes: the CPUs by default; a folder's *.txt files unless glob says others) or to gpt-2-simple's
-    chunks (OUT.npz, encode_dataset, each input as load_dataset reads it, `combine` characters a chunk; a
-    folder's files matching glob, every one by default). model_dir: the model folder whose vocabulary encodes
+    chunks (OUT.npz, encode_dataset, each input as load_dataset reads it, `combine` characters a chunk, 50000
+    by default; a folder's files matching glob, every one by default); an option of the other kind is refused. model_dir: the model folder whose vocabulary encodes
     (default: the bundled GPT-2 one). progress: a bar on a terminal. Returns {'tokens', 'documents'}
     (documents: None for an .npz)."""
     out = os.fspath(out)
@@ -153,10 +153,16 @@ def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Opt
         if '-' in inputs or len(inputs) != 1:
             raise GPT2Error('an .npz is encoded from one dataset (a file, folder or glob); for several inputs or '
                             'standard input write a token file: OUT.bin')
+        if processes is not None:
+            raise GPT2Error('processes is for a token file (.bin); an .npz is encoded in one process: leave it out')
         encoder = encoder_for(model_dir) if model_dir is not None else get_encoder()
-        return {'tokens': encode_dataset(inputs[0], out, encoder, combine, pattern=glob), 'documents': None}
+        chunk = COMBINE if combine is None else combine
+        return {'tokens': encode_dataset(inputs[0], out, encoder, chunk, pattern=glob), 'documents': None}
     if not out.endswith(TOKEN_FILE):
         raise GPT2Error(f'{out}: the output must end in {TOKEN_FILE} (a token file) or .npz (gpt-2-simple\'s chunks)')
+    if combine is not None:
+        raise GPT2Error('combine is for an .npz (gpt-2-simple\'s chunks of text); a token file keeps each document '
+                        'whole: leave it out')
     glob = glob or '*.txt'
     processes = corpus.default_processes() if processes is None else processes
     bar, close = corpus.terminal_progress(inputs, glob=glob) if progress else (None, lambda finished=False: None)

@@ -23,6 +23,7 @@ RESTORE_FROM = ('latest', 'fresh')
 STRATEGIES = ('mirrored', 'multiworker')
 LORA_TARGETS = ('c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')  # a block's conv1d products, as PEFT names them
 VALIDATION = ('val_fraction', 'val_dataset', 'val_batch_size', 'val_batch_count')  # what val_every uses
+COMBINE = 50000  # gpt-2-simple's characters of text per encoded chunk
 
 
 def option(default, help: str, *, choices: tuple = (), aliases: tuple = ()):
@@ -58,7 +59,7 @@ class FinetuneConfig:
     dtype: str = option('float32', "the frozen base weights' precision under LoRA (full fine-tuning trains "
                                    'float32 weights; see gpt2_tf.precision)', choices=DTYPES)
     # the data
-    combine: int = option(50000, 'characters of text per encoded chunk; training windows never cross chunks '
+    combine: int = option(COMBINE, 'characters of text per encoded chunk; training windows never cross chunks '
                                  '(a token file has none: windows start anywhere)')
     seed: Optional[int] = option(None, 'fix to reproduce the windows and samples')
     # what the loop prints and writes

@@ -152,6 +152,10 @@ def test_encode_takes_a_model_folders_vocabulary(tmp_path):
 @pytest.mark.parametrize('argv, message', [
     (['a.txt', 'nodir/out.bin'], 'nodir is not a folder: create it first, or write out.bin elsewhere'),
     (['a.txt', 'out.npz', '--combine', '0'], 'combine must be an integer >= 1, got 0'),
+    (['a.txt', 'out.bin', '--combine', '7'], 'combine is for an .npz (gpt-2-simple\'s chunks of text); a token file '
+                                             'keeps each document whole: leave it out'),
+    (['a.txt', 'out.npz', '--processes', '2'], 'processes is for a token file (.bin); an .npz is encoded in one '
+                                               'process: leave it out'),
 ])
 def test_bad_encode_arguments_are_one_line(tmp_path, argv, message):
     (tmp_path / 'a.txt').write_text('text')

@@ -64,6 +64,6 @@ def add_commands(commands) -> None:
     encode.add_argument('--processes', type=int, default=None,
                         help="processes encoding a .bin in parallel, in order (default: the CPUs this process "
                              "may use, within a container's CPU quota)")
-    encode.add_argument('--combine', type=int, default=50000,
+    encode.add_argument('--combine', type=int, default=None,
                         help='for an .npz: characters of text per chunk (default: 50000)')
     encode.set_defaults(run=cmd_encode, verbose=False)
