@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import glob
 import os
+import warnings
 from typing import Callable, Optional
 
 import numpy as np
@@ -230,10 +231,17 @@ class Sampler:
 
     def __init__(self, chunks: list, length: int, seed: Optional[int] = None):
         self.chunks = [c for c in chunks if len(c) >= length]
+        longer = ('gather documents into longer chunks (a larger combine), or train on a token file (gpt2-tf '
+                  'encode TEXT OUT.bin), whose windows cross documents')
         if not self.chunks:
             longest = max((len(c) for c in chunks), default=0)  # no chunk at all: none has a token
             raise GPT2Error(f'the dataset is shorter than one training window: its longest chunk has {longest} '
-                            f'tokens, and a window is n_ctx = {length}; give more text')
+                            f'tokens, and a window is n_ctx = {length}; give more text, or {longer}')
+        if len(self.chunks) < len(chunks):  # gpt-2-simple's sampler never drew them either, without a word
+            short = [len(c) for c in chunks if len(c) < length]
+            warnings.warn(f'{len(short)} of {len(chunks)} chunks of the dataset ({sum(short):,} tokens) are shorter '
+                          f'than a training window (n_ctx = {length}) and are never trained on: {longer}',
+                          stacklevel=2)
         self.length = length
         # A window starts at any of the len - length + 1 offsets of a chunk, each equally likely.
         self.starts = np.cumsum([len(c) - length + 1 for c in self.chunks])

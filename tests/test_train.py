@@ -189,6 +189,11 @@ def test_windows_are_reproducible_and_stay_inside_a_chunk():
         Sampler([np.arange(10)], 32)
     with pytest.raises(GPT2Error, match='shorter than one training window: its longest chunk has 0 tokens'):
         Sampler([], 32)  # no chunk at all (max() of nothing was a ValueError of its own)
+    with pytest.warns(UserWarning, match=r'^2 of 3 chunks of the dataset \(30 tokens\) are shorter than a training '
+                                         r'window \(n_ctx = 32\) and are never trained on: gather documents into '
+                                         r'longer chunks \(a larger combine\)'):
+        dropped = Sampler([np.arange(10), np.arange(40), np.arange(20)], 32)
+    assert [len(c) for c in dropped.chunks] == [40]
 
 
 # --- run folders ------------------------------------------------------------------------------------
