@@ -26,15 +26,21 @@ and token ids in Tokenize. Needs the beam extra: pip install -e '.[beam]'.
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import hashlib
 import json
 import os
+import posixpath
+import shutil
 import sys
+import tempfile
 from typing import Any, Dict, Iterable, Optional, Sequence
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.io import fileio
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -47,6 +53,46 @@ from .loading import resolve
 BATCH_SIZES = (1, 2, 4, 8)
 INFERENCE = ('score', 'generate')
 TASKS = INFERENCE + ('encode',)
+
+
+# --- model folders on Beam's file systems (gs://bucket/124M) ----------------------------------------------
+
+SETTINGS = ('hparams.json', 'config.json')  # what resolve() reads of a folder: enough to check the options
+
+
+def is_remote(path) -> bool:
+    """Whether path is read through Beam's file systems (gs://bucket/124M), not as a path of this machine."""
+    return '://' in os.fspath(path)
+
+
+def matched(pattern: str) -> list:
+    """The paths Beam's file systems find for pattern, sorted; a scheme that no installed file system reads
+    (gs:// without apache-beam[gcp]) is refused in one line."""
+    try:
+        return sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
+    except ValueError as e:  # Beam's message names the package that reads the scheme
+        raise validate.GPT2Error(f'{pattern}: {validate.first_line(e)}') from None
+
+
+@functools.lru_cache(maxsize=None)
+def local_folder(model_dir: str, names: Optional[tuple] = None) -> str:
+    """model_dir as a folder of this machine: itself when it is one; a remote folder's files (its top level,
+    only those of `names` when given) copied once per process into a temporary folder, removed at exit."""
+    if not is_remote(model_dir):
+        return model_dir
+    paths = matched(posixpath.join(model_dir.rstrip('/'), '*'))
+    if names is not None:
+        paths = [path for path in paths if posixpath.basename(path) in names]
+    if not paths:
+        raise validate.GPT2Error(f'{model_dir}: no model files there; give a model folder (hparams.json and a '
+                                 f'checkpoint, or an HF config.json)')
+    copy = tempfile.mkdtemp(prefix='gpt2_tf-model-')
+    atexit.register(shutil.rmtree, copy, ignore_errors=True)
+    for path in paths:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as source, \
+                open(os.path.join(copy, posixpath.basename(path)), 'wb') as target:
+            shutil.copyfileobj(source, target, 1 << 24)
+    return copy
 
 
 def element_seed(seed: int, key: str) -> list:
@@ -82,13 +128,15 @@ class GPT2ModelHandler(ModelHandler):
                  threads: Optional[int] = None):
         if task not in INFERENCE:
             raise validate.GPT2Error(f'task must be one of {INFERENCE}, got {task!r}')
-        folder = resolve(model_dir)  # a folder or a model name, as every command takes
+        # A folder or a model name, as every command takes, or a folder on Beam's file systems (its settings
+        # only, here; each worker copies the whole folder).
+        folder = resolve(local_folder(model_dir, SETTINGS) if is_remote(model_dir) else model_dir)
         if task == 'generate':  # what score does not read, it does not check
             validate.check_sampling(temperature, top_k, top_p, 1)
             validate.check_length(length, folder.hparams().n_ctx)
             validate.check_seed(seed, 1)
         validate.check_stride(stride, folder.hparams().n_ctx)
-        self.model_dir = folder.checkpoint or folder.path  # one save of a folder, when named
+        self.model_dir = model_dir if is_remote(model_dir) else folder.checkpoint or folder.path  # or one save
         self.task, self.length, self.seed, self.stride = task, length, seed, stride
         self.options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.max_batch_size = min(max_batch_size, BATCH_SIZES[-1])
@@ -106,7 +154,8 @@ class GPT2ModelHandler(ModelHandler):
         from .loading import load_model
         from .encoder import encoder_for
 
-        return Loaded(load_model(self.model_dir), encoder_for(self.model_dir))
+        folder = local_folder(self.model_dir)
+        return Loaded(load_model(folder), encoder_for(folder))
 
     def batch_elements_kwargs(self) -> Dict[str, Any]:
         # Always full batches, as a plain loop takes them: BatchElements' adaptive sizing otherwise starts at
@@ -157,8 +206,9 @@ class Tokenize(beam.DoFn):
     def setup(self):
         from .encoder import encoder_for
 
-        self.encoder = encoder_for(self.model_dir)
-        self.hparams = resolve(self.model_dir).hparams()
+        folder = local_folder(self.model_dir)
+        self.encoder = encoder_for(folder)
+        self.hparams = resolve(folder).hparams()
 
     def process(self, element):
         key, text, error = element
@@ -236,7 +286,11 @@ def _encoder(model_dir: Optional[str]):
     """The encoder of corpus.vocabulary_of(model_dir): the folder's own vocabulary, else a one-line refusal."""
     from .encoder import encoder_for, get_encoder
 
-    return get_encoder() if corpus.vocabulary_of(model_dir) is None else encoder_for(model_dir)
+    folder = None if model_dir is None else local_folder(model_dir)
+    try:
+        return get_encoder() if corpus.vocabulary_of(folder) is None else encoder_for(folder)
+    except validate.GPT2Error as e:  # named as given, not as copied
+        raise validate.GPT2Error(str(e).replace(folder, model_dir)) from None
 
 
 def text_files(inputs: Sequence[str], glob: str = '*.txt') -> list:
@@ -249,10 +303,10 @@ def text_files(inputs: Sequence[str], glob: str = '*.txt') -> list:
         if os.path.exists(item):
             found += corpus.documents([item], glob=glob)
             continue
-        matched = sorted(m.path for m in FileSystems.match([item])[0].metadata_list)
-        if not matched:
+        paths = matched(item)
+        if not paths:
             raise validate.GPT2Error(f'{item}: no files match it; give text files, folders or globs')
-        found += matched
+        found += paths
     return found
 
 
@@ -268,8 +322,6 @@ class EncodeFile(beam.DoFn):
         self.dtype = corpus.dtype_for(self.encoder.n_vocab)
 
     def process(self, element):
-        from apache_beam.io.filesystem import CompressionTypes
-
         index, path = element
         shard, tokens, documents = f'{self.shards}/{index:09d}.bin', 0, 0
         end = np.asarray([self.encoder.encoder['<|endoftext|>']], self.dtype)
@@ -394,7 +446,7 @@ def main(argv=None) -> int:
             return encode_main(args, beam_args)
         if args.model_dir is None or len(args.input) != 1:
             raise validate.GPT2Error(f'{args.task} takes --model_dir and one --input (a file or glob)')
-        if not FileSystems.match([args.input[0]])[0].metadata_list:
+        if not matched(args.input[0]):
             raise validate.GPT2Error(f'{args.input[0]}: no files match it; give a file or glob')
         handler = GPT2ModelHandler(args.model_dir, args.task, length=args.length, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stride=args.stride,

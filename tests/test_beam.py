@@ -4,6 +4,7 @@ import glob
 import hashlib
 import os
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,11 +13,13 @@ import pytest
 
 import gpt2_tf
 import gpt2_tf.scoring
-from gpt2_tf.assets import bundled_checkpoint
+from gpt2_tf.assets import bundled_checkpoint, bundled_vocabulary
 
 from conftest import require
 
 require('apache_beam')
+
+from apache_beam.io.localfilesystem import LocalFileSystem  # noqa: E402
 
 from gpt2_tf.beam import GPT2ModelHandler, Tokenize, _padded, main  # noqa: E402
 from gpt2_tf.validate import GPT2Error  # noqa: E402
@@ -283,3 +286,46 @@ def test_encode_pipeline_refuses_inputs_without_text_as_encode_corpus_does(tmp_p
         f'gpt2_tf.beam: error: {tmp_path / "no-such-folder"} has no vocabulary files (encoder.json and vocab.bpe, or '
         f'vocab.json and merges.txt); leave out --model_dir to encode with the bundled GPT-2 vocabulary')
     assert sorted(p.name for p in tmp_path.iterdir()) == ['blank.txt', 'text.txt']
+
+
+class Mounted(LocalFileSystem):
+    """Beam's file system for mounted://PATH: this machine's PATH, read as Beam reads gs:// or s3:// paths."""
+
+    @classmethod
+    def scheme(cls):
+        return 'mounted'
+
+    def match(self, patterns, limits=None):
+        return super().match([p.removeprefix('mounted://') for p in patterns], limits)
+
+    def open(self, path, *args, **kwargs):
+        return super().open(path.removeprefix('mounted://'), *args, **kwargs)
+
+
+def test_a_model_folder_on_beams_file_systems_is_copied_to_each_worker(tmp_path, model, capsys):
+    path = tmp_path / 'texts.txt'
+    path.write_text('the cat sat on the mat\nand then ran home\n')
+    folder = tmp_path / 'model'  # the bundled checkpoint with its vocabulary beside it, as a download holds them
+    shutil.copytree(bundled_checkpoint(), folder)
+    for vocabulary in bundled_vocabulary():
+        shutil.copy(vocabulary, folder)
+    remote = f'mounted://{folder}'
+    assert main(['score', '--model_dir', remote, '--input', str(path), '--output', str(tmp_path / 'out' / 'p')]) == 0
+    records = [json.loads(line) for f in sorted(glob.glob(str(tmp_path / 'out' / 'p*.jsonl'))) for line in open(f)]
+    for record, line in zip(sorted(records, key=lambda r: r['key']), ['the cat sat on the mat', 'and then ran home']):
+        expected = gpt2_tf.score(model, [gpt2_tf.encode(line)])[0]
+        assert np.abs(np.array(record['log_probs']) - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+    assert main(['encode', '--input', str(path), '--output', str(tmp_path / 'remote.bin'), '--model_dir', remote]) == 0
+    gpt2_tf.corpus.encode_corpus([path], tmp_path / 'local.bin')
+    assert (tmp_path / 'remote.bin').read_bytes() == (tmp_path / 'local.bin').read_bytes()
+    capsys.readouterr()
+    for model_dir, message in [(f'mounted://{tmp_path / "none"}', f'mounted://{tmp_path / "none"}: no model files '
+                                                                  f'there; give a model folder'),
+                               ('nowhere://bucket/124M', 'nowhere://bucket/124M/*: Unable to get filesystem from '
+                                                         'specified path')]:
+        assert main(['score', '--model_dir', model_dir, '--input', str(path), '--output', str(tmp_path / 'x')]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f'gpt2_tf.beam: error: {message}') and '\n' not in err, err
+    assert main(['score', '--model_dir', 'test', '--input', 'nowhere://bucket/*.txt', '--output', 'o']) == 2
+    assert 'error: nowhere://bucket/*.txt: Unable to get filesystem' in capsys.readouterr().err
+
