@@ -338,8 +338,12 @@ def join_shards(shards: list, *, output: str, model_dir: Optional[str], inputs: 
     """Concatenates the shards in index order into output.partial, writes the sidecar, renames both into
     place (as encode_corpus does) and removes the shards; returns the sidecar. Inputs without text are
     refused, as encode_corpus refuses them."""
-    encoder = _encoder(model_dir)
     shards = sorted(shards)
+    if shards and not any(FileSystems.exists(shard) for _, shard, _, _ in shards):
+        # The step retried (a runner may) after it had finished: the shards go only once the output is in place.
+        with FileSystems.open(output + corpus.SIDECAR) as f:
+            return json.loads(f.read().decode('utf-8'))
+    encoder = _encoder(model_dir)
     corpus.check_text(sum(t for _, _, t, _ in shards), inputs)
     partial = output + '.partial'
     with FileSystems.create(partial) as out:

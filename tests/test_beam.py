@@ -329,3 +329,21 @@ def test_a_model_folder_on_beams_file_systems_is_copied_to_each_worker(tmp_path,
     assert main(['score', '--model_dir', 'test', '--input', 'nowhere://bucket/*.txt', '--output', 'o']) == 2
     assert 'error: nowhere://bucket/*.txt: Unable to get filesystem' in capsys.readouterr().err
 
+
+
+def test_a_join_retried_after_it_finished_returns_its_result(tmp_path):
+    from gpt2_tf import corpus
+    from gpt2_tf.beam import join_shards
+
+    (tmp_path / 'shards').mkdir()
+    ids = [[464, 3797, 50256], [15496, 50256]]
+    shards = []
+    for index, row in enumerate(ids):
+        (tmp_path / 'shards' / f'{index}.bin').write_bytes(np.array(row, '<u2').tobytes())
+        shards.append((index, str(tmp_path / 'shards' / f'{index}.bin'), len(row), 1))
+    output = str(tmp_path / 'out.bin')
+    first = join_shards(shards, output=output, model_dir=None, inputs=['a', 'b'])
+    assert not list((tmp_path / 'shards').iterdir())  # the shards go once the output is in place
+    again = join_shards(shards, output=output, model_dir=None, inputs=['a', 'b'])  # as a runner's retry would
+    assert again == first == json.loads((tmp_path / 'out.bin.json').read_text())
+    assert np.asarray(corpus.read_tokens(output)).tolist() == ids[0] + ids[1]
