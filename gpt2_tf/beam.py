@@ -326,8 +326,9 @@ class EncodeFile(beam.DoFn):
         shard, tokens, documents = f'{self.shards}/{index:09d}.bin', 0, 0
         end = np.asarray([self.encoder.encoder['<|endoftext|>']], self.dtype)
         raw = CompressionTypes.UNCOMPRESSED
-        with FileSystems.open(path, compression_type=raw) as f, FileSystems.create(shard, compression_type=raw) as out:
-            for piece in corpus.file_pieces(path, self.piece, binary=f):  # as encode_corpus reads it
+        with FileSystems.create(shard, compression_type=raw) as out:
+            opener = functools.partial(FileSystems.open, path, compression_type=raw)
+            for piece in corpus.file_pieces(path, self.piece, opener=opener):  # as encode_corpus reads it
                 ids = end if piece is None else corpus.ids_of(self.encoder, piece)
                 out.write(ids.tobytes())
                 tokens, documents = tokens + ids.size, documents + (piece is None)
@@ -464,5 +465,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == '__main__':
-    sys.exit(main())
+if __name__ == '__main__':  # the pipeline's parts are gpt2_tf.beam's, which workers import, not this __main__'s
+    from gpt2_tf.beam import main as beam_main
+
+    sys.exit(beam_main())

@@ -183,13 +183,13 @@ def _csv_rows(f) -> Iterator[str]:
             yield CSV_START + row[0].replace('\r\n', '\n').replace('\r', '\n')
 
 
-def file_pieces(path: str, size: int = PIECE, *, binary=None) -> Iterator[Optional[str]]:
+def file_pieces(path: str, size: int = PIECE, *, opener=None) -> Iterator[Optional[str]]:
     """A file's documents (`pieces`; a .csv's rows, gpt-2-simple's way) in pieces, None after each; a file
-    that is not UTF-8 is refused naming its first invalid byte. binary: the file's bytes as an open stream (a
-    Beam file system's), else the file is opened here."""
+    that is not UTF-8 is refused naming its first invalid byte. opener: a function opening the file's bytes
+    (a Beam file system's), else the file is opened here."""
     newline = '' if path.endswith('.csv') else None  # the csv module reads quoted line breaks itself
     try:
-        with (io.TextIOWrapper(binary, encoding=TEXT_ENCODING, newline=newline) if binary is not None
+        with (io.TextIOWrapper(opener(), encoding=TEXT_ENCODING, newline=newline) if opener is not None
               else open_text(path, newline)) as f:
             if path.endswith('.csv'):
                 for row in _csv_rows(f):
@@ -197,19 +197,19 @@ def file_pieces(path: str, size: int = PIECE, *, binary=None) -> Iterator[Option
             else:
                 yield from pieces(f, size)
     except UnicodeDecodeError as e:
-        where = f' at byte {_first_invalid_byte(path):,}' if binary is None and path != '-' else ''
+        where = '' if path == '-' else f' at byte {_first_invalid_byte(opener or (lambda: open(path, "rb"))):,}'
         raise GPT2Error(f'{path}: not UTF-8 text ({e.reason}{where}); convert it to UTF-8 or leave it out') from None
     except csv.Error as e:  # a malformed or oversized field
         raise GPT2Error(f'{path}: not a CSV file csv.reader can read ({e}); fix it or leave it out') from None
 
 
-def _first_invalid_byte(path: str, block: int = 1 << 20) -> int:
-    """The offset of a file's first byte that is not UTF-8 (a UnicodeDecodeError's start counts from the
-    text layer's last read, not the file's start)."""
+def _first_invalid_byte(opener, block: int = 1 << 20) -> int:
+    """The offset of a file's first byte that is not UTF-8, read again from its start through opener (a
+    UnicodeDecodeError's start counts from the text layer's last read, not the file's start)."""
     import codecs
 
     decoder, done = codecs.getincrementaldecoder('utf-8')(), 0
-    with open(path, 'rb') as f:
+    with opener() as f:
         while True:
             data = f.read(block)
             held = len(decoder.getstate()[0])  # an unfinished character from the block before

@@ -188,7 +188,7 @@ def test_encode_pipeline_that_fails_leaves_no_token_file(tmp_path):
     (tmp_path / 'in' / 'b.txt').write_bytes(b'caf\xe9 is latin-1')
     done = subprocess.run([sys.executable, '-m', 'gpt2_tf.beam', 'encode', '--input', str(tmp_path / 'in'),
                            '--output', str(tmp_path / 'out.bin')], capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0 and 'b.txt: not UTF-8 text' in done.stderr
+    assert done.returncode != 0 and 'b.txt: not UTF-8 text (invalid continuation byte at byte 3)' in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ['in']
     assert main(['encode', '--input', str(tmp_path / 'nowhere*'), '--output', str(tmp_path / 'x.bin')]) == 2
 
