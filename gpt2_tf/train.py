@@ -327,6 +327,10 @@ def adafactor_update(names: list, variables: list, grads: list, slots: dict, lr)
 
 # --- the loop ------------------------------------------------------------------------------------
 
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+               tf.errors.AbortedError)  # a collective's, when a worker stopped answering
+
+
 class ClusterError(GPT2Error, RuntimeError):
     """A worker of the cluster stopped answering mid-step; the run resumes from the chief's last checkpoint."""
 
@@ -497,10 +501,9 @@ class Run:
         batch = self.sampler.sample(self.config.batch_size * self.config.accumulate_gradients)
         try:
             return self.trainer.step(batch)
-        except tf.errors.OpError as e:
-            if not isinstance(self.strategy, tf.distribute.MultiWorkerMirroredStrategy) or isinstance(
-                    e, (tf.errors.ResourceExhaustedError, tf.errors.InvalidArgumentError)):
-                raise  # one host's devices, out of memory, or a bad input: this process's own, not the cluster's
+        except PEER_ERRORS as e:  # what a collective whose peer has gone raises; another error is this host's own
+            if not isinstance(self.strategy, tf.distribute.MultiWorkerMirroredStrategy):
+                raise
             raise ClusterError(
                 f'step {self.trainer.steps + 1}: the cluster stopped answering ({type(e).__name__}: '
                 f'{first_line(e)[:200]}); rerun every worker with --restore_from latest '

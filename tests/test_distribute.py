@@ -291,21 +291,29 @@ def test_the_command_line_refuses_a_bad_tf_config_in_one_line(tmp_path):
         done.stderr
 
 
-def test_a_device_error_on_one_host_is_not_taken_for_a_dead_cluster():
+@pytest.mark.parametrize('multiworker', [False, True])
+def test_a_device_error_on_one_host_is_not_taken_for_a_dead_cluster(multiworker):
     import types
 
     import tensorflow as tf
 
     from gpt2_tf import train
 
-    def fails(batch):
-        raise tf.errors.InternalError(None, None, 'cuDNN launch failure')
+    error = tf.errors.InternalError
 
+    def fails(batch):
+        raise error(None, None, 'cuDNN launch failure')
+
+    kind = tf.distribute.MultiWorkerMirroredStrategy
+    strategy = kind.__new__(kind) if multiworker else tf.distribute.MirroredStrategy(['/CPU:0'])  # (no cluster)
     run = types.SimpleNamespace(sampler=types.SimpleNamespace(sample=lambda n: None),
                                 config=types.SimpleNamespace(batch_size=1, accumulate_gradients=1),
-                                trainer=types.SimpleNamespace(step=fails, steps=0),
-                                strategy=tf.distribute.MirroredStrategy(['/CPU:0']))
+                                trainer=types.SimpleNamespace(step=fails, steps=0), strategy=strategy)
     with pytest.raises(tf.errors.InternalError, match='cuDNN launch failure'):
+        train.Run.step(run)
+    error = tf.errors.UnavailableError  # what a collective raises when a peer has gone
+    with pytest.raises(train.ClusterError if multiworker else tf.errors.UnavailableError,
+                       match='the cluster stopped answering' if multiworker else 'cuDNN'):
         train.Run.step(run)
 
 
