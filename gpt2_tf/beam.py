@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
@@ -378,11 +379,26 @@ def encode_main(args, beam_args) -> int:
     files = text_files(args.input, args.glob)
     _encoder(args.model_dir)  # a vocabulary that cannot be read fails here, not on a worker
     try:
-        with beam.Pipeline(options=PipelineOptions(beam_args)) as p:
+        with unlogged_step_errors(), beam.Pipeline(options=PipelineOptions(beam_args)) as p:
             encode_pipeline(p, files, output=args.output, model_dir=args.model_dir)
     finally:
         _remove_shards(args.output)
     return 0
+
+
+@contextlib.contextmanager
+def unlogged_step_errors():
+    """Beam logs a failed step's exception with its traceback, then raises it: main reports a GPT2Error (a file
+    that is not UTF-8) in one line, and any other goes up with its own traceback, so the log is left out."""
+    import logging
+
+    logger = logging.getLogger('apache_beam.runners.common')
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _remove_shards(output: str) -> None:
