@@ -13,7 +13,6 @@ the .npz).
 
 from __future__ import annotations
 
-import bisect
 import glob
 import os
 import warnings
@@ -226,36 +225,22 @@ def token_windows(path: str, length: int, *, n_vocab: int, model_dir: Optional[s
     return tuple(parts)
 
 
-class Sampler:
-    """Random training windows of exactly `length` tokens, within one chunk each, reproducible from a seed."""
+class Sampler(corpus.Windows):
+    """Random training windows of exactly `length` tokens, within one chunk each (load_dataset's chunks, held in
+    memory), reproducible from a seed: a token file's Windows over the chunks laid end to end, one range each."""
 
     def __init__(self, chunks: list, length: int, seed: Optional[int] = None):
-        self.chunks = [c for c in chunks if len(c) >= length]
         longer = ('gather documents into longer chunks (a larger combine), or train on a token file (gpt2-tf '
                   'encode TEXT OUT.bin), whose windows cross documents')
-        if not self.chunks:
-            longest = max((len(c) for c in chunks), default=0)  # no chunk at all: none has a token
+        short = [len(c) for c in chunks if len(c) < length]
+        if len(short) == len(chunks):
+            longest = max(short, default=0)  # no chunk at all: none has a token
             raise GPT2Error(f'the dataset is shorter than one training window: its longest chunk has {longest} '
                             f'tokens, and a window is n_ctx = {length}; give more text, or {longer}')
-        if len(self.chunks) < len(chunks):  # gpt-2-simple's sampler never drew them either, without a word
-            short = [len(c) for c in chunks if len(c) < length]
+        if short:  # gpt-2-simple's sampler never drew them either, without a word
             warnings.warn(f'{len(short)} of {len(chunks)} chunks of the dataset ({sum(short):,} tokens) are shorter '
                           f'than a training window (n_ctx = {length}) and are never trained on: {longer}',
                           stacklevel=2)
-        self.length = length
-        # A window starts at any of the len - length + 1 offsets of a chunk, each equally likely.
-        self.starts = np.cumsum([len(c) - length + 1 for c in self.chunks])
-        self.rng = np.random.default_rng(seed)
-
-    def skip(self, batches: int, batch: int) -> None:
-        """Draws as `batches` calls of sample(batch) draw, reading nothing: where a resumed run goes on."""
-        corpus.skip(self.rng, self.starts[-1], batches, batch)
-
-    def sample(self, batch: int, rng: Optional[np.random.Generator] = None) -> np.ndarray:  # -> int32 [batch, length]
-        """batch windows, drawn with this sampler's generator (or rng, leaving it as it was)."""
-        rows = []
-        for pick in (rng or self.rng).integers(0, self.starts[-1], size=batch):
-            i = bisect.bisect_right(self.starts, pick)
-            offset = pick - (self.starts[i - 1] if i else 0)
-            rows.append(self.chunks[i][offset:offset + self.length])
-        return np.stack(rows)
+        ends = np.cumsum([len(c) for c in chunks])
+        super().__init__(np.concatenate(chunks).astype(np.int32, copy=False), length,
+                         ranges=list(zip(ends - [len(c) for c in chunks], ends)), seed=seed)
