@@ -155,6 +155,17 @@ def attach(model, *, rank: int, alpha: Optional[float] = None, targets='c_attn',
     return adapters
 
 
+def safetensors():
+    """The safetensors package, which PEFT's adapter files need; without it, a one-line refusal naming the extra."""
+    try:
+        import safetensors
+        import safetensors.numpy  # noqa: F401
+    except ImportError:
+        raise GPT2Error("LoRA adapters are PEFT's safetensors files, which need the safetensors package: "
+                        "pip install -e '.[hf]'") from None
+    return safetensors
+
+
 def check_options(*, rank, alpha, targets, dropout) -> None:
     """attach's options, by the command line's rule (train_config.check_lora_options): the Trainer, built without
     a config, would otherwise train at scale 0, save an alpha that loading refuses, or call a dropout of 1 a
@@ -162,6 +173,7 @@ def check_options(*, rank, alpha, targets, dropout) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:  # 0 is the command line's 'off'
         raise GPT2Error(f'lora_rank must be an integer >= 1 to attach adapters, got {rank!r}')
     check_lora_options(rank, alpha, targets, dropout)
+    safetensors()  # before any step: a run's saves write them
 
 
 def _retrace(model) -> None:
@@ -245,7 +257,7 @@ def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = Non
     """adapter_config.json and adapter_model.safetensors (each whole or absent: written aside, then renamed);
     the step and the dtype of the base weights trained over, when given, go in the safetensors metadata, which
     is what a resumed run trusts."""
-    from safetensors.numpy import save_file
+    save_file = safetensors().numpy.save_file
 
     os.makedirs(folder, exist_ok=True)
     weights, temporary = os.path.join(folder, WEIGHTS), os.path.join(folder, f'{WEIGHTS}.tmp-{os.getpid()}')
@@ -274,7 +286,7 @@ def save(folder: str, adapters: dict, config: dict, *, step: Optional[int] = Non
 
 def saved_step(folder: str) -> Optional[int]:
     """The step in a saved adapter's metadata (ours), without reading its tensors; None where it has none."""
-    from safetensors import safe_open
+    safe_open = safetensors().safe_open
 
     path = os.path.join(folder, WEIGHTS)
     try:
@@ -323,8 +335,6 @@ def read_config(folder: str) -> dict:
 def read(folder, model) -> tuple:
     """(config, {'h.N.attn.c_attn': (A [nx, r], B [r, nf])}, the file's metadata), every tensor checked against the
     model: names, the config's rank, shapes (another model size or vocabulary), dtype, nothing left over."""
-    from safetensors import safe_open
-
     folder = os.fspath(folder)
     config = read_config(folder)
     check_base(folder, model.hparams)
@@ -335,6 +345,7 @@ def read(folder, model) -> tuple:
         path, metadata = os.path.join(folder, BIN), {}
         tensors = read_torch(path, AdapterError)
     else:
+        safe_open = safetensors().safe_open
         try:
             with safe_open(path, framework='numpy') as f:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}

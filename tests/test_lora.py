@@ -142,6 +142,22 @@ def test_finetune_with_lora_writes_peft_files_only(tmp_path):
     assert (tmp_path / 'r' / 'counter').read_text().strip() == '2'
 
 
+def test_a_lora_run_without_safetensors_is_refused_before_its_first_step(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / 'blocked').mkdir()
+    (tmp_path / 'blocked' / 'safetensors.py').write_text('raise ImportError("blocked")\n')  # as if not installed
+    (tmp_path / 'corpus.txt').write_text('One two three four five six seven. ' * 40)
+    done = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'finetune', 'corpus.txt', '--model_name', 'test',
+                           '--lora_rank', '2', '--steps', '2', '--sample_every', '0'], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, 'PYTHONPATH': str(tmp_path / 'blocked')}, timeout=300)
+    assert done.returncode == 2 and 'loss=' not in done.stdout, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("gpt2-tf: error: LoRA adapters are PEFT's safetensors files, "
+                                                    "which need the safetensors package: pip install -e '.[hf]'")
+    assert sorted(os.listdir(tmp_path)) == ['blocked', 'corpus.txt']  # no run folder
+
+
 def test_finetune_trains_adapters_over_int8_weights_and_refuses_full_fine_tuning_of_them(tmp_path):
     chunks = [np.arange(200) % 512]
     options = dict(checkpoint_dir=str(tmp_path), sample_every=0, print_every=0, seed=0, log=lambda line: None)
