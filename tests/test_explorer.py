@@ -39,6 +39,33 @@ def test_the_logit_lens_at_the_last_layer_is_the_models_own_prediction(model):
     assert_close(found['prompt_log_probs'], gpt2_tf.score(model, [tokens])[0], 'prompt log-probs')
 
 
+@pytest.mark.parametrize('rows', [None, 5])  # 2 blocks x 11 tokens: one batch of rows, or 5 at a time and 2 left
+def test_the_logit_lens_of_every_block_is_its_output_through_ln_f_and_wte(model, rows, monkeypatch):
+    # Worked out here in float64 from the trace and the checkpoint's ln_f and wte, block by block.
+    from gpt2_tf.explorer import measure
+
+    if rows:
+        monkeypatch.setattr(measure, 'LENS_ROWS', rows)
+    tokens = gpt2_tf.encode(PROMPT)
+    assert len(tokens) == 11 and model.hparams.n_layer == 2
+    found = explore(model, tokens)
+    variables = {name: v.numpy().astype(np.float64) for name, v in model.variables_by_name().items()
+                 if name in ('model/ln_f/g', 'model/ln_f/b', 'model/wte')}
+    for layer, block in enumerate(trace(model, np.array([tokens]))):
+        x = block['out'][0].astype(np.float64)  # [T, n_embd]
+        z = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+        logits = (z * variables['model/ln_f/g'] + variables['model/ln_f/b']) @ variables['model/wte'].T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)  # [T, n_vocab]
+        top = np.argsort(-probs, axis=-1, kind='stable')[:, :5]
+        np.testing.assert_array_equal(found['lens_ids'][layer], top, f'h{layer}')
+        # float32 against float64: the page shows them to 0.1%.
+        np.testing.assert_allclose(found['lens_probs'][layer], np.take_along_axis(probs, top, -1), rtol=1e-4,
+                                   err_msg=f'h{layer}')
+    np.testing.assert_array_equal(found['next_ids'], np.argsort(-probs[-1], kind='stable')[:10])
+    np.testing.assert_allclose(found['next_probs'], np.sort(probs[-1])[::-1][:10], rtol=1e-4)
+
+
 def test_residual_norms_and_attention_are_trace_s(fixture_dir):
     model = gpt2_tf.load_model(fixture_dir)
     tokens = np.load(fixture_dir / 'reference.npz')['tokens'][0, :12]
@@ -220,16 +247,16 @@ def test_the_report_in_headless_chromium(model, tmp_path):
     report = tmp_path / 'report.html'
     write_report(model, get_encoder(), PROMPT, str(report), model_dir=bundled_checkpoint())
     size = report.stat().st_size
-    hp = model.hparams
     # The page as the browser builds it (its script has drawn block h0): every section, every figure,
     # the predictions as text.
     dom = browse(report, tmp_path, '--dump-dom', f'--log-net-log={tmp_path / "net.json"}').stdout
     dom = re.sub(r'<script.*?</script>', '', dom, flags=re.S)  # what it shows, not what draws it
     for section in ('architecture', 'residual', 'lens', 'prediction', 'panel-attn', 'panel-mlp'):
         assert re.search(f'<section[^>]* id="{section}"', dom), section
-    # 5 charts across the blocks, the mask, one block's heatmaps (one per head) and its GELU histogram.
-    assert dom.count('<svg class="figure') == 5 + 1 + hp.n_head + 1
-    assert dom.count('<svg class="figure heatmap"') == hp.n_head
+    # 5 charts across the blocks and block h0's GELU histogram; the mask and the heads' maps wait for the
+    # Attention panel to open (test_the_panels_show_this_prompts_values_block_by_block opens it).
+    assert dom.count('<svg class="figure') == 5 + 1
+    assert 'class="figure heatmap"' not in dom and '<canvas' not in dom
     next_table = re.search(r'<table id="next">(.*?)</table>', dom, re.S).group(1)
     assert next_table.count('<tr>') == 11  # a header and the top 10, as text
     assert 'Hello' in dom and '·café' in dom and 'ln_1' in dom and '1e-5' in dom
@@ -290,19 +317,41 @@ def colorful(png: bytes) -> float:
     return float(((image.max(axis=-1) - image.min(axis=-1)) > 40).mean())
 
 
-def blue(v: float) -> str:
-    """The heatmaps' color of a weight v in [0, 1], written here from the page's legend: white to dark blue."""
-    return f'rgb({round(255 - 215 * v)}, {round(255 - 175 * v)}, {round(255 - 75 * v)})'
+# The heatmaps' color of a weight's byte k (k / 255 in [0, 1]) as a canvas pixel's RGBA, written here from the page's
+# legend: white to dark blue.
+BLUE = [[round(255 - 215 * k / 255), round(255 - 175 * k / 255), round(255 - 75 * k / 255), 255] for k in range(256)]
+
+
+def pixels(page, selector) -> list:
+    """Each canvas's pixels as [[r, g, b, a] per pixel, row by row] per canvas."""
+    return page.eval_on_selector_all(selector, 'cs => cs.map(c => { const d = c.getContext("2d").getImageData('
+                                     '0, 0, c.width, c.height).data; return Array.from({length: d.length / 4}, '
+                                     '(_, k) => Array.from(d.slice(4 * k, 4 * k + 4))); })')
+
+
+def focused(page) -> str:
+    """What has the keyboard focus: a diagram node's label, or the tag and id of the element or its panel."""
+    return page.evaluate('() => { const e = document.activeElement; return e.getAttribute("aria-label") || '
+                         '`${e.tagName} ${(e.closest("[id]") || {}).id}`; }')
 
 
 def test_the_diagram_opens_each_panel_and_only_it(model, browser, tmp_path):
     report = pathlib.Path(write_report(model, get_encoder(), PROMPT, str(tmp_path / 'r.html'),
                                        model_dir=bundled_checkpoint()))
     page = open_page(browser, report)
+    assert page.evaluate('() => document.activeElement === document.body')  # opening the page moves no focus
     nodes = page.eval_on_selector_all('#diagram a.node', 'ns => ns.map(n => [n.getAttribute("aria-label"), '
                                       'n.dataset.panel, n.getBoundingClientRect().top])')
     by_height = [label for label, _, _ in sorted(nodes, key=lambda n: n[2])]
     assert by_height == NODES  # the block's order, top to bottom
+    # Tab and a screen reader take the nodes in that order too: the + nodes between the dropouts and the norms.
+    assert [label for label, _, _ in nodes] == NODES
+    page.locator('#diagram a.node').first.focus()
+    tabbed = [focused(page)]
+    for _ in NODES[1:]:
+        page.keyboard.press('Tab')
+        tabbed.append(focused(page))
+    assert tabbed == NODES
     assert page.eval_on_selector_all('#diagram .bypass-label', 'ls => ls.map(l => l.textContent)') == ['residual'] * 2
     assert {panel for _, panel, _ in nodes} == PANELS
     assert page.locator('math').count() == FORMULAS
@@ -311,15 +360,25 @@ def test_the_diagram_opens_each_panel_and_only_it(model, browser, tmp_path):
         assert visible_panels(page) == [f'panel-{panel}'], label
         selected = page.eval_on_selector_all('#diagram .node.selected', 'ns => ns.map(n => n.dataset.panel)')
         assert set(selected) == {panel}, label
+        # Not by color alone: the selected nodes (both + nodes for the residual adds) say so, and the panel's
+        # heading takes the focus.
+        current = page.eval_on_selector_all('#diagram a.node', 'ns => ns.map(n => n.getAttribute("aria-current"))')
+        assert current == ['true' if p == panel else None for _, p, _ in nodes], label
+        assert focused(page) == f'H2 panel-{panel}', label
+        if panel == 'attn':  # its maps are drawn when it first opens
+            page.wait_for_selector('#view-attn[data-block="0"]', timeout=10_000)
         for box in page.locator(f'#panel-{panel} math').all():  # MathML laid out natively, not left as text
             assert box.evaluate('m => getComputedStyle(m).display') == 'block math'
             assert box.bounding_box()['width'] > 40 and box.bounding_box()['height'] > 12
-        for figure in page.locator(f'#panel-{panel} svg.figure').all():
+        for figure in page.locator(f'#panel-{panel} .figure').all():
             assert colorful(figure.screenshot()) > 0.01, (label, 'a blank figure')
-    # By keyboard: focus a node, press Enter.
+    # By keyboard: focus a node, press Enter; and by the address's fragment.
     page.locator('#diagram a.node[data-panel="ln_2"]').focus()
     page.keyboard.press('Enter')
-    assert visible_panels(page) == ['panel-ln_2']
+    assert visible_panels(page) == ['panel-ln_2'] and focused(page) == 'H2 panel-ln_2'
+    page.evaluate('() => { location.hash = "#panel-mlp"; }')
+    page.wait_for_function('() => document.activeElement.closest("#panel-mlp")', timeout=10_000)
+    assert visible_panels(page) == ['panel-mlp'] and focused(page) == 'H2 panel-mlp'
     assert not page.requests and not page.errors, (page.requests, page.errors)
 
 
@@ -332,8 +391,15 @@ def test_the_panels_show_this_prompts_values_block_by_block(model, browser, tmp_
     page = open_page(browser, report)
     hp = model.hparams
     labels = [token_label(encoder, t) for t in tokens]
+    T = len(tokens)
+    # The attention maps are drawn only once their panel is open, for the block shown: none before.
+    page.select_option('#block', '1')
+    assert page.locator('canvas').count() == 0
+    page.select_option('#block', '0')
+    page.locator('#diagram a.node[data-panel="attn"]').click()
     for n in range(hp.n_layer):
         page.select_option('#block', str(n))
+        page.wait_for_selector(f'#view-attn[data-block="{n}"]', timeout=10_000)
         s = states[n]
         # The tables show 5 significant digits, at most 4 decimals: rtol and atol 6e-5 (a half step and a little).
         # LayerNorm 2 of block n: each token's mean and variance of x'_n and of ln_2(x'_n).
@@ -350,13 +416,17 @@ def test_the_panels_show_this_prompts_values_block_by_block(model, browser, tmp_
         norms = np.stack([np.linalg.norm(s[k][0], axis=-1) for k in ('x', 'attn', 'x_attn', 'mlp', 'out')], -1)
         shown = np.array([[float(c) for c in row[1:]] for row in rows])
         np.testing.assert_allclose(shown, norms, rtol=6e-5, atol=6e-5)
-        # Attention: one map per head, its cells the weights (to the page's 1/255 steps).
-        titles = page.eval_on_selector_all('#view-attn svg.heatmap title', 'ts => ts.map(t => t.textContent)')
+        # Attention: one map per head, each canvas pixel a cell, colored by the weight (to the page's 1/255 steps).
+        titles = page.eval_on_selector_all('#view-attn .heatmap text:first-child', 'ts => ts.map(t => t.textContent)')
         assert titles == [f'h{n} head {h}' for h in range(hp.n_head)]
-        fills = page.eval_on_selector_all('#view-attn svg.heatmap', 'ms => ms.map(m => Array.from('
-                                          'm.querySelectorAll("rect"), r => getComputedStyle(r).fill))')
-        weights = np.round(s['attn_weights'][0] * 255) / 255  # [heads, T, T]
-        assert fills == [[blue(v) for v in head.reshape(-1)] for head in weights]
+        levels = np.round(s['attn_weights'][0] * 255).astype(int)  # [heads, T, T]
+        assert pixels(page, '#view-attn canvas') == [[BLUE[k] for k in head.reshape(-1)] for head in levels]
+        # In words, for a screen reader: each token's strongest key (the first of equals) and its weight.
+        best = levels.argmax(-1)  # [heads, T]
+        assert page.eval_on_selector_all('#view-attn .sr-only', 'ps => ps.map(p => p.textContent)') == [
+            "Each token's strongest key: " + '; '.join(f'{labels[i]} → {labels[best[h, i]]} '
+                                                     f'{levels[h, i, best[h, i]] / 255:.3f}' for i in range(T)) + '.'
+            for h in range(hp.n_head)]
         # The MLP: the GELU's input is c_fc's output, z2 @ w + b, from the checkpoint's own values.
         w, b = (model.variables_by_name()[f'model/h{n}/mlp/c_fc/{v}'].numpy() for v in 'wb')
         u = s['z2'][0] @ w[0] + b
@@ -368,6 +438,27 @@ def test_the_panels_show_this_prompts_values_block_by_block(model, browser, tmp_
         assert abs(float(share) - 100 * np.mean(np.abs(a) < 0.01)) < 0.051
     legend = page.eval_on_selector_all('#panel-residual .legend .tok', 'ts => ts.map(t => t.textContent)')
     assert legend == labels
+    # The mask: 1 where token i may see token j (j <= i).
+    assert pixels(page, '#view-mask canvas') == [[BLUE[255 if j <= i else 0] for i in range(T) for j in range(T)]]
+    # A cell's numbers: pointing at it, or the arrow keys on a focused map (block h{n_layer - 1} is shown).
+    cell = page.locator('#view-attn canvas').first.bounding_box()['width'] / T
+    page.locator('#view-attn canvas').nth(1).hover(position={'x': 2.5 * cell, 'y': 3.5 * cell})
+    assert page.text_content('#attn-readout') == (f'h{n} head 1: query {labels[3]} (3) → key {labels[2]} (2), '
+                                                  f'weight {levels[1, 3, 2] / 255:.3f}')
+    page.locator('#view-attn canvas').first.focus()  # the first cell: the first token sees only itself
+    first = f'h{n} head 0: query {labels[0]} (0) → key {labels[0]} (0), weight 1.000'
+    assert page.text_content('#attn-readout') == first
+    for key in ['ArrowDown'] * 6 + ['ArrowRight'] * 4 + ['ArrowUp']:
+        page.keyboard.press(key)
+    assert page.text_content('#attn-readout') == (f'h{n} head 0: query {labels[5]} (5) → key {labels[4]} (4), '
+                                                  f'weight {levels[0, 5, 4] / 255:.3f}')
+    page.keyboard.press('ArrowRight')
+    page.keyboard.press('ArrowRight')  # a later token: masked
+    assert page.text_content('#attn-readout').endswith(f'key {labels[6]} (6), weight 0.000')
+    page.locator('#view-mask canvas').hover(position={'x': 0.5 * cell, 'y': 1.5 * cell})
+    assert page.text_content('#attn-readout') == f'the causal mask: query {labels[1]} (1) → key {labels[0]} (0), ' \
+                                                 'seen (1)'
+    assert not page.requests and not page.errors, (page.requests, page.errors)
 
 
 def test_the_code_is_this_projects_with_its_lines_beside_the_originals(model, tmp_path):
@@ -401,7 +492,9 @@ def test_48_blocks_of_25_heads_take_a_selector_not_copies(random_checkpoint, bro
     print(f'\n48 blocks x 25 heads: {report.stat().st_size:,} bytes, loaded and drawn in {timing:.0f} ms')
     assert page.locator('#block option').count() == 48
     page.select_option('#block', '47')
-    titles = page.eval_on_selector_all('#view-attn svg.heatmap title', 'ts => ts.map(t => t.textContent)')
+    page.locator('#diagram a.node[data-panel="attn"]').click()
+    page.wait_for_selector('#view-attn[data-block="47"]', timeout=30_000)
+    titles = page.eval_on_selector_all('#view-attn .heatmap text:first-child', 'ts => ts.map(t => t.textContent)')
     assert titles == [f'h47 head {h}' for h in range(25)]
     assert page.text_content('#diagram .block-number') == 'h47'
     assert not page.requests and not page.errors, (page.requests, page.errors)
@@ -431,7 +524,7 @@ def test_a_124m_shaped_page_counts_its_tensors_and_stays_small(random_checkpoint
     report = pathlib.Path(write_report(model, get_encoder(), prompt, str(tmp_path / 'r.html'), model_dir=str(named)))
     assert report.stat().st_size < 5_000_000, report.stat().st_size
     shown = re.sub(r'<script.*?</script>', '', report.read_text(), flags=re.S)
-    assert shown.count('<svg class="figure heatmap"') == 0  # drawn per block, not 144 copies
+    assert 'figure heatmap' not in shown  # drawn per block, not 144 copies
     page = open_page(browser, report)
     timing = page.evaluate('() => performance.getEntriesByType("navigation")[0].loadEventEnd')
     print(f'\n124M-shaped page: {report.stat().st_size:,} bytes, loaded and drawn in {timing:.0f} ms')
@@ -441,13 +534,14 @@ def test_a_124m_shaped_page_counts_its_tensors_and_stays_small(random_checkpoint
             assert line in text, (panel, line)
         assert 'Counted from the tensors of the checkpoint file' in text
     assert page.text_content('#total') == '124,439,808'
-    page.select_option('#block', '11')
-    assert page.locator('#view-attn svg.heatmap').count() == 12
-    assert page.text_content('#view-attn svg.heatmap title') == 'h11 head 0'
     docs = pathlib.Path(os.environ.get('GPT2_TF_SCREENSHOTS', tmp_path))  # =docs retakes the README's pictures
-    page.select_option('#block', '0')
     page.set_viewport_size({'width': 1320, 'height': 1400})
     page.screenshot(path=str(docs / 'explorer-overview.png'))
     page.locator('#diagram a.node[data-panel="mlp"]').click()
     page.screenshot(path=str(docs / 'explorer-mlp.png'))
+    page.select_option('#block', '11')
+    page.locator('#diagram a.node[data-panel="attn"]').click()
+    page.wait_for_selector('#view-attn[data-block="11"]', timeout=30_000)
+    assert page.locator('#view-attn .heatmap').count() == 12
+    assert page.text_content('#view-attn .heatmap text') == 'h11 head 0'
     assert not page.requests and not page.errors, (page.requests, page.errors)

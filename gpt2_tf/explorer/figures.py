@@ -46,18 +46,21 @@ def line_chart(series: np.ndarray, labels: list, title: str) -> str:
     return ''.join(parts) + '</svg>'
 
 
-# The diagram: (panel, label, y, height, kind) top to bottom; x_n enters at the top, x_{n+1} leaves below.
+# The diagram: (panel, label, y, height, kind) top to bottom, which is also the order Tab and a screen reader take;
+# x_n enters at the top, x_{n+1} leaves below. A + node is a circle: y is its top, height its diameter.
+ADDS = [282, 514]  # the two + nodes' centres
 NODES = [
     ('embeddings', 'Embeddings (wte + wpe)', 8, 30, 'outer'),
     (LN_1, 'LayerNorm 1', 106, 34, 'node'),
     ('attn', 'Attention', 162, 40, 'node'),
     ('residual', 'dropout (inactive at inference)', 224, 26, 'dropout'),
+    ('residual', 'residual add', ADDS[0] - 13, 26, 'add'),
     (LN_2, 'LayerNorm 2', 338, 34, 'node'),
     ('mlp', 'MLP', 394, 40, 'node'),
     ('residual', 'dropout (inactive at inference)', 456, 26, 'dropout'),
+    ('residual', 'residual add', ADDS[1] - 13, 26, 'add'),
     (LN_F, f'{LN_F} → logits (tied wte)', 608, 30, 'outer'),
 ]
-ADDS = [282, 514]  # the two + nodes' centres
 CX, WIDTH = 120, 190
 
 
@@ -97,12 +100,13 @@ def diagram(n_layer: int) -> str:
         parts.append(_arrow(y1, y2))
     parts += [_bypass(80, ADDS[0]), _bypass(ADDS[0] + 30, ADDS[1])]
     for panel, label, y, height, kind in NODES:
+        r = height // 2
+        shape = (f'<circle cx="{CX}" cy="{y + r}" r="{r}"/><text x="{CX}" y="{y + r + 5}" text-anchor="middle">+</text>'
+                 if kind == 'add' else
+                 f'<rect x="{CX - WIDTH // 2}" y="{y}" width="{WIDTH}" height="{height}" rx="6"/>'
+                 f'<text x="{CX}" y="{y + height / 2 + 4}" text-anchor="middle">{html.escape(label)}</text>')
         parts.append(f'<a href="#panel-{panel}" class="node {kind}" data-panel="{panel}" aria-label="{label}">'
-                     f'<rect x="{CX - WIDTH // 2}" y="{y}" width="{WIDTH}" height="{height}" rx="6"/>'
-                     f'<text x="{CX}" y="{y + height / 2 + 4}" text-anchor="middle">{html.escape(label)}</text></a>')
-    for y in ADDS:
-        parts.append(f'<a href="#panel-residual" class="node add" data-panel="residual" aria-label="residual add">'
-                     f'<circle cx="{CX}" cy="{y}" r="13"/><text x="{CX}" y="{y + 5}" text-anchor="middle">+</text></a>')
+                     f'{shape}</a>')
     return ''.join(parts) + '</svg>'
 
 

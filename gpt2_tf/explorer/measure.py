@@ -21,6 +21,10 @@ RESIDUAL = ['x_n', 'attention delta', "x'_n", 'MLP delta', 'x_{n+1}']
 NEAR_ZERO = 0.01
 # Bins of the histogram of the GELU's input, per block.
 BINS = 24
+# The logit lens takes this many of its (block, position) rows through ln_f and wte at a time: all at once held
+# n_layer·T·n_vocab logits and as many probabilities (1.6 GB at 341 tokens on 124M), and a block at a time read
+# all of wte n_layer times over for a short prompt.
+LENS_ROWS = 256
 
 
 def explore(model: Graph, tokens) -> dict:
@@ -50,17 +54,24 @@ def explore(model: Graph, tokens) -> dict:
         raise GPT2Error(f'the activations are not finite from block h{broken[0]} on {NOT_FINITE}')
     names = ['x', 'attn', 'x_attn', 'mlp', 'out']
     norms = np.stack([np.stack([np.linalg.norm(block[n][0], axis=-1) for n in names], axis=-1) for block in states])
-    outs = tf.constant(np.stack([block['out'][0] for block in states]))  # [n_layer, T, n_embd]
-    probs = tf.nn.softmax(model.logits(outs), axis=-1)  # [n_layer, T, n_vocab]: ln_f, then the tied wte
-    lens_probs, lens_ids = tf.math.top_k(probs, k=min(5, model.hparams.n_vocab))
-    next_probs, next_ids = tf.math.top_k(probs[-1, -1], k=min(10, model.hparams.n_vocab))
+    outs = np.stack([block['out'][0] for block in states]).reshape(-1, model.hparams.n_embd)  # [n_layer * T, n_embd]
+    lens_probs, lens_ids = [], []
+    for start in range(0, len(outs), LENS_ROWS):
+        rows = tf.constant(outs[None, start:start + LENS_ROWS])
+        probs = tf.nn.softmax(model.logits(rows), axis=-1)[0]  # [rows, n_vocab]: ln_f, then the tied wte
+        top = tf.math.top_k(probs, k=min(5, model.hparams.n_vocab))
+        lens_probs.append(top.values.numpy())
+        lens_ids.append(top.indices.numpy())
+    next_probs, next_ids = tf.math.top_k(probs[-1], k=min(10, model.hparams.n_vocab))  # the last block's last token
+    lens_ids, lens_probs = (np.concatenate(parts).reshape(len(states), tokens.size, -1)  # [n_layer, T, 5]
+                            for parts in (lens_ids, lens_probs))
     log_probs = score(model, tokens[None])[0] if tokens.size >= 2 else np.zeros([0], np.float32)
     return finite({'tokens': tokens, 'residual_norms': norms.astype(np.float32),
                    'attention': np.stack([block['attn_weights'][0] for block in states]),
                    'norm_stats': np.stack([[norm_stats(b['x'][0], b['z1'][0]), norm_stats(b['x_attn'][0], b['z2'][0])]
                                            for b in states]),
                    **mlp_inside(model, states), 'embedding_norms': embedding_norms(model, tokens, states[0]['x'][0]),
-                   'lens_ids': lens_ids.numpy(), 'lens_probs': lens_probs.numpy(),
+                   'lens_ids': lens_ids, 'lens_probs': lens_probs,
                    'next_ids': next_ids.numpy(), 'next_probs': next_probs.numpy(), 'prompt_log_probs': log_probs})
 
 

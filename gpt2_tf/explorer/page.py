@@ -4,7 +4,8 @@ The static parts (the diagram, each component's formula, shapes, accounting and 
 across the blocks, the logit lens) are HTML and SVG written here; the block-by-block views (norm
 statistics, attention maps, the GELU, the residual norms) are drawn by a small inline script from
 the page's own data, for the block picked in the selector, so the page grows by data, not by copies
-of the views. Nothing is loaded from a network.
+of the views. The attention maps (n_head · T² weights a block) are canvases, drawn only once the
+Attention panel is open, from weights stored as deflated bytes. Nothing is loaded from a network.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import html
 import json
 import os
 import unicodedata
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -57,32 +59,117 @@ table.accounting code.tensors{font-size:11px;white-space:nowrap}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px;border-radius:2px}
 math{font-size:17px;margin:6px 0}.picker{margin:8px 0 0}
 td i{display:inline-block;width:10px;height:10px;margin-right:6px;border-radius:2px}
-.picker select{font-size:14px}'''
+.picker select{font-size:14px}
+.figure.heatmap,.figure.mask{position:relative}.figure.heatmap svg{display:block}
+.figure canvas{position:absolute;image-rendering:pixelated}.figure canvas:focus{outline:2px solid #d62828}
+.figure .cursor{position:absolute;box-sizing:border-box;border:1px solid #d62828;pointer-events:none}
+.readout{position:sticky;top:0;z-index:1;background:#fff;min-height:1.45em;margin:4px 0}
+.sr-only{position:absolute;width:1px;height:1px;overflow:hidden;clip-path:inset(50%);white-space:nowrap}'''
 
 SCRIPT = r'''(function () {
-  // The block-by-block views, drawn from the page's data for the block picked in #block.
+  // The block-by-block views, drawn from the page's data for the block picked in #block; the attention maps only
+  // while the Attention panel is open, for the block shown.
   const D = JSON.parse(document.getElementById('data').textContent), T = D.tokens.length;
-  const A = Uint8Array.from(atob(D.attention), c => c.charCodeAt(0));  // [n_layer, n_head, T, T], 0..255
   const esc = s => s.replace(/[&<>"]/g, c => ({'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;'}[c]));
   const color = k => `hsl(${Math.floor(360 * k / Math.max(T, 1))},60%,45%)`;  // figures.token_color
-  const blue = v => `rgb(${Math.round(255 - 215 * v)},${Math.round(255 - 175 * v)},${Math.round(255 - 75 * v)})`;
   const fmt = v => Math.abs(v) >= 1e4 || (Math.abs(v) < 1e-3 && v !== 0) ? v.toExponential(2) : v.toFixed(4);
   const swatch = k => `<i style="background:${color(k)}"></i>`;
   const svg = (kind, width, height, title) => `<svg class="figure ${kind}" xmlns="http://www.w3.org/2000/svg"
     width="${width}" height="${height}" role="img"><title>${title}</title>`;
 
-  function heat(get, title, kind) {  // a [T, T] map: row = the token attending, column = the one attended to
-    const cell = 14, m = 8 + 7 * Math.min(12, Math.max(...D.tokens.map(t => t.length))), s = m + cell * T;
-    let p = svg(kind, s, s + 16, title) + `<text x="2" y="11" font-size="10">${title}</text>`;
-    for (let i = 0; i < T; i++) for (let j = 0; j < T; j++)
-      p += `<rect x="${m + j * cell}" y="${16 + m + i * cell}" width="${cell}" height="${cell}"
-        fill="${blue(get(i, j))}"/>`;
-    D.tokens.forEach((t, i) => {
-      const s = esc(t.slice(0, 12));
-      p += `<text x="${m - 2}" y="${16 + m + i * cell + 10}" font-size="9" text-anchor="end">${s}</text>
-        <text transform="translate(${m + i * cell + 10},${16 + m - 2}) rotate(-90)" font-size="9">${s}</text>`;
+  let weights;  // [n_layer, n_head, T, T] bytes, 0..255 for 0..1 (page_data): unpacked once, when first drawn
+  function unpack() {
+    if (!weights) {
+      const text = atob(D.attention), packed = new Uint8Array(text.length);
+      for (let k = 0; k < text.length; k++) packed[k] = text.charCodeAt(k);
+      const stream = new Blob([packed]).stream().pipeThrough(new DecompressionStream('deflate'));
+      weights = new Response(stream).arrayBuffer().then(b => new Uint8Array(b));
+    }
+    return weights;
+  }
+  // A byte's color, white (0) to dark blue (255), as the four bytes of a canvas pixel (RGBA) in one number.
+  const BLUE = new Uint32Array(Uint8Array.from(Array.from({length: 256},
+    (_, k) => [...[215, 175, 75].map(d => Math.round(255 - d * k / 255)), 255]).flat()).buffer);
+  // The maps' cells are one canvas pixel each, shown cell CSS pixels wide (14 up to 32 tokens, at least 1), with a
+  // token's label every few rows and columns (10 px apart at least).
+  const cell = Math.max(1, Math.min(14, Math.floor(448 / T))), every = Math.ceil(10 / cell);
+  const margin = 8 + 7 * Math.min(12, Math.max(...D.tokens.map(t => t.length)));
+  const readout = () => document.getElementById('attn-readout');
+
+  // A [T, T] map of bytes level(i, j): row i the token attending (the query), column j the one attended to (the
+  // key). Pointing at a cell, or the arrow keys on a focused map, write its tokens and say(level) in #attn-readout;
+  // about is its text for a screen reader.
+  function heat(id, level, say, title, kind, about) {
+    const m = margin, s = m + cell * T, figure = document.createElement('div');
+    figure.className = 'figure ' + kind;
+    figure.id = id;
+    let p = `<svg xmlns="http://www.w3.org/2000/svg" width="${s}" height="${s + 16}" aria-hidden="true">
+      <text x="2" y="11" font-size="10">${title}</text>`;
+    for (let i = 0; i < T; i += every) {
+      const t = esc(D.tokens[i].slice(0, 12)), c = i * cell + cell / 2 + 3;
+      p += `<text x="${m - 2}" y="${16 + m + c}" font-size="9" text-anchor="end">${t}</text>
+        <text transform="translate(${m + c},${16 + m - 2}) rotate(-90)" font-size="9">${t}</text>`;
+    }
+    // No white space between the elements: a space after the SVG would widen the figure and move the grid's rows.
+    figure.innerHTML = p + `</svg><canvas width="${T}" height="${T}" tabindex="0" role="img"
+      style="left:${m}px;top:${16 + m}px;width:${T * cell}px;height:${T * cell}px"
+      aria-label="${title}, ${T} by ${T}: point at a cell or use the arrow keys to read it"
+      aria-describedby="${id}-about"></canvas><span class="cursor" hidden></span>`
+      + `<p class="sr-only" id="${id}-about">${esc(about)}</p>`;
+    const canvas = figure.querySelector('canvas'), cursor = figure.querySelector('.cursor');
+    const context = canvas.getContext('2d'), image = context.createImageData(T, T);
+    const pixels = new Uint32Array(image.data.buffer);
+    for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) pixels[i * T + j] = BLUE[level(i, j)];
+    context.putImageData(image, 0, 0);
+    let at = [0, 0];
+    const show = (i, j) => {
+      at = [Math.max(0, Math.min(T - 1, i)), Math.max(0, Math.min(T - 1, j))];
+      Object.assign(cursor.style, {left: `${m + at[1] * cell - 1}px`, top: `${16 + m + at[0] * cell - 1}px`,
+                                   width: `${cell + 2}px`, height: `${cell + 2}px`});
+      cursor.hidden = false;
+      readout().textContent = `${title}: query ${D.tokens[at[0]]} (${at[0]}) → key ${D.tokens[at[1]]} (${at[1]}), `
+        + say(level(...at));
+    };
+    canvas.addEventListener('mousemove', e => show(Math.floor(e.offsetY / cell), Math.floor(e.offsetX / cell)));
+    canvas.addEventListener('focus', () => show(...at));
+    ['mouseleave', 'blur'].forEach(e => canvas.addEventListener(e, () => { cursor.hidden = true; }));
+    canvas.addEventListener('keydown', e => {
+      const step = {ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1]}[e.key];
+      if (step) { e.preventDefault(); show(at[0] + step[0], at[1] + step[1]); }
     });
-    return p + '</svg>';
+    return figure;
+  }
+  const weight = v => `weight ${(v / 255).toFixed(3)}`;
+  function strongest(level) {  // each query's strongest key, as words
+    return 'Each token\'s strongest key: ' + D.tokens.map((t, i) => {
+      let best = 0;
+      for (let j = 1; j <= i; j++) if (level(i, j) > level(i, best)) best = j;
+      return `${t} → ${D.tokens[best]} ${(level(i, best) / 255).toFixed(3)}`;
+    }).join('; ') + '.';
+  }
+  let drawn = -1;  // the block whose attention maps are drawn or being drawn
+  async function attention() {
+    const n = +pick.value, maps = document.getElementById('view-attn');
+    if (document.getElementById('panel-attn').hidden || drawn === n) return;
+    drawn = n;
+    if (!window.DecompressionStream) {
+      view('attn', '<p>This browser cannot unpack the weights (it lacks DecompressionStream): open the page in a '
+        + 'newer one.</p>');
+      return;
+    }
+    if (!document.querySelector('#view-mask canvas'))
+      document.getElementById('view-mask').replaceChildren(heat('map-mask', (i, j) => j <= i ? 255 : 0,
+        v => v ? 'seen (1)' : 'masked (0)', 'the causal mask', 'mask',
+        'Each token sees itself and the tokens before it; the later ones are masked.'));
+    const A = await unpack();
+    if (drawn !== n) return;  // another block was picked meanwhile: its own call draws it
+    const heads = [];
+    for (let h = 0; h < D.n_head; h++) {
+      const o = (n * D.n_head + h) * T * T, level = (i, j) => A[o + i * T + j];
+      heads.push(heat(`map-${h}`, level, weight, `h${n} head ${h}`, 'heatmap', strongest(level)));
+    }
+    maps.replaceChildren(...heads);
+    maps.dataset.block = n;
   }
   function table(head, rows) {  // the first column names the token, with its color
     return '<table><tr>' + head.map(h => `<th>${h}</th>`).join('') + '</tr>' + rows.map((r, k) =>
@@ -116,31 +203,31 @@ SCRIPT = r'''(function () {
   function draw(n) {
     document.querySelectorAll('.block-number').forEach(e => { e.textContent = 'h' + n; });
     D.norms.forEach((name, i) => view(name, table(NORMS, D.norm_stats[n][i])));
-    let maps = '';
-    for (let h = 0; h < D.n_head; h++) {
-      const o = (n * D.n_head + h) * T * T;
-      maps += heat((i, j) => A[o + i * T + j] / 255, `h${n} head ${h}`, 'heatmap');
-    }
-    view('attn', maps);
     view('mlp', mlp(n));
     view('residual', table(RESIDUAL, D.residual[n]));
+    attention();
   }
-  function select(name) {  // show one panel, mark its nodes in the diagram
+  function select(name, focus) {  // show one panel, mark its nodes in the diagram; on a reader's pick, focus it
     if (!document.getElementById('panel-' + name)) name = D.norms[0];
     document.querySelectorAll('.panel').forEach(p => { p.hidden = p.id !== 'panel-' + name; });
-    document.querySelectorAll('#diagram .node').forEach(a => a.classList.toggle('selected', a.dataset.panel === name));
+    document.querySelectorAll('#diagram .node').forEach(a => {
+      const on = a.dataset.panel === name;
+      a.classList.toggle('selected', on);
+      if (on) a.setAttribute('aria-current', 'true'); else a.removeAttribute('aria-current');
+    });
+    if (focus) document.querySelector(`#panel-${name} h2`).focus();
+    attention();
   }
   document.querySelectorAll('#diagram a.node').forEach(a => a.addEventListener('click', e => {
     e.preventDefault();
     history.replaceState(null, '', '#panel-' + a.dataset.panel);
-    select(a.dataset.panel);
+    select(a.dataset.panel, true);
   }));
   const pick = document.getElementById('block');
   pick.addEventListener('change', () => draw(+pick.value));
-  window.addEventListener('hashchange', () => select(location.hash.replace('#panel-', '')));
-  view('mask', heat((i, j) => j <= i ? 1 : 0, 'the causal mask', 'mask'));
-  draw(+pick.value);
+  window.addEventListener('hashchange', () => select(location.hash.replace('#panel-', ''), true));
   select(location.hash.replace('#panel-', ''));
+  draw(+pick.value);
 })();'''
 
 
@@ -174,11 +261,13 @@ def _rounded(array) -> list:
 
 
 def page_data(model: Graph, found: dict, labels: list) -> str:
-    """The block-by-block views' numbers as JSON; attention weights as bytes (0..255 for 0..1), base64."""
+    """The block-by-block views' numbers as JSON; attention weights as bytes (0..255 for 0..1), deflated (the masked
+    half is zeros, and most of the rest rounds to a few small values), base64."""
     hp = model.hparams
     attention = np.round(np.clip(found['attention'], 0, 1) * 255).astype(np.uint8)
+    packed = base64.b64encode(zlib.compress(attention.tobytes())).decode('ascii')  # the script's DecompressionStream
     data = {'tokens': labels, 'norms': [LN_1, LN_2], 'n_head': hp.n_head, 'n_inner': 4 * hp.n_embd, 'near_zero': NEAR_ZERO,
-            'attention': base64.b64encode(attention.tobytes()).decode('ascii'),
+            'attention': packed,
             'norm_stats': _rounded(found['norm_stats']), 'residual': _rounded(found['residual_norms']),
             'gelu': [{'range': _rounded(r), 'histogram': h.tolist(), 'near_zero': round(float(z), 5)}
                      for r, h, z in zip(found['gelu_range'], found['gelu_histogram'], found['near_zero'])]}
@@ -191,7 +280,8 @@ def panel_html(name: str, hp, counted: dict, source: str, measured: str, T: int)
     p = PANELS[name]
     names = dict(hp.to_dict(), T=T, head_size=hp.n_embd // hp.n_head, n_inner=4 * hp.n_embd)
     names = {k: f'{v:,}' if isinstance(v, int) and k != 'T' else v for k, v in names.items()}
-    out = [f'<section class="panel" id="panel-{name}"><h2>{p.title}</h2><p>{html.escape(p.text.format(**names))}</p>',
+    out = [f'<section class="panel" id="panel-{name}"><h2 tabindex="-1">{p.title}</h2>',  # focused when it opens
+           f'<p>{html.escape(p.text.format(**names))}</p>',
            '<h3>Formula</h3>', *p.formulas,
            f'<h3>Shapes</h3><p class="shapes">{html.escape(p.shapes.format(**names))}</p>']
     if name in INSIDE:
@@ -224,8 +314,9 @@ def _explorer(model: Graph, encoder: Encoder, found: dict, labels: list, model_d
     counted = accounting(hp, stored)
     views = {name: f'<div class="view" id="view-{name}"></div>' for name in (LN_1, LN_2, 'mlp')}
     views['attn'] = ('<p class="note">The mask (left: 1 where token i may see token j, j ≤ i), then each head\'s '
-                     'weights (to steps of 1/255; hover a map for its title).</p><div class="grid"><div '
-                     'id="view-mask"></div><div class="grid view" id="view-attn"></div></div>')
+                     'weights (to steps of 1/255). Point at a cell, or Tab to a map and use the arrow keys, to read '
+                     'its tokens and weight here:</p><p class="readout" id="attn-readout" aria-live="polite"></p>'
+                     '<div class="grid"><div id="view-mask"></div><div class="grid view" id="view-attn"></div></div>')
     views['residual'] = '<div class="view" id="view-residual"></div>' + legend(labels)
     views.update(_global_views(encoder, found, labels))
     options = ''.join(f'<option value="{n}">h{n}</option>' for n in range(hp.n_layer))
