@@ -2,10 +2,11 @@
 
 The model holds its weights in float32 (the default, and exact), bfloat16,
 float16 or int8. In bfloat16 and float16, matrix products take reduced inputs and the
-kernels accumulate in float32; the residual stream, LayerNorm statistics,
-attention scores with their mask and softmax, and the logits stay float32,
-because reduced precision there costs accuracy for no speed (they are small,
-or sums whose rounding compounds). For float32 weights every cast here is a
+kernels accumulate in float32, their results rounded to the reduced dtype; the tied
+logits' product takes wte as float32 (GPT-2's logits sit near -100, where bfloat16's
+spacing is 0.5); the residual stream, LayerNorm statistics, attention scores with
+their mask and softmax, and the logits stay float32, because reduced precision there
+costs accuracy for no speed (they are small, or sums whose rounding compounds). For float32 weights every cast here is a
 no-op, so the float32 graph is the original's. The dtype is an argument of
 every module that creates weights (weight(shape, name, dtype)), never a global.
 
@@ -145,9 +146,13 @@ def f32(v):
 
 def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = False):
     """float32 x [M, K] times w [K, N] (or [N, K] with transpose_b), in w's dtype -> float32 [M, N]: reduced
-    inputs, float32 accumulation and result; int8 w is multiplied as it is, with its scales [N]."""
+    inputs, float32 accumulation, the result rounded to w's dtype; int8 w is multiplied as it is, with its scales
+    [N]. The tied logits (transpose_b) take a reduced float w as float32: GPT-2's logits sit near -100, where
+    bfloat16's spacing is 0.5, and a log-prob would move by as much as the rounding."""
     if w.dtype == tf.int8:
         return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b, panel=0 if transpose_b else panel(w.shape[-1]))
+    if transpose_b and w.dtype != tf.float32:
+        return tf.matmul(x, f32(w), transpose_b=True)
     few = kernels.few_rows(transpose_b) if w.dtype == tf.float32 and kernel_while_decoding() and \
         kernels.on_cpu(x) else None
     if few:
