@@ -34,6 +34,8 @@ import sys
 import tempfile
 from typing import Optional
 
+from .validate import is_off
+
 _captured = ''
 XLA_CACHE_ENV = 'GPT2_TF_XLA_CACHE'  # a folder for compiled XLA code, or 'off'
 XLA_CACHE_LIMIT = 1 << 30  # bytes kept in the cache folder; the oldest files go first
@@ -49,7 +51,7 @@ def xla_cache_folder() -> Optional[str]:
     neither (the project's machines change CPU class).
     """
     chosen = os.environ.get(XLA_CACHE_ENV)
-    if chosen and chosen.lower() in ('off', 'none', '0', 'false'):
+    if chosen and is_off(chosen):
         return None
     base = chosen or os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'gpt2_tf',
                                   'xla')

@@ -81,6 +81,13 @@ def check_new_folder(path) -> str:
     return path
 
 
+OFF = ('off', '0', 'false', 'no', 'none')  # what turns a setting off (GPT2_TF_KERNELS, GPT2_TF_XLA_CACHE)
+
+
+def is_off(value: str) -> bool:
+    return value.strip().lower() in OFF
+
+
 MAX_TEMPERATURE = 2.0  # the accepted range is [0, MAX_TEMPERATURE]; 0 is greedy
 
 

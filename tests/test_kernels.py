@@ -617,9 +617,13 @@ def test_only_a_failure_in_the_sources_keeps_the_xla_build_from_being_tried_agai
 
 
 def test_the_kernel_switch_and_arch_settings_are_read_or_refused(monkeypatch):
-    for value in ('off', 'OFF', '0', 'false', 'no'):
+    from gpt2_tf import quiet
+
+    for value in ('off', 'OFF', '0', 'false', 'no', ' none '):  # one rule for both settings
         monkeypatch.setenv(kernels.SWITCH_ENV, value)
         assert kernels._refused() == f'{kernels.SWITCH_ENV}={value}'
+        monkeypatch.setenv(quiet.XLA_CACHE_ENV, value)
+        assert quiet.xla_cache_folder() is None, value  # not a folder named 'no' in the working folder
     for value in ('', 'on', '1', 'true', 'yes'):
         monkeypatch.setenv(kernels.SWITCH_ENV, value)
         assert kernels._refused() is None

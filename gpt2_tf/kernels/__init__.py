@@ -54,7 +54,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from ..validate import GPT2Error, first_line
+from ..validate import OFF, GPT2Error, first_line, is_off
 
 # The products' library: matmul.cc (the ops and their products: all a build without XLA compiles), then
 # matmul_xla.cc (the ops' XLA kernels); both include HEADER. A whole sequence's attention is a library of its own
@@ -280,18 +280,17 @@ def _in_the_sources(e: subprocess.CalledProcessError) -> bool:
     return e.returncode > 0 and bool(SOURCE_ERROR.search(e.stderr or b'')) and not TRANSIENT.search(e.stderr or b'')
 
 
-SWITCH = {'off': False, '0': False, 'false': False, 'no': False, '': True, 'on': True, '1': True, 'true': True,
-          'yes': True}
+ON = ('', 'on', '1', 'true', 'yes')
 
 
 def _refused() -> Optional[str]:
     """Why no library is built here at all, or None."""
     switch = os.environ.get(SWITCH_ENV, '')
-    if switch.strip().lower() not in SWITCH:
-        raise GPT2Error(f'{SWITCH_ENV}={switch!r} is neither off (0, false, no) nor on (1, true, yes): set one, '
-                        f'or unset it')
-    if not SWITCH[switch.strip().lower()]:
+    if is_off(switch):
         return f'{SWITCH_ENV}={switch}'
+    if switch.strip().lower() not in ON:
+        raise GPT2Error(f'{SWITCH_ENV}={switch!r} is neither off ({", ".join(OFF)}) nor on (1, true, yes): set one, '
+                        f'or unset it')
     if not sys.platform.startswith('linux'):
         return 'the kernel is built on Linux only'
     return None
