@@ -124,6 +124,8 @@ def unpacked(variable) -> np.ndarray:
 def assign(variables: dict, name: str, value) -> None:
     """Assigns a float32 checkpoint value to variables[name], in its dtype: the one place int8 is quantized."""
     variable = variables[name]
+    if variable.dtype == tf.float16:
+        check_float16(value, name)
     if variable.dtype != tf.int8:
         variable.assign(tf.cast(value, variable.dtype))
         return
@@ -131,6 +133,13 @@ def assign(variables: dict, name: str, value) -> None:
     q, scale = quantize(value, rows=rows, name=name)
     variable.assign(q if rows else pack(q))
     variables[name + SCALE].assign(scale)
+
+
+def check_float16(value, name: str) -> None:
+    """A weight float16 can hold: one past its range (65504) would become inf, and every logit NaN later."""
+    peak = float(np.max(np.abs(value))) if np.size(value) else 0.0
+    if peak > float(np.finfo(np.float16).max):
+        raise GPT2Error(f'{name} holds {peak:.4g}, past float16\'s range (65504): load it in bfloat16 or float32')
 
 
 def stored(variables: dict) -> dict:

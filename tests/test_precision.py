@@ -84,6 +84,16 @@ def test_log_probs_hold_where_the_logits_sit_near_minus_100(random_checkpoint, t
     assert moved <= NEAR_MINUS_100[dtype], moved
 
 
+def test_a_weight_past_float16s_range_is_refused_at_load(tmp_path):
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')
+    model.h[1].mlp.c_fc.w.assign(tf.tensor_scatter_nd_update(model.h[1].mlp.c_fc.w, [[0, 3, 5]], [-1e5]))
+    gpt2_tf.save_checkpoint(model, tmp_path / 'big')
+    with pytest.raises(gpt2_tf.GPT2Error, match=r"model/h1/mlp/c_fc/w holds 1e\+05, past float16's range \(65504\): "
+                                                r'load it in bfloat16 or float32'):
+        gpt2_tf.load_model(tmp_path / 'big', dtype='float16')
+    assert gpt2_tf.load_model(tmp_path / 'big', dtype='bfloat16').h[1].mlp.c_fc.w.dtype == tf.bfloat16
+
+
 def test_float32_is_exactly_the_default():
     ref = np.load(FIXTURES / 'tf1-tiny' / 'reference.npz')
     default = gpt2_tf.load_model(FIXTURES / 'tf1-tiny')(ref['tokens'])['logits'].numpy()
