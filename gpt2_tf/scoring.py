@@ -141,7 +141,9 @@ def _rows(tokens, n_vocab: int, n_ctx: int) -> list:
             raise validate.GPT2Error(f'row {i} has {row.size} token(s): scoring needs at least 2 (a context and a '
                                      f'next token)')
         validate.check_token_ids(row, n_vocab, name=f'row {i}: token')
-        validate.check_sequence(0, len(row), n_ctx)
+        if len(row) > n_ctx:
+            raise validate.GPT2Error(f'row {i} has {len(row)} tokens, past n_ctx = {n_ctx}: score a longer text in '
+                                     f'windows with perplexity() or window_log_probs()')
     return [row.tolist() for row in rows]
 
 

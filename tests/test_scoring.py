@@ -168,7 +168,8 @@ def test_new_lengths_in_a_bucket_do_not_retrace(hot):
 @pytest.mark.parametrize('call, message', [
     (lambda m: gpt2_tf.score(m, [[5]]), 'row 0 has 1 token'),
     (lambda m: gpt2_tf.score(m, [[5, 300]]), r'row 0: token id 300 is outside the vocabulary \[0, 300\)'),
-    (lambda m: gpt2_tf.score(m, [[5] * 65]), 'sequence too long'),
+    (lambda m: gpt2_tf.score(m, [[5] * 65]), r'row 0 has 65 tokens, past n_ctx = 64: score a longer text in windows '
+                                             r'with perplexity\(\) or window_log_probs\(\)'),
     (lambda m: gpt2_tf.score(m, [1, 2, 3]), r'tokens must be \[batch, T\]'),
     (lambda m: gpt2_tf.score(m, [[1, 2]], top=51), r'top must be an integer in \[0, 50\]'),
     (lambda m: gpt2_tf.perplexity(m, [7]), 'the text has 1 token'),
