@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -508,6 +509,7 @@ print(ir.count('custom_call_target="gpt2_tf_'), team, unnamed() - before, len(os
         assert (int(team), int(pool)) == ((0, 0) if threads == 1 else (int(cpus) - 1, int(cpus))), (threads, out.stdout)
 
 
+@pytest.mark.filterwarnings('ignore:the matmul kernels could not be built')
 def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatch):
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     calls = []
@@ -521,6 +523,17 @@ def test_a_failed_xla_build_is_recorded_and_not_tried_again(tmp_path, monkeypatc
     assert kernels._load(xla=True) == reason
     assert kernels._load(xla=True).startswith(f'{reason} (recorded in ') and len(calls) == 1  # g++ not run again
     assert kernels._load(xla=False) == reason and len(calls) == 2  # the build without XLA is still tried
+
+
+def test_a_missing_compiler_is_told_from_another_missing_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    for missing, reason in [('g++', 'no g++ on this machine'),
+                            (str(tmp_path / 'work'), 'the kernel could not be built: [Errno 2] No such file')]:
+        def run_all(commands, missing=missing):
+            raise FileNotFoundError(2, 'No such file or directory', missing)
+
+        monkeypatch.setattr(kernels, '_run_all', run_all)
+        assert kernels._load(xla=False, name='attention').startswith(reason)
 
 
 def test_a_cut_off_library_is_built_again_not_mapped(tmp_path, monkeypatch):
@@ -594,8 +607,9 @@ def failing_build(stderr: bytes, returncode: int = 1):
     (b'/usr/bin/ld: final link failed: No space left on device', False),
     (b'matmul.cc:1018:78: fatal error: error writing to /tmp/ccOdbMuA.s: No space left on device', False),  # cc1plus
 ])
-def test_only_a_failure_in_the_sources_keeps_the_xla_build_from_being_tried_again(
-        tmp_path, monkeypatch, stderr, recorded):
+@pytest.mark.parametrize('xla, name', [(True, 'matmul'), (False, 'matmul'), (False, 'attention')])
+def test_only_a_failure_in_the_sources_keeps_a_build_from_being_tried_again(
+        tmp_path, monkeypatch, stderr, recorded, xla, name):
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(kernels, '_run_all', failing_build(stderr))
     on_release = []
@@ -608,12 +622,16 @@ def test_only_a_failure_in_the_sources_keeps_the_xla_build_from_being_tried_agai
             on_release.append(target.with_suffix('.failed').exists())
 
     monkeypatch.setattr(kernels, '_one_builder', one_builder)
-    reason = kernels._load(xla=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        reason = kernels._load(xla=xla, name=name)
     assert reason.startswith('g++ failed: ') and on_release == [recorded]
-    failed = kernels._library_path(True).with_suffix('.failed')
+    failed = kernels._library_path(xla, name).with_suffix('.failed')
     assert failed.exists() == recorded  # a full disk is tried again once there is room
+    assert [str(w.message) for w in said] == ([f"the {name} kernels could not be built, and TensorFlow's ops run "
+                                               f"instead ({failed.read_text()})"] if recorded else [])
     if recorded:
-        assert kernels._load(xla=True) == failed.read_text() and 'remove it to build again' in failed.read_text()
+        assert kernels._load(xla=xla, name=name) == failed.read_text() and 'remove it to build' in failed.read_text()
 
 
 def test_the_kernel_switch_and_arch_settings_are_read_or_refused(monkeypatch):

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from typing import Optional
 
 import tensorflow as tf
@@ -240,7 +241,7 @@ def _one_builder(target: pathlib.Path):
 def _load(xla: bool, name: str = 'matmul'):
     """The op library built with (or without) XLA's custom calls, or the reason it is not there (a str)."""
     target = _library_path(xla, name)
-    failed = target.with_suffix('.failed')  # an XLA build that failed on its sources is not tried again for this key
+    failed = target.with_suffix('.failed')  # a build that failed on its sources is not tried again for this key
     try:
         if not _intact(target):
             with _one_builder(target):
@@ -251,12 +252,14 @@ def _load(xla: bool, name: str = 'matmul'):
                         _compile(target, xla, name)
                     except subprocess.CalledProcessError as e:
                         reason = _failure(e)
-                        if xla and _in_the_sources(e):  # written while the lock is held: a waiting builder reads it
+                        if _in_the_sources(e):  # written while the lock is held: a waiting builder reads it
                             failed.write_text(f'{reason} (recorded in {failed}: remove it to build again)')
+                            warnings.warn(f'the {name} kernels could not be built, and TensorFlow\'s ops run instead '
+                                          f'({failed.read_text()})', stacklevel=2)
                         return reason
         return tf.load_op_library(str(target))
-    except FileNotFoundError:
-        return 'no g++ on this machine'
+    except FileNotFoundError as e:
+        return 'no g++ on this machine' if e.filename == 'g++' else f'the kernel could not be built: {first_line(e)}'
     except (subprocess.TimeoutExpired, OSError) as e:
         return f'the kernel could not be built: {first_line(e)}'
     except tf.errors.OpError as e:
