@@ -290,8 +290,10 @@ def _encoder(model_dir: Optional[str]):
     folder = None if model_dir is None else local_folder(model_dir)
     try:
         return get_encoder() if corpus.vocabulary_of(folder) is None else encoder_for(folder)
-    except validate.GPT2Error as e:  # named as given, not as copied
-        raise validate.GPT2Error(str(e).replace(folder, model_dir)) from None
+    except validate.GPT2Error as e:
+        if folder == model_dir:
+            raise
+        raise validate.GPT2Error(str(e).replace(folder, model_dir)) from None  # named as given, not as copied
 
 
 def text_files(inputs: Sequence[str], glob: str = '*.txt') -> list:

@@ -331,6 +331,9 @@ def test_a_model_folder_on_beams_file_systems_is_copied_to_each_worker(tmp_path,
         assert err.startswith(f'gpt2_tf.beam: error: {message}') and '\n' not in err, err
     assert main(['score', '--model_dir', 'test', '--input', 'nowhere://bucket/*.txt', '--output', 'o']) == 2
     assert 'error: nowhere://bucket/*.txt: Unable to get filesystem' in capsys.readouterr().err
+    bare = f'mounted://{bundled_checkpoint()}'  # a model folder without vocabulary files: named as given
+    assert main(['encode', '--input', str(path), '--output', str(tmp_path / 'x.bin'), '--model_dir', bare]) == 2
+    assert capsys.readouterr().err.startswith(f'gpt2_tf.beam: error: {bare} has no vocabulary files')
 
 
 
