@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from .assets import bundled_checkpoint
 from .validate import GPT2Error, shown
 
 
@@ -108,3 +109,16 @@ PUBLISHED = {
 
 # The first two models were renamed after release; the old names still appear in scripts.
 OLD_NAMES = {'117M': '124M', '345M': '355M'}
+BUNDLED = 'test'  # the bundled checkpoint's name, accepted wherever a model name is
+
+
+def folder_names(path: str) -> tuple:
+    """A folder's name, and the published name it stands for ('117M' is 124M's old name), or 'test' for
+    the bundled checkpoint."""
+    own = os.path.basename(os.path.normpath(path))
+    if os.path.realpath(path) == os.path.realpath(bundled_checkpoint()):
+        return own, BUNDLED
+    names = [own]
+    if OLD_NAMES.get(own, own) in PUBLISHED:
+        names.append(OLD_NAMES.get(own, own))
+    return tuple(dict.fromkeys(names))

@@ -25,10 +25,9 @@ from . import hf
 from .assets import bundled_checkpoint
 from .download import partial_folder
 from .encoder import Encoder, carried_vocabulary, encoder_for, is_save, vocabulary_files
-from .hparams import OLD_NAMES, PUBLISHED, HParams, is_hf_folder
+from .hparams import BUNDLED, OLD_NAMES, PUBLISHED, HParams, folder_names, is_hf_folder
 from .validate import GPT2Error
 
-BUNDLED = 'test'  # the bundled checkpoint's name, accepted wherever a model name is
 DEFAULT_MODEL = '124M'
 DEFAULT_MODELS_DIR = 'checkpoints'
 
@@ -88,18 +87,6 @@ class ModelFolder:
         files = carried_vocabulary(self.path, self.hparams().n_vocab)
         self.encoder()
         return files
-
-
-def folder_names(path: str) -> tuple:
-    """A folder's name, and the published name it stands for ('117M' is 124M's old name), or 'test' for
-    the bundled checkpoint."""
-    own = os.path.basename(os.path.normpath(path))
-    if os.path.realpath(path) == os.path.realpath(bundled_checkpoint()):
-        return own, BUNDLED
-    names = [own]
-    if OLD_NAMES.get(own, own) in PUBLISHED:
-        names.append(OLD_NAMES.get(own, own))
-    return tuple(dict.fromkeys(names))
 
 
 def _folder(path: str, *, names: Optional[tuple] = None, notice: Optional[str] = None) -> ModelFolder:

@@ -29,8 +29,7 @@ from . import checkpoint
 from .assets import bundled_vocabulary
 from .checkpoint import CheckpointError
 from .encoder import is_save
-from .hparams import PUBLISHED, HParams
-from .loading import folder_names
+from .hparams import PUBLISHED, HParams, folder_names
 from .precision import stored
 from .validate import GPT2Error, first_line
 
