@@ -141,9 +141,9 @@ def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Opt
     """`gpt2-tf encode`: text to a token file (OUT.bin, corpus.encode_corpus, streaming, in `processes`
     processes: the CPUs by default; a folder's *.txt files unless glob says others) or to gpt-2-simple's
     chunks (OUT.npz, encode_dataset, each input as load_dataset reads it, `combine` characters a chunk, 50000
-    by default; a folder's files matching glob, every one by default); an option of the other kind is refused. model_dir: the model folder whose vocabulary encodes
-    (default: the bundled GPT-2 one). progress: a bar on a terminal. Returns {'tokens', 'documents'}
-    (documents: None for an .npz)."""
+    by default; a folder's files matching glob, every one by default); an option of the other kind is refused.
+    model_dir: the model folder whose vocabulary encodes (corpus.vocabulary_of; default: the bundled GPT-2 one).
+    progress: a bar on a terminal. Returns {'tokens', 'documents'} (documents: None for an .npz)."""
     out = os.fspath(out)
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
