@@ -302,6 +302,7 @@ def restore(model: Model, path: str | os.PathLike, *, strict: bool = True, all_o
         for name in expected:  # float32 on disk, the model's dtype in memory (int8 quantized here, one by one)
             value = values.pop(name) if values is not None else read(name)
             assign(variables, name, value + add[name] if add and name in add else value)
+            del value  # let go before the next is read: the peak is the model plus one tensor
 
 
 def read_state(model_dir: str) -> tuple:

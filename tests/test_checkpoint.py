@@ -363,3 +363,32 @@ def test_a_killed_writers_staging_beside_a_new_folder_goes_at_the_next_write(tmp
     assert (tmp_path / 'out' / 'model.tflite').read_bytes() == b'whole'
     assert sorted(os.listdir(tmp_path)) == sorted(others + ['out'])
 
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'int8'])
+def test_load_model_holds_one_checkpoint_tensor_at_a_time(monkeypatch, dtype):
+    import gc
+    import weakref
+
+    from gpt2_tf import checkpoint
+
+    checked, read, held = checkpoint._checked_reader, [], []
+
+    class Counting:  # the reader, counting the tensors read earlier that are still held when the next is read
+        def __init__(self, reader):
+            self.reader = reader
+
+        def get_tensor(self, name):
+            gc.collect()
+            held.append(sum(ref() is not None for ref in read))
+            value = self.reader.get_tensor(name)
+            read.append(weakref.ref(value))
+            return value
+
+    monkeypatch.setattr(checkpoint, '_checked_reader', lambda *a, **k: Counting(checked(*a, **k)))
+    model = gpt2_tf.load_model(FIXTURES / 'tf1-tiny', dtype=dtype)
+    count = len(checkpoint.stored(model.variables_by_name()))
+    assert len(held) == count and max(held) == 0  # the model plus one tensor: each let go before the next is read
+    read.clear(), held.clear()
+    checkpoint.restore(model, FIXTURES / 'tf1-tiny')  # restore reads them all first, then assigns
+    assert held == list(range(count))
