@@ -325,7 +325,7 @@ def check_same_base(run_dir: str, saved, folder) -> None:
 
 
 def _published(path: str) -> set:
-    """The published model (or 'test', the bundled checkpoint) a base is, among the names loading gives its
+    """The published model (or 'test', the bundled checkpoint) a base is, among the names folder_names gives its
     folder, by its path or the one a symlink leads to: two downloads of 124M are one base. Not a folder's own
     name (any folder may be called 'model'), and nothing for one save of a run folder (model-2), which is no
     published model."""
