@@ -47,6 +47,7 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from . import corpus, validate
+from .hparams import HF_CONFIG
 from .loading import resolve
 
 # Rows per model call; a batch is padded up to the next of these. Rows pad by powers of two, not by
@@ -58,7 +59,7 @@ TASKS = INFERENCE + ('encode',)
 
 # --- model folders on Beam's file systems (gs://bucket/124M) ----------------------------------------------
 
-SETTINGS = ('hparams.json', 'config.json')  # what resolve() reads of a folder: enough to check the options
+SETTINGS = ('hparams.json', HF_CONFIG)  # what resolve() reads of a folder: enough to check the options
 
 
 def is_remote(path) -> bool:
@@ -131,7 +132,7 @@ class GPT2ModelHandler(ModelHandler):
             raise validate.GPT2Error(f'task must be one of {INFERENCE}, got {task!r}')
         # A folder or a model name, as every command takes, or a folder on Beam's file systems (its settings
         # only, here; each worker copies the whole folder).
-        folder = resolve(local_folder(model_dir, SETTINGS) if is_remote(model_dir) else model_dir)
+        folder = resolve(local_folder(model_dir, SETTINGS))
         if task == 'generate':  # what score does not read, it does not check
             validate.check_sampling(temperature, top_k, top_p, 1)
             validate.check_length(length, folder.hparams().n_ctx)
@@ -285,11 +286,9 @@ def pipeline(p, *, task: str, model_dir: str, input_glob: str, output: str, hand
 
 def _encoder(model_dir: Optional[str]):
     """The encoder of corpus.vocabulary_of(model_dir): the folder's own vocabulary, else a one-line refusal."""
-    from .encoder import encoder_for, get_encoder
-
     folder = None if model_dir is None else local_folder(model_dir)
     try:
-        return get_encoder() if corpus.vocabulary_of(folder) is None else encoder_for(folder)
+        return corpus.encoder_of(folder)
     except validate.GPT2Error as e:
         if folder == model_dir:
             raise

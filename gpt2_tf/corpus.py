@@ -346,6 +346,14 @@ def vocabulary_of(model_dir: Optional[str]) -> Optional[tuple]:
     return files
 
 
+def encoder_of(model_dir: Optional[str]) -> Encoder:
+    """The encoder of vocabulary_of(model_dir): the folder's own vocabulary, else a one-line refusal; GPT-2's
+    bundled one without model_dir."""
+    from .encoder import encoder_for
+
+    return get_encoder() if vocabulary_of(model_dir) is None else encoder_for(model_dir)
+
+
 def check_text(tokens: int, inputs: Sequence) -> None:
     """Refuses an encoding that found no text (a token file of no tokens would only fail later, in training)."""
     if not tokens:

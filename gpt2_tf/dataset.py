@@ -155,7 +155,7 @@ def encode(inputs: list, out: str, *, glob: Optional[str] = None, processes: Opt
                             'standard input write a token file: OUT.bin')
         if processes is not None:
             raise GPT2Error('processes is for a token file (.bin); an .npz is encoded in one process: leave it out')
-        encoder = encoder_for(model_dir) if model_dir is not None else get_encoder()
+        encoder = encoder_for(model_dir) if files else get_encoder()  # corpus.vocabulary_of's choice
         chunk = COMBINE if combine is None else combine
         return {'tokens': encode_dataset(inputs[0], out, encoder, chunk, pattern=glob), 'documents': None}
     if not out.endswith(TOKEN_FILE):

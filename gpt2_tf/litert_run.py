@@ -23,6 +23,7 @@ import sys
 import numpy as np
 
 from . import validate
+from .train_config import check_integer
 from .validate import GPT2Error
 
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64, as gpt2_tf.noise: the same bits for the same (key, step, token)
@@ -100,8 +101,7 @@ def signatures(folder: str, description: dict, threads: int) -> list:
     except ImportError:
         raise GPT2Error("running a LiteRT export needs the LiteRT runtime: pip install -e '.[litert]' "
                         "(or pip install ai-edge-litert)") from None
-    if not validate.is_int(threads) or threads < 1:  # checked here: the interpreter's own error would read as damage
-        raise GPT2Error(f'threads must be an integer >= 1, got {validate.shown(threads)}')
+    check_integer('threads', threads, 1)  # checked here: the interpreter's own error would read as damage
     try:
         interpreter = Interpreter(model_path=os.path.join(folder, 'model.tflite'), num_threads=threads)
         runners = [interpreter.get_signature_runner(name) for name in ('prefill', 'decode')]

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from .causal import causal_attn
 from .hparams import HParams
-from .precision import f32, gather, matrix, product, weight
+from .precision import f32, gather, logits_product, matrix, product, weight
 
 
 def shape_list(x):
@@ -234,8 +234,7 @@ class Graph(tf.Module):
 
     def logits(self, h):  # [batch, sequence, n_embd] -> [batch, sequence, n_vocab]: ln_f, then the tied wte
         batch, sequence, n_embd = shape_list(h)
-        logits = product(tf.reshape(self.ln_f(h), [batch * sequence, n_embd]), self.wte, self.wte_scale,
-                         transpose_b=True)
+        logits = logits_product(tf.reshape(self.ln_f(h), [batch * sequence, n_embd]), self.wte, self.wte_scale)
         return tf.reshape(logits, [batch, sequence, self.hparams.n_vocab])
 
     def forward(self, X, past=None):

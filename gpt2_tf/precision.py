@@ -156,17 +156,23 @@ def f32(v):
 def product(x, w, scale: Optional[tf.Tensor] = None, *, transpose_b: bool = False):
     """float32 x [M, K] times w [K, N] (or [N, K] with transpose_b), in w's dtype -> float32 [M, N]: reduced
     inputs, float32 accumulation, the result rounded to w's dtype; int8 w is multiplied as it is, with its scales
-    [N]. The tied logits (transpose_b) take a reduced float w as float32: GPT-2's logits sit near -100, where
-    bfloat16's spacing is 0.5, and a log-prob would move by as much as the rounding."""
+    [N]."""
     if w.dtype == tf.int8:
         return kernels.int8_matmul(x, w, scale, transpose_w=transpose_b, panel=0 if transpose_b else panel(w.shape[-1]))
-    if transpose_b and w.dtype != tf.float32:
-        return tf.matmul(x, f32(w), transpose_b=True)
     few = kernels.few_rows(transpose_b) if w.dtype == tf.float32 and kernel_while_decoding() and \
         kernels.on_cpu(x) else None
     if few:
         return _few_rows_product(x, w, transpose_b, few)
     return f32(tf.matmul(tf.cast(x, w.dtype), w, transpose_b=transpose_b))
+
+
+def logits_product(x, wte, scale: Optional[tf.Tensor] = None):
+    """float32 x [M, n_embd] times the tied wte [n_vocab, n_embd] transposed -> float32 logits [M, n_vocab]: as
+    product() multiplies int8 and float32 wte, and a bfloat16 or float16 one as float32: GPT-2's logits sit near
+    -100, where bfloat16's spacing is 0.5, and a log-prob would move by as much as the rounding."""
+    if wte.dtype in (tf.bfloat16, tf.float16):
+        return tf.matmul(x, f32(wte), transpose_b=True)
+    return product(x, wte, scale, transpose_b=True)
 
 
 @contextlib.contextmanager

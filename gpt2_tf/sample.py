@@ -240,7 +240,7 @@ def _prompts(context, start_token, batch_size) -> list:
             raise GPT2Error(f'start_token must be an integer token id, got {validate.shown(start_token)}')
         return [[int(start_token)]] * (batch_size or 1)
     if isinstance(context, str):
-        raise GPT2Error('context must be token ids, got text: encode it first (gpt2_tf.encode)')
+        validate.token_array(context, name='context')  # refuses text, saying to encode it first
     if isinstance(context, (tf.Tensor, np.ndarray, np.generic)):
         context = np.asarray(context).tolist()
     if not isinstance(context, (list, tuple)):

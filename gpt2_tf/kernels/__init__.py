@@ -253,9 +253,10 @@ def _load(xla: bool, name: str = 'matmul'):
                     except subprocess.CalledProcessError as e:
                         reason = _failure(e)
                         if _in_the_sources(e):  # written while the lock is held: a waiting builder reads it
-                            failed.write_text(f'{reason} (recorded in {failed}: remove it to build again)')
+                            note = f'{reason} (recorded in {failed}: remove it to build again)'
+                            failed.write_text(note)
                             warnings.warn(f'the {name} kernels could not be built, and TensorFlow\'s ops run instead '
-                                          f'({failed.read_text()})', stacklevel=2)
+                                          f'({note})', stacklevel=2)
                         return reason
         return tf.load_op_library(str(target))
     except FileNotFoundError as e:

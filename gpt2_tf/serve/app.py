@@ -18,7 +18,7 @@ from typing import Optional, Sequence, TextIO
 from ..encoder import Encoder
 from ..runtime import Model
 from ..validate import GPT2Error
-from .batcher import SHUTTING_DOWN, Batcher
+from .batcher import Batcher, shutting_down
 from .completion import Completion
 from .metrics import CLIENT_GONE, Metrics, log_access
 from .protocol import (APIError, CompletionRequest, CompletionResponse, Health, ModelCard, ModelList, check_model,
@@ -195,8 +195,7 @@ class Gate:
                 try:
                     messages, error = await read_body(receive)
                 except asyncio.CancelledError:  # the server's drain ended while the body still came: say so
-                    error = APIError(503, f'{SHUTTING_DOWN}; retry on another', kind='server_error',
-                                     code='shutting_down')
+                    error = shutting_down()
             if error is not None:
                 return await error_response(error)(scope, receive, sending)
             if messages[-1]['type'] == 'http.disconnect':  # gone before its body ended: nobody to answer

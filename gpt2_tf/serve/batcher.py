@@ -23,6 +23,11 @@ from .protocol import MAX_LOGPROBS, APIError
 LOG = logging.getLogger(__name__)  # a failed chunk's or prefill's traceback: the client gets its one line
 STREAM_CHUNK = 8  # tokens per compiled call: the first text of a stream arrives early
 SHUTTING_DOWN = 'the server is shutting down'  # what rows left when the Batcher closes fail with
+
+
+def shutting_down() -> APIError:
+    """The 503 of a request the server no longer takes (a new one, or a body still coming as it stops)."""
+    return APIError(503, f'{SHUTTING_DOWN}; retry on another', kind='server_error', code='shutting_down')
 PENALTIES = ('logit_bias', 'presence_penalty', 'frequency_penalty', 'repetition_penalty')  # Slots.join's names
 
 
@@ -127,8 +132,7 @@ class Batcher:
     def _check_room(self, count: int) -> None:
         """Under the lock: 503 when closed, or when `count` more rows would pass queue_size."""
         if self.stopped:
-            raise APIError(503, f'{SHUTTING_DOWN}; retry on another', kind='server_error',
-                           code='shutting_down')
+            raise shutting_down()
         if len(self.pending) + self.scoring + count > self.queue_size:
             raise APIError(503, f'the server is busy ({len(self.pending) + self.scoring} rows waiting or being '
                                 f'scored); retry shortly', kind='server_error', code='overloaded',

@@ -281,21 +281,24 @@ class Completion:
             self.reserved.release(len(self.sampling.prompts))
             self.reserved = None
 
+    def _check_running(self) -> None:
+        """Echo scoring stops at a server's stop, as the rows left in its Batcher fail."""
+        if self.batcher.stopped:
+            raise APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
+
     async def _score_echoes(self) -> None:
         """The echoed prompts' logprobs, scored off the event loop a group at a time: a client that goes away
         (its task cancelled), or a server that stops, stops the scoring at the next group."""
         given, best_of, top = self.sampling.given, self.sampling.best_of, self.request.logprobs
         try:
             for group in echo_groups(given, ECHO_TOKENS):
-                if self.batcher.stopped:
-                    raise APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
+                self._check_running()
                 prompts = [given[i] for i in group]
                 self.group = asyncio.ensure_future(asyncio.to_thread(echo_entries, self.scorer, self.encoder,
                                                                      prompts, top))
                 self.group.add_done_callback(_retrieved)
                 while not (await asyncio.wait({self.group}, timeout=STOP_CHECK))[0]:  # a cancelled wait, or a
-                    if self.batcher.stopped:  # stop, leaves the thread to finish its group
-                        raise APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
+                    self._check_running()  # stop, leaves the thread to finish its group
                 scored = self.group.result()
                 for i, entries in zip(group, scored):
                     if given[i]:  # an empty prompt echoes nothing
