@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import errno
 import glob
 import ntpath
 import os
@@ -29,6 +30,7 @@ from .validate import GPT2Error, first_line, save_folder
 from .runtime import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
+SAVES = re.compile(re.escape(CHECKPOINT_PREFIX) + r'(-\d+)?')  # the prefixes save_checkpoint writes
 
 
 # The one table of the original graph's variables: checkpoint name (under model/, with {i} for a block),
@@ -119,8 +121,9 @@ def find_checkpoint(path: str | os.PathLike) -> str:
     if os.path.isfile(state_file):
         named, _ = read_state(path)
         if named is None:
-            raise CheckpointError(f'{state_file}: no model_checkpoint_path line; remove the file to load '
-                                  f'{CHECKPOINT_PREFIX}, or write the line naming the checkpoint to load')
+            saves = saves_in(path)
+            raise CheckpointError(f'{state_file}: no model_checkpoint_path line; write the line naming the '
+                                  f'checkpoint to load' + (f', or {_load_one(path, saves)}' if saves else ''))
         # Fine-tuned checkpoints often name a path on another machine, or this one's path of the folder they
         # were copied from: the files are the ones beside the `checkpoint` file, never another folder's. A
         # relative name inside the folder is relative to that file (as TF reads it), else beside it too.
@@ -128,21 +131,36 @@ def find_checkpoint(path: str | os.PathLike) -> str:
         for candidate in ([os.path.join(path, named)] if inside else []) + [os.path.join(path, file_name(named))]:
             if os.path.isfile(candidate + '.index'):
                 return candidate
-        others = sorted(os.path.basename(f)[:-len('.index')] for f in glob.glob(os.path.join(glob.escape(path),
-                                                                                             '*.index')))
+        saves = saves_in(path)
         raise FileNotFoundError(
             f'{state_file} names checkpoint {named!r}, but {file_name(named)}.index is not in {path}'
-            + (f': copy its files in, or name one that is there ({", ".join(others)}) in the `checkpoint` file'
-               if others else ': copy its files in'))
+            + (f': copy its files in, or name one that is there ({", ".join(saves)}) in the `checkpoint` file'
+               if saves else ': copy its files in'))
     prefix = os.path.join(path, CHECKPOINT_PREFIX)
     if os.path.isfile(prefix + '.index'):
         return prefix
     if os.path.isfile(os.path.join(path, 'adapter_config.json')):
         raise FileNotFoundError(f'{path} is a LoRA adapter folder, which holds the adapter alone: give its base '
                                 f'model, with --adapter {path} (load_model(base, adapter=...))')
+    saves = saves_in(path)
+    if saves:
+        raise FileNotFoundError(f'no `checkpoint` file in {path} to say which save is current: '
+                                f'{_load_one(path, saves)}')
     raise FileNotFoundError(
         f'no checkpoint in {path}: expected a `checkpoint` file or {CHECKPOINT_PREFIX}.index '
         f'(download one with: python -m gpt2_tf.download 124M)')
+
+
+def saves_in(path: str) -> list:
+    """The prefixes of the models saved in a folder (an .index file; a run folder's optimizer-<step> states
+    are none), oldest step first: model-9 before model-10."""
+    names = [os.path.basename(f)[:-len('.index')] for f in glob.glob(os.path.join(glob.escape(path), '*.index'))]
+    return sorted((n for n in names if not n.startswith('optimizer-')),
+                  key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r'(\d+)', n)])
+
+
+def _load_one(path: str, saves: list) -> str:
+    return f'load one of its saves ({", ".join(saves)}) by its prefix, as {os.path.join(path, saves[-1])}'
 
 
 def _open_reader(prefix: str):
@@ -365,12 +383,18 @@ def forget(model_dir: str, name: str) -> None:
 
 
 def replace_atomically(path: str, text: str) -> None:
+    """path holds text, whole, or what it held before (a failed write leaves no temporary file)."""
     temporary = f'{path}.tmp-{os.getpid()}'
-    with open(temporary, 'w', encoding='utf-8') as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, 'w', encoding='utf-8') as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
 
 
 @contextlib.contextmanager
@@ -446,12 +470,19 @@ def write_tensors(prefix: str, tensors: dict) -> None:
     """
     with staged(os.path.dirname(prefix) or '.') as staging:
         names = sorted(tensors)
-        tf.raw_ops.SaveV2(prefix=os.path.join(staging, 'bundle'), tensor_names=names,
-                          shape_and_slices=[''] * len(names), tensors=[tensors[n] for n in names])
+        try:
+            tf.raw_ops.SaveV2(prefix=os.path.join(staging, 'bundle'), tensor_names=names,
+                              shape_and_slices=[''] * len(names), tensors=[tensors[n] for n in names])
+        except tf.errors.OpError as e:  # a full disk is TensorFlow's ResourceExhaustedError: an OSError here
+            code = WRITE_ERRORS.get(type(e), errno.EIO)
+            raise OSError(code, os.strerror(code), prefix) from None
         for suffix in ('.data-00000-of-00001', '.index'):  # on the disk before a `checkpoint` file names them
             with open(os.path.join(staging, 'bundle' + suffix), 'rb') as f:
                 os.fsync(f.fileno())
         move_bundle(os.path.join(staging, 'bundle'), prefix)
+
+
+WRITE_ERRORS = {tf.errors.ResourceExhaustedError: errno.ENOSPC, tf.errors.PermissionDeniedError: errno.EACCES}
 
 
 def move_bundle(source: str, prefix: str) -> None:
@@ -488,23 +519,30 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
 
     Into a folder without a checkpoint it writes the published layout (model.ckpt.*,
     `checkpoint`, hparams.json). Over an existing checkpoint it writes the tensors
-    under a new prefix (model.ckpt-1, -2, ...; or `name`), switches the `checkpoint`
-    file to it with an atomic rename, and only then removes the prefixes beyond the
-    `keep` newest, as TF's own Saver does: an interrupted save leaves the earlier
-    checkpoint loadable. The folder's other files stay. A folder whose hparams.json
-    describes another model size, and one holding a Hugging Face model (config.json
-    and its weights), are refused. Attached LoRA adapters are written merged (stored_weights).
+    under a new prefix (model.ckpt-1, -2, ...; or `name`, which must be new), switches
+    the `checkpoint` file to it with an atomic rename, and only then removes its own
+    kind of prefix (model.ckpt, model.ckpt-N) beyond the `keep` newest, as TF's own
+    Saver removes only its own saves: an interrupted save leaves the earlier checkpoint
+    loadable, and a failed one leaves the folder as it was. Other saves the folder lists
+    (a run folder's model-N) stay listed, and its other files stay. A folder whose
+    hparams.json describes another model size, and one holding a Hugging Face model
+    (config.json and its weights), are refused. Attached LoRA adapters are written
+    merged (stored_weights).
     """
     model_dir = check_save(model, model_dir)
-    current, _ = checkpoint_state(model_dir)
+    current, listed = checkpoint_state(model_dir)
     if name is None:
         name = CHECKPOINT_PREFIX
         number = 0
         while name == current or os.path.exists(os.path.join(model_dir, name + '.index')):
             number += 1
             name = f'{CHECKPOINT_PREFIX}-{number}'
+    elif name in listed or os.path.exists(os.path.join(model_dir, name + '.index')):
+        raise CheckpointError(f'{model_dir} holds a checkpoint named {name} already, and a save never replaces '
+                              f'one in place (an interrupted one would leave neither): give a new name, or '
+                              f'leave name out')
     write_tensors(os.path.join(model_dir, name), stored_weights(model))
-    return publish(model, model_dir, name, keep=keep)
+    return publish(model, model_dir, name, keep=keep, own=SAVES)
 
 
 def check_save(model: Model, model_dir: str | os.PathLike) -> str:
@@ -533,15 +571,32 @@ def refuse_hf_model(model_dir: str) -> None:
                               f'stay beside the checkpoint and describe another model; save to another folder')
 
 
-def publish(model: Model, model_dir: str, name: str, *, keep: int = 1) -> str:
+def publish(model: Model, model_dir: str, name: str, *, keep: int, own: re.Pattern) -> str:
     """After prefix `name`'s files are in place: hparams.json when missing, the `checkpoint` file switched to
-    name, then the prefixes beyond the `keep` newest removed. Returns the prefix."""
+    name, then the listed prefixes of the saver's own kind (those `own` matches) beyond the `keep` newest
+    removed; other listed prefixes stay. A failure before the switch removes name's files too, so a failed
+    save leaves the folder as it was. Returns the prefix."""
     hparams_path = os.path.join(model_dir, 'hparams.json')
-    if not os.path.exists(hparams_path):
-        model.hparams.to_json(hparams_path)  # whole or absent, as the `checkpoint` file
-    _, listed = checkpoint_state(model_dir)
-    kept = ([n for n in listed if n != name] + [name])[-max(keep, 1):]
-    write_state(model_dir, kept)
-    for old in set(listed) - set(kept):  # only once the `checkpoint` file names the new one
+    try:
+        if not os.path.exists(hparams_path):
+            model.hparams.to_json(hparams_path)  # whole or absent, as the `checkpoint` file
+        _, listed = checkpoint_state(model_dir)
+        mine = [n for n in listed if n != name and own.fullmatch(n)]
+        gone = set(mine[:max(len(mine) - (keep - 1), 0)])
+        write_state(model_dir, [n for n in listed if n != name and n not in gone] + [name])
+    except BaseException:
+        _remove_unlisted(model_dir, name)
+        raise
+    for old in gone:  # only once the `checkpoint` file names the new one
         remove_bundle(os.path.join(model_dir, old))
     return os.path.join(model_dir, name)
+
+
+def _remove_unlisted(model_dir: str, name: str) -> None:
+    """Prefix name's files, unless the `checkpoint` file lists it (or cannot be read: then they stay)."""
+    try:
+        listed = checkpoint_state(model_dir)[1]
+    except Exception:
+        return
+    if name not in listed:
+        remove_bundle(os.path.join(model_dir, name))

@@ -14,6 +14,7 @@ data's size and checksums), each failure a one-line CheckpointError.
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import glob
 import os
@@ -34,6 +35,7 @@ from .precision import stored
 from .validate import GPT2Error, first_line
 
 COUNTER = 'counter'
+SAVES = re.compile(r'model-(\d+)')  # the prefixes a run's save writes: model-<step>
 TRAINING_STATE = re.compile(r'(^|/)(beta[12]_power|global_step)$|/Adam(_1)?$')  # TF1 Adam's and the Saver's
 
 
@@ -66,7 +68,7 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
         if slots:
             checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)
         checkpoint.move_bundle(os.path.join(staging, 'model'), os.path.join(run_dir, name))
-    prefix = checkpoint.publish(model, run_dir, name, keep=max_checkpoints)
+    prefix = checkpoint.publish(model, run_dir, name, keep=max_checkpoints, own=SAVES)
     remove_orphan_states(run_dir)
     try:
         checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
@@ -104,8 +106,13 @@ def copy_vocabulary(run_dir: str, vocabulary=None) -> None:
         if os.path.exists(target) and (not replace or filecmp.cmp(target, source, shallow=False)):
             continue
         temporary = f'{target}.tmp-{os.getpid()}'
-        shutil.copyfile(source, temporary)
-        os.replace(temporary, target)
+        try:
+            shutil.copyfile(source, temporary)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
 
 
 def run_hparams(run_dir: str) -> HParams:
@@ -120,9 +127,9 @@ def read_step(run_dir: str, prefix: str) -> int:
     """The run's step: the number in model-<step>, which names what the files hold (gpt-2-simple also writes
     it to `counter`, after the save: a save cut short leaves the counter behind); for a prefix of another
     name, `counter`, else 0."""
-    name = os.path.basename(prefix)
-    if name.startswith('model-') and name[len('model-'):].isdigit():
-        return int(name[len('model-'):])
+    saved = SAVES.fullmatch(os.path.basename(prefix))
+    if saved:
+        return int(saved.group(1))
     counter = os.path.join(run_dir, COUNTER)
     if os.path.exists(counter):
         with open(counter, encoding='utf-8') as f:

@@ -1,5 +1,6 @@
 """Checkpoint I/O: verification before assignment, clear errors, and saving in the original format."""
 
+import errno
 import os
 import pathlib
 import shutil
@@ -328,6 +329,96 @@ def test_the_index_is_moved_into_place_after_the_data(tmp_path, monkeypatch):
     assert moved == [prefix + '.data-00000-of-00001']
     assert not os.path.exists(prefix + '.index')
     assert os.listdir(tmp_path) == ['model.ckpt.data-00000-of-00001']  # the staging folder is gone too
+
+
+
+def _files(folder) -> set:
+    return set(os.listdir(folder))
+
+
+def test_a_full_disk_while_writing_is_an_oserror_naming_the_prefix(tmp_path, monkeypatch):
+    """TensorFlow says a full disk with ResourceExhaustedError, which finetune's `except OSError` (the previous
+    checkpoint is intact) and the command line's one-line error would not catch."""
+    model = gpt2_tf.load_model(TINY)
+    gpt2_tf.save_checkpoint(model, tmp_path)
+    before = _files(tmp_path)
+
+    def full(**_):
+        raise tf.errors.ResourceExhaustedError(None, None, 'bundle.data-00000-of-00001.tempstate1; No space left')
+
+    monkeypatch.setattr(tf.raw_ops, 'SaveV2', full)
+    with pytest.raises(OSError) as raised:
+        gpt2_tf.save_checkpoint(model, tmp_path)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / 'model.ckpt-1')
+    assert _files(tmp_path) == before
+
+
+def test_a_save_failing_at_the_switch_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """The new prefix's files are whole but the `checkpoint` file cannot be written: they go, with the temporary
+    file, instead of staying unlisted (a model's size, on a disk that is full already)."""
+    model = gpt2_tf.load_model(TINY)
+    gpt2_tf.save_checkpoint(model, tmp_path)
+    before = _files(tmp_path)
+    real_replace = os.replace
+
+    def full(source, destination):
+        if os.path.basename(destination) == 'checkpoint':
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(os, 'replace', full)
+    with pytest.raises(OSError, match='No space'):
+        gpt2_tf.save_checkpoint(model, tmp_path)
+    monkeypatch.undo()
+    assert _files(tmp_path) == before
+    assert gpt2_tf.save_checkpoint(model, tmp_path) == str(tmp_path / 'model.ckpt-1')
+
+
+def test_a_name_already_saved_is_refused(tmp_path):
+    model = gpt2_tf.load_model(TINY)
+    gpt2_tf.save_checkpoint(model, tmp_path, name='best')
+    with pytest.raises(CheckpointError, match='holds a checkpoint named best already.*give a new name'):
+        gpt2_tf.save_checkpoint(model, tmp_path, name='best')
+    assert gpt2_tf.save_checkpoint(model, tmp_path, name='better') == str(tmp_path / 'better')
+
+
+def _run_folder(tmp_path, steps=(10, 20)):
+    """A run folder as gpt-2-simple leaves it: model-<step> saves, the `checkpoint` file listing them."""
+    folder = tmp_path / 'run1'
+    folder.mkdir()
+    shutil.copy(TINY / 'hparams.json', folder)
+    for step in steps:
+        for suffix in ('.index', '.data-00000-of-00001'):
+            shutil.copy(TINY / ('model.ckpt' + suffix), folder / f'model-{step}{suffix}')
+    gpt2_tf.checkpoint.write_state(str(folder), [f'model-{step}' for step in steps])
+    return folder
+
+
+def test_saving_into_a_run_folder_keeps_its_saves(tmp_path):
+    """As TF's Saver, save_checkpoint removes only its own earlier prefixes: a run's model-10 (a better step
+    someone loaded to save its fine-tuned copy beside) and model-20 stay, listed."""
+    folder = _run_folder(tmp_path)
+    model = gpt2_tf.load_model(folder / 'model-10')
+    first = gpt2_tf.save_checkpoint(model, folder)
+    second = gpt2_tf.save_checkpoint(model, folder)
+    assert find_checkpoint(folder) == second and not os.path.exists(first + '.index')
+    assert gpt2_tf.checkpoint.checkpoint_state(str(folder))[1] == ['model-10', 'model-20', 'model.ckpt-1']
+    for step in (10, 20):
+        assert (folder / f'model-{step}.index').exists()
+
+
+def test_a_run_folder_without_its_checkpoint_file_names_its_saves(tmp_path):
+    folder = _run_folder(tmp_path, steps=(9, 10))
+    shutil.copy(folder / 'model-10.index', folder / 'optimizer-10.index')  # a state, not a model
+    (folder / 'checkpoint').write_text('')
+    with pytest.raises(CheckpointError, match=r'no model_checkpoint_path line; write the line naming the '
+                                              r'checkpoint to load, or load one of its saves \(model-9, model-10\) '
+                                              r'by its prefix, as .*run1/model-10$'):
+        gpt2_tf.load_model(folder)
+    (folder / 'checkpoint').unlink()
+    with pytest.raises(FileNotFoundError, match=r'no `checkpoint` file in .*run1 to say which save is current: '
+                                                r'load one of its saves \(model-9, model-10\)'):
+        gpt2_tf.load_model(folder)
 
 
 KILLED_WRITER = """
