@@ -155,16 +155,27 @@ def check_drawn(tokens, n_vocab: int) -> None:
         raise GPT2Error(NOT_DRAWN)
 
 
-def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt') -> None:
-    """The length rule: a prompt of P tokens and `length` new ones need P + length - 1 <= n_ctx.
+def check_api_key(key, *, name: str = 'api_key') -> None:
+    """A server's key, when one is given, is a word a client can send: an empty one (an unset $KEY) would lock
+    every client out, and HTTP drops the whitespace around a header's value."""
+    if key is not None and not key.strip():
+        raise GPT2Error(f'{name} is empty: give a key, or leave {name} out to serve without one')
+    if key is not None and key != key.strip():
+        raise GPT2Error(f'{name} starts or ends with whitespace, which HTTP drops from the header a client sends: '
+                        f'give it without')
+
+
+def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt', name: str = 'length') -> None:
+    """The length rule: a prompt of P tokens and `length` new ones need P + length - 1 <= n_ctx (name: what the
+    caller calls the length, the server's max_tokens).
 
     The last sampled token is never fed back to the model, as in the original
     sample_sequence, so it needs no position of its own.
     """
     if prompt + length - 1 > n_ctx:
         over = prompt + length - 1 - n_ctx
-        raise GPT2Error(f'{what}: {prompt} tokens + length {length} exceeds the window by {over} '
-                         f'(needs prompt + length - 1 <= n_ctx = {n_ctx}): shorten the prompt or ask for fewer '
+        raise GPT2Error(f'{what}: {prompt} tokens + {name} {length} exceeds the window by {over} '
+                         f'(needs prompt + {name} - 1 <= n_ctx = {n_ctx}): shorten the prompt or ask for fewer '
                          f'new tokens')
 
 

@@ -143,6 +143,8 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     (['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', 'a b'], '--tokens takes token ids'),
     (['serve', '--max-batch', '0'], '--max-batch must be at least 1, got 0'),
     (['serve', '--queue-size', '-2'], '--queue-size must be at least 1, got -2'),
+    (['serve', '--api-key', ''], '--api-key is empty: give a key, or leave --api-key out to serve without one'),
+    (['serve', '--api-key', 'KEY '], '--api-key starts or ends with whitespace'),
     (['serve', '--timeout-graceful-shutdown', 'nan'], '--timeout-graceful-shutdown must be a number of seconds >= 0, '
                                                       'got nan'),
     (['serve', '--timeout-graceful-shutdown', '-1'], '--timeout-graceful-shutdown must be .* got -1$'),

@@ -182,7 +182,7 @@ def test_models_and_health(client, server):
     (dict(best_of=2, n=3), 'BadRequestError', r'best_of must be an integer in \[n, 16\]'),
     (dict(logit_bias={'60000': -100}), 'BadRequestError', "logit_bias: '60000' is not a token id"),
     (dict(presence_penalty=2.5), 'BadRequestError', r'presence_penalty: must be in \[-2, 2\]'),
-    (dict(suffix='x'), 'BadRequestError', 'suffix is not supported'),
+    (dict(suffix='x'), 'BadRequestError', 'suffix: not supported by this server: leave it out'),
     (dict(prompt=[[1, 60000]]), 'BadRequestError', 'token id 60000 is outside the vocabulary'),
     (dict(logprobs=9), 'BadRequestError', 'logprobs'),
 ])
@@ -273,8 +273,8 @@ def test_the_window_is_exact_prompt_plus_max_tokens_minus_one_is_n_ctx(client):
         error = refused(client, prompt=[1] * prompt, max_tokens=max_tokens)
         assert error.status_code == 400
         assert error.response.json() == {'error': {
-            'message': f'prompt 0: {prompt} tokens + length {max_tokens} exceeds the window by 1 '
-                       f'(needs prompt + length - 1 <= n_ctx = {n_ctx}): shorten the prompt or ask for fewer '
+            'message': f'prompt 0: {prompt} tokens + max_tokens {max_tokens} exceeds the window by 1 '
+                       f'(needs prompt + max_tokens - 1 <= n_ctx = {n_ctx}): shorten the prompt or ask for fewer '
                        f'new tokens',
             'type': 'invalid_request_error', 'param': 'max_tokens', 'code': None}}
 

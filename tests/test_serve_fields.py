@@ -51,11 +51,12 @@ def complete(served, **fields):
     ({'temperature': True}, 'temperature', 'Input should be a valid number'),
     ({'stream': 'yes'}, 'stream', 'Input should be a valid boolean'),
     ({'stream': True, 'stream_options': {'include_usage': 'no'}}, 'stream_options', 'Input should be a valid boolean'),
+    ({'stream': True, 'stream_options': {'include_usge': True}}, 'stream_options',
+     "unknown field 'stream_options.include_usge'"),
     ({'max_tokens': 0, 'echo': True, 'logprobs': 1, 'prompt': [1] * 200}, 'prompt',
-     'prompt 0: sequence too long: 0 past + 200 new tokens > n_ctx = 128; an echoed prompt is scored in one call: '
-     'shorten it'),
+     'prompt 0: 200 tokens, more than the 128 this model reads; an echoed prompt is scored in one call: shorten it'),
     ({'max_tokens': 0, 'prompt': [1] * 200}, 'prompt',  # nothing drawn or scored: still past the window
-     'prompt 0: sequence too long: 0 past + 200 new tokens > n_ctx = 128; shorten it'),
+     'prompt 0: 200 tokens, more than the 128 this model reads; shorten it'),
 ])
 def test_out_of_range_fields_are_400_naming_the_field(served, fields, param, message):
     status, body = post(served[0], json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())
@@ -128,13 +129,24 @@ def test_best_of_returns_the_n_likeliest_of_its_draws_and_counts_them_all(served
     assert best.usage.prompt_tokens == every.usage.prompt_tokens == prompts  # once per prompt, whatever n
 
 
-@pytest.mark.parametrize('seed', range(4))
-def test_best_of_ranks_by_the_tokens_returned_not_those_past_a_stop(served, seed):
-    fields = dict(prompt='Hello there', max_tokens=10, seed=seed, logit_bias={str(END): -100}, stop=['e', 'a'])
-    every = complete(served, n=4, logprobs=1, **fields)  # each choice's logprobs: the tokens returned
-    best = complete(served, n=1, best_of=4, **fields)
-    means = [float(np.mean(c.logprobs.token_logprobs)) if c.logprobs.tokens else 0.0 for c in every.choices]
-    assert best.choices[0].text == every.choices[int(np.argmax(means))].text
+@pytest.mark.parametrize('prompt, seed, stop', [('Hello there', seed, ['e', 'a']) for seed in range(4)]
+                         + [('Hello', 0, [' '])])  # its first draw is cut to nothing
+def test_best_of_ranks_by_the_tokens_through_the_stop(served, prompt, seed, stop):
+    """The mean over the tokens drawn through the stop string, which the same draws uncut give: a choice that a
+    stop cut to nothing is ranked by what it drew, not at 0 above every other."""
+    fields = dict(prompt=prompt, max_tokens=10, seed=seed, logit_bias={str(END): -100})
+    whole = complete(served, n=4, logprobs=0, **fields)  # the same draws, uncut: every token's log-prob
+    best = complete(served, n=1, best_of=4, stop=stop, **fields)
+    means, cuts = [], []
+    for choice in whole.choices:
+        found = [(choice.text.find(s) + len(s), choice.text.find(s)) for s in stop if s in choice.text]
+        end, at = min(found, default=(len(choice.text), len(choice.text)))
+        starts = np.array(choice.logprobs.text_offset) - choice.logprobs.text_offset[0]
+        means.append(float(np.mean(np.array(choice.logprobs.token_logprobs)[starts < end])))
+        cuts.append(choice.text[:at])
+    assert best.choices[0].text == cuts[int(np.argmax(means))]
+    if stop == [' ']:
+        assert cuts[0] == '' and best.choices[0].text != ''
 
 
 def test_best_of_with_logprobs_returns_the_chosen_ones_logprobs(served):

@@ -114,6 +114,24 @@ def test_a_json_body_sent_as_another_type_is_told_to_send_json(served, content_t
                               f'Content-Type: application/json$')
 
 
+@pytest.mark.parametrize('raw, message', [
+    (b'{"prompt": "\xff", "max_tokens": 1}', r'^the body is not UTF-8 \(byte 0xff at byte 12\): send JSON in UTF-8$'),
+    (b'{"prompt": "Hi", "top_k": 1' + b'0' * 5000 + b'}', r'^the body holds a number of more than 4300 digits: '),
+])
+def test_a_body_json_cannot_read_is_named(served, raw, message):
+    status, body = post(served.port, raw)
+    assert status == 400
+    assert_openai_error(body, message)
+    assert body['error']['param'] is None
+
+
+@pytest.mark.parametrize('key', ['', ' '])
+def test_an_empty_api_key_is_refused_before_serving(model, key):
+    """Every client would get a 401 (an unset $KEY in --api-key "$KEY")."""
+    with pytest.raises(gpt2_tf.GPT2Error, match='^api_key is empty: give a key'):
+        make_app(model, api_key=key)
+
+
 def test_a_5000_deep_array_is_400_in_the_openai_shape(served):
     status, body = post(served.port, b'[' * 5000 + b']' * 5000)
     assert status == 400
@@ -325,7 +343,7 @@ def test_a_stream_that_meets_a_bug_still_ends_with_an_error_event_and_done(model
 def test_a_request_that_can_never_fit_the_window_is_400(served):
     status, body = post(served.port, json.dumps({'prompt': [1] * 100, 'max_tokens': 100}).encode())
     assert status == 400
-    assert_openai_error(body, r'prompt 0: 100 tokens \+ length 100 exceeds the window')
+    assert_openai_error(body, r'prompt 0: 100 tokens \+ max_tokens 100 exceeds the window')
     assert body['error']['param'] == 'max_tokens'
 
 
@@ -338,6 +356,7 @@ def test_a_request_that_can_never_fit_the_window_is_400(served):
     ({'prompt': [True, 5]}, 'prompt', 'must be a string, a list of strings, a list of token ids (integers)'),
     ({'prompt': [[1, 2.0]]}, 'prompt', 'a list of token ids (integers) or a list of such lists'),
     ({'stream_options': {'include_usage': True}}, 'stream_options', 'only allowed with stream=true'),
+    ({'suffix': ''}, 'suffix', 'suffix: not supported by this server: leave it out'),
 ])
 def test_refusals_that_stay_name_their_field(served, fields, param, message):
     status, body = post(served.port, json.dumps({'prompt': 'Hi', 'max_tokens': 2, **fields}).encode())
@@ -469,6 +488,33 @@ def test_a_stopping_server_gives_its_requests_the_drain_then_fails_them_in_opena
     assert app.state.batcher.chunks < 15 and len(scored) == 1
     shown = subprocess.run([sys.executable, '-m', 'gpt2_tf.cli', 'serve', '--help'], capture_output=True, text=True)
     assert f'is shutting down (default: {DRAIN:g})' in ' '.join(shown.stdout.split())
+
+
+def test_a_second_ctrl_c_fails_the_open_requests_in_openai_s_shape(model, monkeypatch):
+    """uvicorn's forced exit cancels the requests: each still answered in OpenAI's shape, not with a text 500."""
+    from gpt2_tf.serve import bind
+    from gpt2_tf.serve.server import draining
+
+    app = make_app(model)
+    step = app.state.batcher.slots.step
+    monkeypatch.setattr(app.state.batcher.slots, 'step', lambda *a, **k: (time.sleep(0.2), step(*a, **k))[1])
+    sock = bind('127.0.0.1', 0)
+    port, server = sock.getsockname()[1], draining(app, 60.0)
+    serving = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    serving.start()
+    settled(lambda: server.started, bool)
+    replies = []
+    asking = threading.Thread(target=lambda: replies.append(post(port, b'{"prompt": "Hi", "max_tokens": 120}')))
+    asking.start()
+    settled(lambda: app.state.batcher.chunks, bool)
+    server.handle_exit(signal.SIGINT, None)
+    server.handle_exit(signal.SIGINT, None)  # the second: at once
+    serving.join(30)
+    asking.join(30)
+    assert not serving.is_alive() and replies, 'the server did not stop, or the request got no answer'
+    status, body = replies[0]
+    assert status == 500 and body == {'error': {'message': 'generation failed: the server is shutting down',
+                                                'type': 'server_error', 'param': None, 'code': None}}, body
 
 
 def test_time_per_output_token_is_per_decode_step():

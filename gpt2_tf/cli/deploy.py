@@ -7,7 +7,7 @@ import shutil
 
 LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
 
-from ..validate import check_new_folder
+from ..validate import check_api_key, check_new_folder
 from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_strict,
                      add_verbose, model_folder, open_model)
 
@@ -56,6 +56,7 @@ def cmd_serve(args):
     for option, value in (('--max-batch', args.max_batch), ('--queue-size', args.queue_size)):
         if value < 1:
             raise CommandError(f'{option} must be at least 1, got {value}')
+    check_api_key(args.api_key, name='--api-key')
     drain = args.timeout_graceful_shutdown
     if drain is not None and not 0 <= drain < float('inf'):
         raise CommandError(f'--timeout-graceful-shutdown must be a number of seconds >= 0, got '

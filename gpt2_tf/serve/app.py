@@ -12,13 +12,14 @@ counts and logs each request.
 import asyncio
 import contextlib
 import secrets
+import sys
 import time
 from typing import Optional, Sequence, TextIO
 
 from ..encoder import Encoder
 from ..runtime import Model
-from ..validate import GPT2Error
-from .batcher import Batcher, shutting_down
+from ..validate import GPT2Error, check_api_key
+from .batcher import Batcher, cut_short, shutting_down
 from .completion import Completion
 from .metrics import CLIENT_GONE, Metrics, log_access
 from .protocol import (APIError, CompletionRequest, CompletionResponse, Health, ModelCard, ModelList, check_model,
@@ -39,6 +40,7 @@ def create_app(model: Model, encoder: Encoder, *, model_id: str, aliases: Sequen
     from fastapi import FastAPI, Request
     from fastapi.responses import Response, StreamingResponse
 
+    check_api_key(api_key)
     batcher = Batcher(model, capacity=capacity, queue_size=queue_size, timeout=timeout, mode=mode)
     served = (model_id, *[name for name in aliases if name != model_id])
     created = int(time.time())
@@ -128,8 +130,15 @@ def _answer_errors(app) -> None:
 
 def http_error(method: str, path: str, error) -> APIError:
     """Starlette's and FastAPI's own errors (unknown route, wrong method, unparsable body) in OpenAI's shape."""
-    if isinstance(error.__cause__, RecursionError):  # json.loads gives up past about 1,000 levels
+    cause = error.__cause__
+    if isinstance(cause, RecursionError):  # json.loads gives up past about 1,000 levels
         return APIError(400, 'the body nests too deeply to parse: send a flat JSON object of the completions fields')
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, f'the body is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at byte {cause.start}): '
+                             f'send JSON in UTF-8')
+    if isinstance(cause, ValueError) and 'digits' in str(cause):  # Python's int() refuses past 4300 digits
+        return APIError(400, f'the body holds a number of more than {sys.get_int_max_str_digits()} digits: send '
+                             f'each field within its range')
     if error.status_code == 404:
         return APIError(404, f'no route {method} {path}: this server answers POST /v1/completions, GET /v1/models, '
                              f'GET /health and GET /metrics', code='not_found')
@@ -181,11 +190,12 @@ class Gate:
             return await self.app(scope, receive, send)
         from starlette.datastructures import Headers
 
-        started, state, status = time.monotonic(), scope.setdefault('state', {}), [500]
+        started, state, status, begun = time.monotonic(), scope.setdefault('state', {}), [500], []
 
         async def sending(message):
             if message['type'] == 'http.response.start':
                 status[0] = message['status']
+                begun.append(True)
             await send(message)
 
         try:
@@ -202,7 +212,12 @@ class Gate:
                 status[0] = CLIENT_GONE
                 return
             replay = iter(messages)
-            await self.app(scope, lambda: _next(replay, receive), sending)
+            try:
+                await self.app(scope, lambda: _next(replay, receive), sending)
+            except asyncio.CancelledError:  # a forced exit (a second Ctrl-C) cut it: said in OpenAI's shape
+                if begun:  # a stream under way ends where it was
+                    raise
+                await error_response(cut_short())(scope, receive, sending)
         finally:
             completion = state.get('completion')
             if completion is not None:  # a stream that never started runs no finally of its own

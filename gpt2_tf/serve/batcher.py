@@ -28,6 +28,13 @@ SHUTTING_DOWN = 'the server is shutting down'  # what rows left when the Batcher
 def shutting_down() -> APIError:
     """The 503 of a request the server no longer takes (a new one, or a body still coming as it stops)."""
     return APIError(503, f'{SHUTTING_DOWN}; retry on another', kind='server_error', code='shutting_down')
+
+
+def cut_short() -> APIError:
+    """The 500 of a request the server stopped before it ended (its drain over, or a second Ctrl-C)."""
+    return APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
+
+
 PENALTIES = ('logit_bias', 'presence_penalty', 'frequency_penalty', 'repetition_penalty')  # Slots.join's names
 
 

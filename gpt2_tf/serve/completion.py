@@ -24,7 +24,7 @@ from ..encoder import END_OF_TEXT, Encoder
 from ..runtime import Model
 from ..scoring import score
 from ..validate import GPT2Error
-from .batcher import SHUTTING_DOWN, Batcher, Row
+from .batcher import Batcher, Row, cut_short
 from .protocol import APIError, CompletionChoice, CompletionRequest, CompletionResponse, Sampling, Usage
 
 
@@ -57,10 +57,11 @@ class Choice:
         self.prefix = prefix  # the echoed prompt
         self.finish_reason: Optional[str] = None
         self.cut: Optional[int] = None  # where a stop string cut the text, if one did
+        self.stop_end: Optional[int] = None  # where that stop string ends
         self.handed = 0  # logprobs entries already handed out (a stream's chunks)
         self.drawn: List[float] = []  # the log-prob of each token drawn, the end of text included (for best_of)
         # the echoed prompt's entries first (Completion sets them), then each token's
-        self.entries = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+        self.entries = no_entries()
         self.offsets = Offsets(encoder)
 
     def add(self, tokens, log_probs) -> str:
@@ -75,11 +76,10 @@ class Choice:
                 break
             self.tokens.append(token)
             if self.logprobs is not None and log_probs is not None:
-                piece, offset = token_piece(self.encoder, token), len(self.prefix) + self.offsets.take(token)
-                top = {token_piece(self.encoder, t): float(p) for t, p in
-                       zip(log_probs['top_ids'][i][:self.logprobs], log_probs['top_log_probs'][i][:self.logprobs])}
-                top.setdefault(piece, float(log_probs['log_probs'][i]))  # the drawn token's, always (OpenAI's rule)
-                self._entry(piece, float(log_probs['log_probs'][i]), top, offset)
+                log_prob, offset = float(log_probs['log_probs'][i]), len(self.prefix) + self.offsets.take(token)
+                top = top_logprobs(self.encoder, token, log_prob, log_probs['top_ids'][i],
+                                   log_probs['top_log_probs'][i], top=self.logprobs)
+                self._entry(token_piece(self.encoder, token), log_prob, top, offset)
         text = self.stopped(self.encoder.decode(self.tokens))
         if not self.finish_reason:
             text = text.rstrip('\ufffd')  # a token may end inside a UTF-8 character: wait for the rest
@@ -103,16 +103,18 @@ class Choice:
         character not yet whole shows as)."""
         found = [(at + len(stop), at) for stop in self.stops if (at := text.find(stop)) >= 0]
         if found:
-            _, at = min(found)
+            self.stop_end, at = min(found)
             text, self.finish_reason, self.cut = text[:at], 'stop', at
         return text
 
     def kept(self) -> int:
         """The tokens behind the text returned: those that start before a stop string's cut (usage counts these)."""
-        if self.cut is None:
-            return len(self.tokens)
-        # The first i whose text reaches the cut, by bisection: a prefix's text grows with it, so log n decodes.
-        return bisect.bisect_left(range(len(self.tokens) + 1), self.cut,
+        return len(self.tokens) if self.cut is None else self._reaching(self.cut)
+
+    def _reaching(self, end: int) -> int:
+        """The fewest tokens whose text reaches end characters."""
+        # By bisection: a prefix's text grows with it, so log n decodes.
+        return bisect.bisect_left(range(len(self.tokens) + 1), end,
                                   key=lambda i: len(self.encoder.decode(self.tokens[:i])))
 
     def _entry(self, piece, log_prob, top, offset):
@@ -122,9 +124,10 @@ class Choice:
         self.entries['text_offset'].append(offset)
 
     def mean_logprob(self) -> float:
-        """best_of's ranking: the mean log-prob of the tokens behind the text returned (those past a stop string
-        left out; the end of text counted when it ended the choice), 0 for none."""
-        drawn = self.drawn if self.cut is None else self.drawn[:self.kept()]
+        """best_of's ranking: the mean log-prob of the tokens drawn up to what ended the choice: the end of text,
+        or the tokens through the stop string (so that a choice cut to nothing by one, at 0, never outranks the
+        others), or all of them at max_tokens."""
+        drawn = self.drawn if self.cut is None else self.drawn[:self._reaching(self.stop_end)]
         return sum(drawn) / len(drawn) if drawn else 0.0
 
     def logprobs_object(self) -> Optional[dict]:
@@ -181,12 +184,24 @@ def token_piece(encoder: Encoder, token) -> str:
         return 'bytes:' + ''.join(f'\\x{b:02x}' for b in raw)
 
 
+def no_entries() -> dict:
+    """An OpenAI logprobs object's lists, empty."""
+    return {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+
+
+def top_logprobs(encoder: Encoder, token: int, log_prob: float, ids, log_probs, *, top: int) -> dict:
+    """One token's top_logprobs: the `top` likeliest pieces, and the token's own always (OpenAI's rule)."""
+    entry = {token_piece(encoder, t): float(p) for t, p in zip(ids[:top], log_probs[:top])}
+    entry.setdefault(token_piece(encoder, token), log_prob)
+    return entry
+
+
 def _rows(count: int) -> int:
     return 1 << (count - 1).bit_length()  # the power of two at or above count
 
 
 def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) -> dict:
-    entries = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+    entries = no_entries()
     offsets = Offsets(encoder)
     for i, token in enumerate(prompt):
         piece = token_piece(encoder, token)
@@ -197,9 +212,8 @@ def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) 
             entries['top_logprobs'].append(None)
         else:
             entries['token_logprobs'].append(float(lp[i - 1]))
-            entries['top_logprobs'].append({token_piece(encoder, t): float(p)
-                                            for t, p in zip(ids[i - 1][:top], top_lp[i - 1][:top])})
-            entries['top_logprobs'][-1].setdefault(piece, float(lp[i - 1]))  # the prompt's own token, always
+            entries['top_logprobs'].append(top_logprobs(encoder, token, float(lp[i - 1]), ids[i - 1], top_lp[i - 1],
+                                                        top=top))
     return entries
 
 
@@ -284,7 +298,7 @@ class Completion:
     def _check_running(self) -> None:
         """Echo scoring stops at a server's stop, as the rows left in its Batcher fail."""
         if self.batcher.stopped:
-            raise APIError(500, f'generation failed: {SHUTTING_DOWN}', kind='server_error')
+            raise cut_short()
 
     async def _score_echoes(self) -> None:
         """The echoed prompts' logprobs, scored off the event loop a group at a time: a client that goes away
@@ -398,7 +412,7 @@ class Completion:
                 part = CompletionChoice(text=text, index=choice.index, logprobs=choice.new_logprobs(),
                                         finish_reason=choice.finish_reason if finished else None)
                 yield f'data: {self.chunk([part]).model_dump_json()}\n\n'
-            if (self.request.stream_options or {}).get('include_usage'):
+            if self.request.stream_options and self.request.stream_options.include_usage:
                 yield f'data: {self.chunk([], self.usage()).model_dump_json()}\n\n'
             yield 'data: [DONE]\n\n'
             self.complete = True

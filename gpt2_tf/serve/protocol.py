@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from ..encoder import END_OF_TEXT, Encoder
 from ..hparams import HParams
-from ..validate import (MAX_LOGIT_BIAS, MAX_PENALTY, GPT2Error, check_sampling, check_seed, check_sequence,
+from ..validate import (MAX_LOGIT_BIAS, MAX_PENALTY, GPT2Error, check_sampling, check_seed,
                         check_token_ids, check_window)
 
 MAX_LOGPROBS = 5  # top log-probs per token, as OpenAI's completions
@@ -59,7 +59,7 @@ def invalid_request(errors: Sequence[dict], content_type: str = 'application/jso
     param = '.'.join(str(p) for p in first.get('loc', ())[1:2]) or None
     message = first.get('msg', 'invalid request').removeprefix('Value error, ')
     if first.get('type') == 'extra_forbidden':
-        message = f'unknown field {param!r}'
+        message = f"unknown field {'.'.join(str(p) for p in first['loc'][1:])!r}"
     elif param == 'prompt':  # the first of the union's failures says little
         message = 'must be a string, a list of strings, a list of token ids (integers) or a list of such lists'
     return APIError(400, f'{param}: {message}' if param else message, param=param)
@@ -89,6 +89,12 @@ class Sampling:
     given: List[List[int]]  # the prompts as sent ([] for an empty one): what echo returns and usage counts
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra='forbid', strict=True)
+
+    include_usage: Optional[bool] = None  # null is its default, off
+
+
 class CompletionRequest(BaseModel):
     """POST /v1/completions, with OpenAI's field names and meanings; top_k is an extension."""
 
@@ -104,7 +110,7 @@ class CompletionRequest(BaseModel):
     stop: Union[str, List[str], None] = None
     seed: Optional[int] = None
     stream: bool = False
-    stream_options: Optional[Dict[str, Optional[bool]]] = None  # {"include_usage": null} is its default
+    stream_options: Optional[StreamOptions] = None
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     user: Optional[str] = None
@@ -144,11 +150,10 @@ class CompletionRequest(BaseModel):
             raise ValueError(f'must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}')
         return value
 
-    @model_validator(mode='after')
-    def _unsupported(self):
-        if self.suffix is not None:
-            raise ValueError('suffix is not supported by this server')
-        return self
+    @field_validator('suffix')
+    @classmethod
+    def _unsupported(cls, value):
+        raise ValueError('not supported by this server: leave it out')
 
     def choices(self) -> int:
         """Rows drawn per prompt: best_of, in [n, MAX_CHOICES] and not streamed, or n."""
@@ -179,14 +184,12 @@ class CompletionRequest(BaseModel):
         for i, prompt in enumerate(prompts):
             try:
                 if self.max_tokens:
-                    check_window(len(prompt), self.max_tokens, hparams.n_ctx, what=f'prompt {i}')
-                else:  # no token drawn: the prompt must still fit the window, as the model would read it
-                    try:
-                        check_sequence(0, len(prompt), hparams.n_ctx)
-                    except GPT2Error as e:
-                        scored = self.echo and self.logprobs is not None
-                        raise GPT2Error(f'prompt {i}: {e}; ' + ('an echoed prompt is scored in one call: shorten it'
-                                                                if scored else 'shorten it'))
+                    check_window(len(prompt), self.max_tokens, hparams.n_ctx, what=f'prompt {i}', name='max_tokens')
+                elif len(prompt) > hparams.n_ctx:  # no token drawn: the prompt must still fit, as the model reads it
+                    scored = self.echo and self.logprobs is not None
+                    raise GPT2Error(f'prompt {i}: {len(prompt)} tokens, more than the {hparams.n_ctx} this model '
+                                    f'reads; ' + ('an echoed prompt is scored in one call: shorten it' if scored
+                                                  else 'shorten it'))
             except GPT2Error as e:
                 raise invalid(e, 'max_tokens' if self.max_tokens else 'prompt') from None
         try:
