@@ -336,11 +336,12 @@ class ClusterError(GPT2Error, RuntimeError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during finetune, raised once the run has saved its step (the command line exits 130)."""
+    """Ctrl-C during finetune, or its log's reader gone (`| head`), raised once the run has saved its step (the
+    command line exits 130)."""
 
-    def __init__(self, trainer: Trainer, saved: bool = True):
-        super().__init__(f'interrupted at step {trainer.steps}, which is saved' if saved else
-                         f'interrupted at step {trainer.steps}, before this run\'s first step: the run folder is '
+    def __init__(self, trainer: Trainer, saved: bool = True, what: str = 'interrupted'):
+        super().__init__(f'{what} at step {trainer.steps}, which is saved' if saved else
+                         f'{what} at step {trainer.steps}, before this run\'s first step: the run folder is '
                          f'as it was')
         self.trainer = trainer
 
@@ -575,7 +576,8 @@ def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *
     accumulate_gradients windows of n_ctx tokens. steps=-1 trains until
     interrupted. restore_from='latest' resumes the run folder when it has a
     checkpoint (else starts from model_dir); 'fresh' starts from model_dir.
-    Ctrl-C (or SIGTERM) saves the step reached (none before this run's first
+    Ctrl-C (or SIGTERM), or a log that can no longer be written (its reader
+    gone: BrokenPipeError), saves the step reached (none before this run's first
     step), then raises Interrupted (a KeyboardInterrupt holding the trainer). stop, when given, is asked after each step whether
     to stop there. strategy: a make_strategy() strategy, or the name of one
     (as config.strategy). Data-parallel, every worker draws the same seeded
@@ -592,11 +594,14 @@ def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *
     try:
         with terminated_as_interrupted():
             run.loop(stop)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError) as e:
+        closed = isinstance(e, BrokenPipeError)  # the log's reader has gone: the steps are kept all the same
+        if closed:
+            run.log = lambda line: None
         run.log('interrupted')
         saved = run.trainer.steps != run.first  # before this run's first step there is nothing new to keep
         if saved:
             run.save()
-        raise Interrupted(run.trainer, saved) from None
+        raise Interrupted(run.trainer, saved, 'the log\'s output closed' if closed else 'interrupted') from None
     run.save()
     return run.trainer

@@ -671,6 +671,23 @@ def test_a_failure_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
     assert gpt2_tf.checkpoint.checkpoint_state(str(run)) == ('model-4', ['model-4'])  # the earlier run's
 
 
+def test_a_log_whose_reader_has_gone_saves_the_step_reached(tmp_path):
+    """finetune | head -2: the third line cannot be written; the steps are kept, as at Ctrl-C, and said so."""
+    lines = []
+
+    def head_2(line):
+        if len(lines) == 2:
+            raise BrokenPipeError(32, 'Broken pipe')
+        lines.append(line)
+
+    chunks = [np.random.default_rng(0).integers(0, HPARAMS.n_vocab, 500).astype(np.int32)]
+    with pytest.raises(train.Interrupted, match="^the log's output closed at step 3, which is saved$"):
+        finetune(str(HOT), chunks, steps=10, checkpoint_dir=str(tmp_path), batch_size=2, accumulate_gradients=1,
+                 sample_every=0, save_every=0, print_every=1, seed=1, log=head_2)
+    assert (tmp_path / 'run1' / 'model-3.index').exists() and len(lines) == 2
+    assert (tmp_path / 'run1' / 'counter').read_text().strip() == '3'
+
+
 def test_ctrl_c_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
     run_steps(tmp_path, 4)
     run = tmp_path / 'checkpoint' / 'run1'
