@@ -424,11 +424,27 @@ def whole_folder(path):
             _move_entries(staging, path)
         return
     parent, name = os.path.split(path)
+    made = missing_folders(parent)
     os.makedirs(parent, exist_ok=True)
-    with staged(parent, prefix=f'.{name}.partial-') as staging:
-        yield staging
-        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's folder is private (0700); a save's is not
-        os.replace(staging, path)
+    try:
+        with staged(parent, prefix=f'.{name}.partial-') as staging:
+            yield staging
+            os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's folder is private (0700); a save's is not
+            os.replace(staging, path)
+    except BaseException:  # the folders made for it go too, innermost first (each only while still empty)
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+
+
+def missing_folders(path: str) -> list:
+    """The folders os.makedirs(path) would create, outermost first."""
+    missing = []
+    while path and not os.path.exists(path):
+        missing.insert(0, path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def _remove_left_behind(folder: str, prefix: str) -> None:

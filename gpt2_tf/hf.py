@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import warnings
 from typing import Optional
@@ -70,6 +71,10 @@ OTHER_SAVES = ('tokenizer_config.json', 'special_tokens_map.json', 'added_tokens
 IGNORED = ('attn.bias', 'attn.masked_bias')  # the causal-mask buffers older versions saved
 
 
+HF_NAMES = {'n_vocab': 'vocab_size', 'n_ctx': 'n_positions', 'n_embd': 'n_embd', 'n_head': 'n_head',
+            'n_layer': 'n_layer'}  # HParams' field: config.json's key
+
+
 class HFFormatError(GPT2Error):
     """An HF folder that cannot be read into the original graph as it is."""
 
@@ -86,9 +91,13 @@ def read_config(path) -> HParams:
 
     if config.get('model_type', 'gpt2') != 'gpt2':
         refuse('model_type', 'not a GPT-2 model')
-    missing = [k for k in ('vocab_size', 'n_positions', 'n_embd', 'n_head', 'n_layer') if config.get(k) is None]
+    missing = [k for k in HF_NAMES.values() if config.get(k) is None]
     if missing:
         raise HFFormatError(f'{source}: missing {missing}')
+    try:  # the sizes' types and values first: n_inner is checked against n_embd
+        hparams = HParams.from_dict({ours: config[theirs] for ours, theirs in HF_NAMES.items()}, source=source)
+    except GPT2Error as e:  # named as the file names them
+        raise HFFormatError(re.sub(r'\b(n_vocab|n_ctx)\b', lambda m: HF_NAMES[m.group(1)], str(e))) from None
     if config.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
         refuse('activation_function', 'GPT-2 uses the tanh GELU (gelu_new or gelu_pytorch_tanh)')
     if config.get('scale_attn_weights', True) is not True:
@@ -96,15 +105,13 @@ def read_config(path) -> HParams:
     for field in ('scale_attn_by_inverse_layer_idx', 'reorder_and_upcast_attn', 'add_cross_attention'):
         if config.get(field):
             refuse(field, 'not part of GPT-2')
-    n_embd = config['n_embd']
-    if config.get('n_inner') is not None and config['n_inner'] != 4 * n_embd:
-        refuse('n_inner', f'the MLP is 4 * n_embd = {4 * n_embd} wide in GPT-2')
+    if config.get('n_inner') is not None and config['n_inner'] != 4 * hparams.n_embd:
+        refuse('n_inner', f'the MLP is 4 * n_embd = {4 * hparams.n_embd} wide in GPT-2')
     if config.get('layer_norm_epsilon', 1e-5) != 1e-5:
         refuse('layer_norm_epsilon', 'GPT-2 normalizes with epsilon 1e-5')
     if 'n_ctx' in config and 'n_positions' in config and config['n_ctx'] != config['n_positions']:
         refuse('n_ctx', f'it differs from n_positions={config.get("n_positions")}')
-    return HParams.from_dict({'n_vocab': config['vocab_size'], 'n_ctx': config['n_positions'], 'n_embd': n_embd,
-                              'n_head': config['n_head'], 'n_layer': config['n_layer']}, source=source)
+    return hparams
 
 
 def _read_json(path: str):
@@ -260,9 +267,9 @@ def config_for(hparams: HParams) -> dict:
     <|endoftext|>'s id (GPT2Config's default is 50256, about which transformers warns past the vocabulary)."""
     end = END_OF_TEXT_ID if hparams.n_vocab > END_OF_TEXT_ID else None
     special = {'bos_token_id': end, 'eos_token_id': end}
-    return {'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': hparams.n_vocab,
-            'n_positions': hparams.n_ctx, 'n_ctx': hparams.n_ctx, 'n_embd': hparams.n_embd,
-            'n_head': hparams.n_head, 'n_layer': hparams.n_layer, 'n_inner': None,
+    return {'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2',
+            **{theirs: getattr(hparams, ours) for ours, theirs in HF_NAMES.items()}, 'n_ctx': hparams.n_ctx,
+            'n_inner': None,
             'activation_function': 'gelu_new', 'layer_norm_epsilon': 1e-05, 'scale_attn_weights': True,
             'resid_pdrop': 0.1, 'embd_pdrop': 0.1, 'attn_pdrop': 0.1, 'initializer_range': 0.02,
             'tie_word_embeddings': True, **special}

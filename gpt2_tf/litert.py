@@ -32,9 +32,8 @@ from .checkpoint import whole_folder
 from .decoding import decode
 from .encoder import END_OF_TEXT, carried_vocabulary
 from .runtime import Model
-from .validate import GPT2Error, is_int
+from .validate import GPT2Error, check_litert, is_int
 
-DTYPES = ('float32', 'int8')
 MODEL_FILE = 'model.tflite'
 DESCRIPTION = 'model.json'
 
@@ -75,17 +74,12 @@ class Signatures(tf.Module):
 
 
 def check_options(model: Model, dtype: str, max_len: Optional[int]) -> int:
-    """max_len (n_ctx when None) after checking it and dtype against the model."""
-    n_ctx = model.hparams.n_ctx
-    max_len = n_ctx if max_len is None else max_len
-    if not is_int(max_len) or not 1 <= max_len <= n_ctx:
-        raise GPT2Error(f'--max-len must be an integer in [1, {n_ctx}] (n_ctx), got {max_len}')
-    if dtype not in DTYPES:
-        raise GPT2Error(f'--dtype for a LiteRT export must be one of {", ".join(DTYPES)}, got {dtype}')
+    """max_len (n_ctx when None) after checking it and dtype (validate.check_litert), and dtype against the model."""
+    max_len = check_litert(dtype, max_len, model.hparams.n_ctx)
     if dtype != model.dtype:
         raise GPT2Error(f'the model holds {model.dtype} weights but the export asks for {dtype}: '
                         f"load it with load_model(..., dtype='{dtype}') (--dtype {dtype})")
-    return int(max_len)  # a numpy integer passes the check, and json.dump refuses it after the whole conversion
+    return max_len
 
 
 def describe(model: Model, max_len: int, *, dtype: str, vocabulary: tuple) -> dict:

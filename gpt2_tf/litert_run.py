@@ -196,8 +196,9 @@ def main(argv=None) -> int:
         validate.check_token_ids(ids, description['hparams']['n_vocab'], name="the prompt's token", encoded=True)
         new = generate(args.folder, ids, args.length, top_k=args.top_k or 1, temperature=args.temperature,
                        seed=args.seed)  # --top_k 0, the command's default, is greedy
-    except GPT2Error as e:
-        parser.error(str(e))
+    except GPT2Error as e:  # one line, as gpt2-tf's; argparse's own usage errors come before
+        print(f'{parser.prog}: error: {e}', file=sys.stderr)
+        return 2
     print(args.prompt + encoder.decode(new))
     return 0
 

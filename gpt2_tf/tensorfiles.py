@@ -5,9 +5,12 @@ Shared by the HF folders (hf) and the LoRA adapters (lora), each passing its own
 
 from __future__ import annotations
 
+import re
 from typing import Type
 
 from .validate import GPT2Error, first_line
+
+SAVE_STATE = "save the model's state_dict() itself (torch.save(model.state_dict(), ...))"
 
 
 def unreadable(file: str, e: Exception, error: Type[GPT2Error] = GPT2Error) -> GPT2Error:
@@ -26,12 +29,15 @@ def read_torch(file: str, error: Type[GPT2Error] = GPT2Error) -> dict:
                     f'its safetensors form needs only the safetensors package') from None
     try:
         state = torch.load(file, map_location='cpu', weights_only=True)
-    except Exception as e:  # a truncated zip, an unpickling error, ...
+    except Exception as e:  # a truncated zip, random bytes, or objects besides tensors (a whole model)
+        other = re.search(r'Unsupported global: GLOBAL ([\w.]+)', str(e))
+        if other:  # torch refuses them by design: unpickling would run their code
+            raise error(f'{file}: holds a pickled {other.group(1)}, not only tensors, and is not read, since '
+                        f'unpickling it would run its code; {SAVE_STATE}') from None
         raise unreadable(file, e, error) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         kind = type(state).__name__ if not isinstance(state, dict) else 'a dict holding more than tensors'
-        raise error(f'{file}: expected a state dict of tensor names to tensors, found {kind}; save the model\'s '
-                    f'state_dict() itself (torch.save(model.state_dict(), ...))')
+        raise error(f'{file}: expected a state dict of tensor names to tensors, found {kind}; {SAVE_STATE}')
     return {name: _numpy(value, torch) for name, value in state.items()}
 
 

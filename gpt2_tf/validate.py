@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 DTYPES = ('float32', 'bfloat16', 'float16', 'int8')  # the weights' precisions (gpt2_tf.precision)
+LITERT_DTYPES = ('float32', 'int8')  # those a LiteRT export holds (gpt2_tf.litert)
 INT64 = np.iinfo(np.int64)
 
 
@@ -163,6 +164,16 @@ def check_api_key(key, *, name: str = 'api_key') -> None:
     if key is not None and key != key.strip():
         raise GPT2Error(f'{name} starts or ends with whitespace, which HTTP drops from the header a client sends: '
                         f'give it without')
+
+
+def check_litert(dtype: str, max_len, n_ctx: int) -> int:
+    """A LiteRT export's options, checked before TensorFlow loads: max_len (n_ctx when None)."""
+    max_len = n_ctx if max_len is None else max_len
+    if not is_int(max_len) or not 1 <= max_len <= n_ctx:
+        raise GPT2Error(f'--max-len must be an integer in [1, {n_ctx}] (n_ctx), got {max_len}')
+    if dtype not in LITERT_DTYPES:
+        raise GPT2Error(f'--dtype for a LiteRT export must be one of {", ".join(LITERT_DTYPES)}, got {dtype}')
+    return int(max_len)  # a numpy integer passes the check, and json.dump refuses it after the whole conversion
 
 
 def check_window(prompt: int, length: int, n_ctx: int, *, what: str = 'prompt', name: str = 'length') -> None:

@@ -421,6 +421,15 @@ def test_a_run_folder_without_its_checkpoint_file_names_its_saves(tmp_path):
         gpt2_tf.load_model(folder)
 
 
+
+def test_a_failed_write_into_a_new_nested_folder_leaves_no_folders_behind(tmp_path):
+    (tmp_path / 'kept').mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        with gpt2_tf.checkpoint.whole_folder(tmp_path / 'kept' / 'a' / 'b' / 'out') as staging:
+            (pathlib.Path(staging) / 'model.tflite').write_bytes(b'half')
+            raise KeyboardInterrupt  # Ctrl-C during an export
+    assert os.listdir(tmp_path) == ['kept'] and os.listdir(tmp_path / 'kept') == []  # one there before stays
+
 KILLED_WRITER = """
 import sys, time
 from gpt2_tf.checkpoint import whole_folder

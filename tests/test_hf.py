@@ -251,6 +251,9 @@ def test_safetensors_wins_over_a_bin_in_the_same_folder(tmp_path, state):
     (dict(config={'n_ctx': 64}), 'n_ctx=64: it differs from n_positions=40'),
     (dict(config={'n_embd': 48}), r'model/wte: expected shape \[300, 48\], found \[300, 32\]'),
     (dict(config={'n_embd': None, 'n_inner': 256}), r"config.json: missing \['n_embd'\]"),
+    (dict(config={'n_embd': {}, 'n_inner': 256}), r'config.json: n_embd must be an integer, got \{\}$'),
+    (dict(config={'vocab_size': True}), r'config.json: vocab_size must be an integer, got True$'),  # the file's name
+    (dict(config={'n_positions': -3}), r'config.json: n_positions must be positive, got -3$'),
     (dict(config={'tie_word_embeddings': False}, headless=True), 'tie_word_embeddings is false, but the weights have '
      'no lm_head.weight: the folder is incomplete'),
 ])
@@ -300,6 +303,18 @@ def test_a_bin_that_is_not_a_state_dict_is_refused_in_one_line(tmp_path, state, 
     torch.save(saved({k: torch.from_numpy(v) for k, v in state.items()}), tmp_path / 'pytorch_model.bin')
     with pytest.raises(hf.HFFormatError, match=f'pytorch_model.bin: expected a state dict of tensor names to tensors, '
                                                f'{found}'):
+        gpt2_tf.load_model(tmp_path)
+
+
+def test_a_bin_of_a_whole_pickled_model_is_refused_with_the_next_step(tmp_path):
+    (tmp_path / 'config.json').write_text(json.dumps(HF_CONFIG))
+    torch.save(torch.nn.Linear(2, 3), tmp_path / 'pytorch_model.bin')  # the module, not its state_dict()
+    with pytest.raises(hf.HFFormatError, match=r"^\S*pytorch_model.bin: holds a pickled torch.nn.modules.linear."
+                                               r"Linear, not only tensors, and is not read, since unpickling it would "
+                                               r"run its code; save the model's state_dict\(\) itself"):
+        gpt2_tf.load_model(tmp_path)
+    (tmp_path / 'pytorch_model.bin').write_bytes(np.random.default_rng(0).bytes(5000))  # no pickle: damaged
+    with pytest.raises(hf.HFFormatError, match=r'pytorch_model.bin: cannot be read \(.*\); is the file complete'):
         gpt2_tf.load_model(tmp_path)
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-LITERT_DTYPES = ('float32', 'int8')  # gpt2_tf.litert.DTYPES, without importing TensorFlow
-
-from ..validate import check_api_key, check_new_folder
+from ..validate import check_api_key, check_litert, check_new_folder
 from .common import (CommandError, add_adapter, add_dtype, add_mode, add_model_arguments, add_model_folder, add_strict,
                      add_verbose, model_folder, open_model)
 
@@ -31,10 +29,7 @@ def cmd_export(args):
 
 def export_litert(args, folder, hparams) -> None:
     """OUT_DIR/model.tflite with prefill and decode signatures, model.json, and the vocabulary files."""
-    if args.dtype not in LITERT_DTYPES:
-        raise CommandError(f'--dtype for --format litert must be one of {", ".join(LITERT_DTYPES)}, got {args.dtype}')
-    if args.max_len is not None and not 1 <= args.max_len <= hparams.n_ctx:
-        raise CommandError(f'--max-len must be an integer in [1, {hparams.n_ctx}] (n_ctx), got {args.max_len}')
+    check_litert(args.dtype, args.max_len, hparams.n_ctx)
     if args.xla:
         raise CommandError('--xla is for a SavedModel; a LiteRT model runs in the LiteRT interpreter')
     check_new_folder(args.out_dir)
