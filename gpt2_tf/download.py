@@ -249,6 +249,27 @@ def partial_folder(folder: str) -> str:
     return folder.rstrip('/\\') + PARTIAL
 
 
+@contextlib.contextmanager
+def _alone(folder: str):
+    """The download into folder, the only one: a second one at the same time is refused, since both would write
+    the same .part files (a lock on the folder, released when its process ends however it ends)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): unguarded
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DownloadError(f'another download into {folder} is under way: let it finish (or stop it), then '
+                                f'run this one again') from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Optional[str] = None,
                    verify: bool = True, quiet: bool = False, retries: int = 5, backoff: float = 1.0,
                    timeout: float = 60.0, verbose: bool = False) -> str:
@@ -280,37 +301,38 @@ def download_model(model: str, models_dir: str = 'checkpoints', *, base_url: Opt
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise DownloadError(f'cannot create {folder}: {e.strerror}') from None
-    import requests
+    with _alone(folder):
+        import requests
 
-    session = requests.Session()
-    url = {filename: f'{base_url}models/{model}/{filename}' for filename in FILES}
-    kept = [f for f in FILES if os.path.exists(os.path.join(folder, f))]
-    for filename in kept:  # every one checked before anything is fetched: a wrong mirror is named before it adds files
-        _check_kept(session, url[filename], os.path.join(folder, filename), KNOWN_SHA256.get(filename), timeout)
-    for filename in FILES:
-        if filename not in kept:
-            download_file(url[filename], os.path.join(folder, filename), sha256=KNOWN_SHA256.get(filename),
-                          retries=retries, backoff=backoff, timeout=timeout, quiet=quiet, session=session)
-        elif not quiet and sys.stderr.isatty():  # beside the progress bars, which need a terminal
-            print(f'{filename}: already complete, skipped', file=sys.stderr)
-    if verify:
-        from . import quiet as tf_start
+        session = requests.Session()
+        url = {filename: f'{base_url}models/{model}/{filename}' for filename in FILES}
+        kept = [f for f in FILES if os.path.exists(os.path.join(folder, f))]
+        for filename in kept:  # each checked before anything is fetched: a wrong mirror is named before it adds files
+            _check_kept(session, url[filename], os.path.join(folder, filename), KNOWN_SHA256.get(filename), timeout)
+        for filename in FILES:
+            if filename not in kept:
+                download_file(url[filename], os.path.join(folder, filename), sha256=KNOWN_SHA256.get(filename),
+                              retries=retries, backoff=backoff, timeout=timeout, quiet=quiet, session=session)
+            elif not quiet and sys.stderr.isatty():  # beside the progress bars, which need a terminal
+                print(f'{filename}: already complete, skipped', file=sys.stderr)
+        if verify:
+            from . import quiet as tf_start
 
-        tf_start.tensorflow(verbose=verbose)
-        from .checkpoint import check_folder
+            tf_start.tensorflow(verbose=verbose)
+            from .checkpoint import check_folder
 
-        try:
-            check_folder(folder)
-        except (ValueError, FileNotFoundError) as e:
-            raise DownloadError(f'the downloaded checkpoint does not load ({first_line(e)}); delete {folder} '
-                                f'and download again, or try another mirror') from None
-    if folder != final:
-        try:
-            os.replace(folder, final)  # onto an empty folder too
-        except OSError as e:
-            raise DownloadError(f'cannot move {folder} to {final}: {e.strerror}') from None
-    else:
-        shutil.rmtree(partial_folder(final), ignore_errors=True)  # an earlier version's repair, of no use now
+            try:
+                check_folder(folder)
+            except (ValueError, FileNotFoundError) as e:
+                raise DownloadError(f'the downloaded checkpoint does not load ({first_line(e)}); delete {folder} '
+                                    f'and download again, or try another mirror') from None
+        if folder != final:
+            try:
+                os.replace(folder, final)  # onto an empty folder too
+            except OSError as e:
+                raise DownloadError(f'cannot move {folder} to {final}: {e.strerror}') from None
+        else:
+            shutil.rmtree(partial_folder(final), ignore_errors=True)  # an earlier version's repair, of no use now
     return final
 
 

@@ -148,6 +148,22 @@ def test_full_download_verifies_the_checkpoint(server, tmp_path):
     assert sorted(os.listdir(folder)) == sorted(FILES)
 
 
+def test_a_second_download_into_the_same_folder_at_once_is_refused(server, tmp_path):
+    import fcntl
+
+    partial = tmp_path / '124M.partial'
+    partial.mkdir()
+    held = os.open(partial, os.O_RDONLY)  # as the first download holds it
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(DownloadError, match=r'another download into .*124M.partial is under way: let it finish'):
+            fetch(server, tmp_path)
+    finally:
+        os.close(held)
+    assert os.listdir(partial) == [] and not server.requests  # refused before it wrote or asked for anything
+    assert_complete(server, fetch(server, tmp_path))  # once it is free
+
+
 def test_old_name_maps_to_new(server, tmp_path):
     assert download_model('117M', str(tmp_path), base_url=server.url, quiet=True).endswith('124M')
 
