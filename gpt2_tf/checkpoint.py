@@ -478,6 +478,9 @@ def current_umask() -> int:
     return mask
 
 
+WRITE_ERRORS = {tf.errors.ResourceExhaustedError: errno.ENOSPC, tf.errors.PermissionDeniedError: errno.EACCES}
+
+
 def write_tensors(prefix: str, tensors: dict) -> None:
     """Writes {name: tensor} as a TF name-based checkpoint at prefix (.index and .data-00000-of-00001).
 
@@ -490,15 +493,12 @@ def write_tensors(prefix: str, tensors: dict) -> None:
             tf.raw_ops.SaveV2(prefix=os.path.join(staging, 'bundle'), tensor_names=names,
                               shape_and_slices=[''] * len(names), tensors=[tensors[n] for n in names])
         except tf.errors.OpError as e:  # a full disk is TensorFlow's ResourceExhaustedError: an OSError here
-            code = WRITE_ERRORS.get(type(e), errno.EIO)
-            raise OSError(code, os.strerror(code), prefix) from None
+            code = WRITE_ERRORS.get(type(e))  # its message names a staging file, gone by now
+            raise OSError(code or errno.EIO, os.strerror(code) if code else first_line(e), prefix) from None
         for suffix in ('.data-00000-of-00001', '.index'):  # on the disk before a `checkpoint` file names them
             with open(os.path.join(staging, 'bundle' + suffix), 'rb') as f:
                 os.fsync(f.fileno())
         move_bundle(os.path.join(staging, 'bundle'), prefix)
-
-
-WRITE_ERRORS = {tf.errors.ResourceExhaustedError: errno.ENOSPC, tf.errors.PermissionDeniedError: errno.EACCES}
 
 
 def move_bundle(source: str, prefix: str) -> None:
