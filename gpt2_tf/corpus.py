@@ -311,7 +311,7 @@ def encode_corpus(inputs: Sequence[str], out: str | os.PathLike, *, encoder: Opt
     if encoder is None:
         _start_worker(encoder_files)
         encoder = _worker_encoder
-    writer = _Writer(out, encoder.n_vocab, encoder.encoder[END_OF_TEXT])
+    writer = _Writer(out, encoder.n_vocab, end_of_document(encoder))
     try:
         _encode_into(writer, _document_pieces(files, piece), encoder, encoder_files, processes, progress)
         check_text(writer.tokens, inputs)
@@ -327,22 +327,31 @@ def sidecar_of(encoder: Encoder, tokens: int, documents: int) -> dict:
     """A token file's sidecar: its ids' dtype, the vocabulary that made them, and its counts."""
     return {'dtype': dtype_for(encoder.n_vocab).name, 'n_vocab': encoder.n_vocab,
             'vocab_sha256': vocabulary_sha256(encoder), 'tokens': tokens, 'documents': documents,
-            'end_of_text': encoder.encoder[END_OF_TEXT]}
+            'end_of_text': end_of_document(encoder)}
+
+
+def end_of_document(encoder: Encoder) -> int:
+    """<|endoftext|>'s id, which ends each document of encoded text (a token file, an .npz, fine-tuning's text);
+    refused in one line where the vocabulary has none."""
+    return encoder.end_of_text('encoded text ends each document with', 'add it to the vocabulary, or use one that '
+                               'has it (GPT-2\'s: without --model_dir)')
 
 
 def vocabulary_of(model_dir: Optional[str]) -> Optional[tuple]:
     """The vocabulary files text is encoded with for model_dir (encode's --model_dir, Beam's too): the folder's
-    own pair, else a one-line refusal (a folder without one, or with one the encoder cannot read); None (GPT-2's
-    bundled pair) without model_dir."""
+    own pair, else a one-line refusal (a folder without one, with one the encoder cannot read, or with one
+    without <|endoftext|>); None (GPT-2's bundled pair) without model_dir."""
     from .encoder import encoder_for, vocabulary_files
 
     if model_dir is None:
         return None
+    # Before any work: a vocabulary the encoder cannot read (added tokens, another kind of tokenizer.json, said
+    # first), or one without the token that ends each document.
+    end_of_document(encoder_for(model_dir))
     files = vocabulary_files(model_dir)
     if not files:
         raise GPT2Error(f'{model_dir} has no vocabulary files (encoder.json and vocab.bpe, or vocab.json and '
                         f'merges.txt); leave out --model_dir to encode with the bundled GPT-2 vocabulary')
-    encoder_for(model_dir)  # refuses a vocabulary the encoder cannot read (added tokens), before any work
     return files
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import corpus, validate
-from .encoder import END_OF_TEXT, END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
+from .encoder import END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
 from .train_config import COMBINE, check_integer
 from .validate import GPT2Error, first_line
 
@@ -57,7 +57,7 @@ def _documents(file: str) -> list:
 
 def _encode_texts(files: list, encoder: Encoder, combine: int, progress: Optional[Callable]) -> list:
     """Documents gathered into chunks of at least `combine` characters, each document followed by 50256."""
-    end = encoder.encoder[END_OF_TEXT]
+    end = corpus.end_of_document(encoder)
     chunks, pending, size = [], [], 0
 
     def flush():

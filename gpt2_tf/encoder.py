@@ -9,9 +9,14 @@ the fallback, and the tests hold the two to the same ids.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import json
 import os
+import re
+import shutil
+import tempfile
 from typing import Iterable, Optional, Sequence
 
 import regex
@@ -80,15 +85,18 @@ def _tiktoken_encoding(encoder: dict, bpe_merges: Sequence[tuple]):
                              explicit_n_vocab=len(encoder))
 
 
-BLANK_RUN = 1 << 17  # tiktoken's regex engine panics on a whitespace run of about 10^6; this is well short of it
-BLANKS = (' ', '\n', '\t', '\r', '\r\n', ' \n', '\n ', ' \t', '\xa0', '\u3000')  # what long blank runs are made of
+BLANK_RUN = 1 << 17  # tiktoken's regex engine panics on a run of about 10^6 whitespace characters; well short of it
+_BLANK_BLOCK = re.compile(r'\s{%d}' % (BLANK_RUN // 2))  # Python's \s: all of Unicode's White_Space, and \x1c-\x1f
 
 
 def _long_blank(text: str) -> bool:
-    """Whether text holds a run of BLANK_RUN characters repeating one of BLANKS (substring searches: linear, in C).
-    A long run of other whitespace (\x0c, U+2003, ...), or mixed otherwise, still reaches tiktoken, whose panic
-    _encode_ordinary catches: the same ids, and Rust's panic message on stderr."""
-    return len(text) >= BLANK_RUN and any(b * (BLANK_RUN // len(b)) in text for b in BLANKS)
+    """Whether text may hold a run of BLANK_RUN whitespace characters or more (any mix: ' \\t\\n', U+2003, ...).
+    Such a run covers a whole block of BLANK_RUN // 2 that starts at a multiple of BLANK_RUN // 2, so only those
+    blocks are tried: 20 us for 9 MB of source code, where a search of every run took 170 ms and tiktoken's
+    encode 750. A shorter run found so (from BLANK_RUN // 2) only takes the original's way, to the same ids."""
+    block = BLANK_RUN // 2
+    return len(text) >= BLANK_RUN and any(_BLANK_BLOCK.match(text, start)
+                                          for start in range(0, len(text) - block + 1, block))
 
 
 class Encoder:
@@ -163,12 +171,20 @@ class Encoder:
             raise TypeError(f'encode takes a str, got {type(text).__name__}')
         if not special:
             return self._encode_ordinary(text)
+        end = self.end_of_text('special=True reads', 'encode with special=False, where it is text')
         ids = []
         for i, part in enumerate(text.split(END_OF_TEXT)):
             if i:
-                ids.append(self.encoder[END_OF_TEXT])
+                ids.append(end)
             ids.extend(self._encode_ordinary(part))
         return ids
+
+    def end_of_text(self, use: str, remedy: str) -> int:
+        """<|endoftext|>'s id, for what `use` says needs it ('a token file ends each document with'); a vocabulary
+        without it is refused in one line, with the next step (remedy), before any work."""
+        if END_OF_TEXT not in self.encoder:
+            raise GPT2Error(f'{use} {END_OF_TEXT}, which this vocabulary does not have: {remedy}')
+        return self.encoder[END_OF_TEXT]
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes of one token id of this vocabulary."""
@@ -202,11 +218,7 @@ def _read_files(encoder_path: str, bpe_path: str):
         raise VocabularyNotFound(f'no encoder.json at {encoder_path}') from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise GPT2Error(f'{encoder_path}: not valid JSON ({e})') from None
-    if not isinstance(encoder, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()):
-        raise GPT2Error(f'{encoder_path}: expected a JSON object mapping token strings to integer ids')
-    if sorted(encoder.values()) != list(range(len(encoder))):
-        raise GPT2Error(f'{encoder_path}: ids must be 0 .. {len(encoder) - 1}, each once')
+    _check_encoder(encoder, encoder_path)
     try:
         with open(bpe_path, encoding='utf-8') as f:
             lines = f.read().split('\n')
@@ -216,17 +228,134 @@ def _read_files(encoder_path: str, bpe_path: str):
         raise GPT2Error(f'{bpe_path}: not UTF-8 text ({e})') from None
     if not lines[0].startswith('#version'):
         raise GPT2Error(f'{bpe_path}: expected a "#version" header line, got {lines[0][:40]!r}')
+    return encoder, _merges(enumerate(lines[1:], start=2), encoder, f'{bpe_path}, line', os.path.basename(encoder_path))
+
+
+def _check_encoder(encoder, where: str) -> None:
+    """A token table byte-level BPE can use: token strings to the ids 0 .. n-1, each once, with every byte's
+    symbol (bytes_to_unicode) among them and no other character in any (encode and decode look each one up)."""
+    if not isinstance(encoder, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()):
+        raise GPT2Error(f'{where}: expected a JSON object mapping token strings to integer ids')
+    if sorted(encoder.values()) != list(range(len(encoder))):
+        raise GPT2Error(f'{where}: ids must be 0 .. {len(encoder) - 1}, each once')
+    missing = [(b, c) for b, c in bytes_to_unicode().items() if c not in encoder]
+    if missing:
+        raise GPT2Error(f'{where}: no token for byte 0x{missing[0][0]:02x} ({missing[0][1]!r}); a byte-level BPE '
+                        f'vocabulary has all 256 byte symbols: give the vocabulary\'s complete file')
+    odd = _NO_BYTE.search(''.join(encoder))  # 2 ms for GPT-2's 50257 tokens
+    if odd:
+        token = next(t for t in encoder if odd.group() in t)
+        raise GPT2Error(f'{where}: token {token!r} holds {odd.group()!r}, which stands for no byte '
+                        f'(bytes_to_unicode): not a byte-level BPE vocabulary such as GPT-2\'s')
+
+
+_NO_BYTE = re.compile('[^%s]' % re.escape(''.join(bytes_to_unicode().values())))  # a character no byte stands for
+
+
+def _merges(lines: Iterable[tuple], encoder: dict, where: str, table: str) -> list:
+    """The merges of numbered lines ('a b'; empty lines skipped): each two symbols whose join is a token of
+    encoder (read from `table`); the first other one is refused in one line, named by where and its number."""
     merges = []
-    for number, line in enumerate(lines[1:], start=2):
+    for number, line in lines:
         if not line:
             continue
         pair = tuple(line.split())
         if len(pair) != 2:
-            raise GPT2Error(f'{bpe_path}, line {number}: expected two symbols, got {line[:40]!r}')
+            raise GPT2Error(f'{where} {number}: expected two symbols, got {line[:40]!r}')
         if pair[0] + pair[1] not in encoder:
-            raise GPT2Error(f'{bpe_path}, line {number}: merge {line!r} makes a token missing from encoder.json')
+            raise GPT2Error(f'{where} {number}: merge {line!r} makes a token missing from {table}')
         merges.append(pair)
-    return encoder, merges
+    return merges
+
+
+TOKENIZER_JSON = 'tokenizer.json'
+CACHE_ENV = 'GPT2_TF_VOCABULARY_CACHE'  # where a tokenizer.json's vocabulary is kept as vocab.json and merges.txt
+# The BPE model's options that change ids, and the values GPT-2's takes (the first: the tokenizers default).
+GPT2_BPE = {'dropout': (None,), 'continuing_subword_prefix': (None, ''), 'end_of_word_suffix': (None, ''),
+            'byte_fallback': (False,), 'ignore_merges': (False,)}
+
+
+def _cache_folder() -> str:
+    """$GPT2_TF_VOCABULARY_CACHE, else ~/.cache/gpt2_tf/vocabularies (beside the kernels' cache)."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser('~'), '.cache', 'gpt2_tf', 'vocabularies')
+
+
+def _tokenizer_pair(path: str) -> tuple:
+    """(vocab.json, merges.txt) holding the vocabulary of an HF tokenizer.json of GPT-2's kind (_differs), written
+    once into _cache_folder() under its sha256: the pair is what the encoder reads, and what a written folder
+    copies (save_hf, a run folder). Another kind of tokenizer is refused in one line saying what differs."""
+    with open(path, 'rb') as f:
+        content = f.read()
+    folder = os.path.join(_cache_folder(), hashlib.sha256(content).hexdigest()[:16])
+    files = (os.path.join(folder, 'vocab.json'), os.path.join(folder, 'merges.txt'))
+    if os.path.isdir(folder):  # the same bytes were read, checked and written before
+        return files
+    try:
+        tokenizer = json.loads(content)
+    except ValueError as e:
+        raise GPT2Error(f'{path}: not valid JSON ({e})') from None
+    differs = _differs(tokenizer)
+    if differs:
+        raise GPT2Error(f'{os.path.dirname(path) or "."} has only a tokenizer.json, and its {differs}: this encoder '
+                        f'reads GPT-2\'s byte-level BPE alone. The model loads; for text, use the folder\'s own '
+                        f'tokenizer')
+    vocab = tokenizer['model']['vocab']
+    _check_encoder(vocab, f'{path} (model.vocab)')
+    lines = [m if isinstance(m, str) else ' '.join(m) for m in tokenizer['model']['merges']]
+    merges = _merges(enumerate(lines), vocab, f'{path}, model.merges', 'model.vocab')
+    _write_pair(folder, vocab, merges)
+    return files
+
+
+def _differs(tokenizer) -> Optional[str]:
+    """What makes an HF tokenizer.json other than GPT-2's byte-level BPE (a phrase), or None: a BPE model with
+    GPT2_BPE's options, a ByteLevel pre-tokenizer (alone, or alone in a Sequence) without prefix space and with
+    GPT-2's regex, no normalizer, and <|endoftext|>, where it is an added token, at its model.vocab id."""
+    model = tokenizer.get('model') if isinstance(tokenizer, dict) else None
+    model = model if isinstance(model, dict) else {}
+    if model.get('type') != 'BPE' or not isinstance(model.get('vocab'), dict) or \
+            not isinstance(model.get('merges'), list):
+        return f'model is not a BPE with a vocab and merges (type {shown(model.get("type"))})'
+    if not all(isinstance(m, str) or isinstance(m, list) and all(isinstance(s, str) for s in m)
+               for m in model['merges']):  # "a b", or ["a", "b"] from tokenizers 0.20 on
+        return 'model.merges holds an entry other than "a b" or ["a", "b"]'
+    odd = [f'{name}={shown(model[name])}' for name, ours in GPT2_BPE.items() if model.get(name, ours[0]) not in ours]
+    if odd:
+        return f'BPE model sets {odd[0]}'
+    if tokenizer.get('normalizer') is not None:
+        return 'normalizer changes the text first'
+    pre = tokenizer.get('pre_tokenizer') or {}
+    steps = pre.get('pretokenizers') if isinstance(pre, dict) and pre.get('type') == 'Sequence' else [pre]
+    if not (isinstance(steps, list) and len(steps) == 1 and isinstance(steps[0], dict)
+            and steps[0].get('type') == 'ByteLevel' and steps[0].get('add_prefix_space') is False
+            and steps[0].get('use_regex', True) is True):
+        return 'pre-tokenizer is not ByteLevel alone, without a prefix space and with GPT-2\'s regex'
+    end = [t.get('id') for t in _added(tokenizer) if t.get('content') == END_OF_TEXT]
+    if end and end[0] != model['vocab'].get(END_OF_TEXT):
+        return f'{END_OF_TEXT} is an added token at id {end[0]}, not its model.vocab id'
+    return None
+
+
+def _write_pair(folder: str, vocab: dict, merges: list) -> None:
+    """vocab.json and merges.txt into folder, both or neither: written into a staging folder beside it, which is
+    then renamed (where another process renamed the same bytes' pair in first, that one stays)."""
+    parent, staging = os.path.dirname(folder), None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix='.staging-', dir=parent)
+        with open(os.path.join(staging, 'vocab.json'), 'w', encoding='utf-8') as f:
+            json.dump(vocab, f, ensure_ascii=False)
+        with open(os.path.join(staging, 'merges.txt'), 'w', encoding='utf-8') as f:
+            f.write('#version: 0.2\n' + ''.join(f'{a} {b}\n' for a, b in merges))
+        os.replace(staging, folder)
+    except OSError as e:
+        if not os.path.isdir(folder):
+            raise GPT2Error(f'cannot write {folder} ({e.strerror}): set {CACHE_ENV} to a folder that can be '
+                            f'written') from None
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -258,26 +387,23 @@ def encoder_for(model_dir: str | os.PathLike) -> Encoder:
     """The model folder's own vocabulary when it has one, else the bundled GPT-2 files.
 
     The original layout names the files encoder.json and vocab.bpe; a Hugging Face
-    folder names the same files vocab.json and merges.txt. Added tokens (an
-    added_tokens.json, or a tokenizer.json with added tokens beyond
-    <|endoftext|>) and a folder with only a tokenizer.json are refused: the model
-    itself still loads.
+    folder names the same files vocab.json and merges.txt, or (transformers 5) holds
+    only a tokenizer.json, read when it is GPT-2's kind of tokenizer (_tokenizer_pair).
+    Added tokens (an added_tokens.json, or a tokenizer.json with added tokens beyond
+    <|endoftext|>) and another kind of tokenizer.json are refused: the model itself
+    still loads.
     """
     model_dir = folder_of(os.fspath(model_dir))
     has = lambda name: os.path.exists(os.path.join(model_dir, name))  # noqa: E731
     files = vocabulary_files(model_dir)
     if files and files[0].endswith('encoder.json'):
         return get_encoder(model_dir)
-    if has('added_tokens.json') or _added_tokens(os.path.join(model_dir, 'tokenizer.json')):
+    if has('added_tokens.json') or _added_tokens(os.path.join(model_dir, TOKENIZER_JSON)):
         raise GPT2Error(f'{model_dir}: the vocabulary has added tokens, which this tokenizer does not read; '
                         f'the model loads, but encode text with the folder\'s own tokenizer')
-    if files:
-        return _cached_encoder(*map(os.path.abspath, files), None)
-    if has('tokenizer.json'):
-        raise GPT2Error(f'{model_dir} has only a tokenizer.json; this tokenizer reads GPT-2\'s vocab.json and '
-                         f'merges.txt (or encoder.json and vocab.bpe). The model loads; for text, copy those '
-                         f'files in, or use the bundled GPT-2 vocabulary with get_encoder()')
-    return get_encoder()
+    if not files and has(TOKENIZER_JSON):  # vocabulary_files passed it over: this raises, saying what differs
+        files = _tokenizer_pair(os.path.join(model_dir, TOKENIZER_JSON))
+    return _cached_encoder(*map(os.path.abspath, files), None) if files else get_encoder()
 
 
 def folder_of(path: str) -> str:
@@ -293,7 +419,9 @@ def is_save(path: str) -> bool:
 
 def vocabulary_files(model_dir: str | os.PathLike) -> Optional[tuple]:
     """A folder's (encoder.json, vocab.bpe), or HF's (vocab.json, merges.txt) when it has either of those
-    but not the first pair; None when it has neither. One file of a pair without the other is refused."""
+    but not the first pair, or else the pair its tokenizer.json holds when that is GPT-2's kind (_tokenizer_pair);
+    None when it has none of these (another kind of tokenizer.json: encoder_for says why). One file of a pair
+    without the other is refused."""
     model_dir = folder_of(os.fspath(model_dir))
     for names in (('encoder.json', 'vocab.bpe'), ('vocab.json', 'merges.txt')):
         paths = tuple(os.path.join(os.fspath(model_dir), name) for name in names)
@@ -304,6 +432,9 @@ def vocabulary_files(model_dir: str | os.PathLike) -> Optional[tuple]:
             have, missing = (names[0], names[1]) if there[0] else (names[1], names[0])
             raise VocabularyNotFound(f'{os.fspath(model_dir)} has {have} but not {missing}: copy both files of '
                                      f'the vocabulary in (or neither, for the bundled GPT-2 one)')
+    tokenizer = os.path.join(model_dir, TOKENIZER_JSON)
+    with contextlib.suppress(GPT2Error):  # refused where text is read (encoder_for); a token file trains without
+        return _tokenizer_pair(tokenizer) if os.path.exists(tokenizer) else None
     return None
 
 
@@ -312,10 +443,11 @@ PAIR = 'encoder.json and vocab.bpe, or vocab.json and merges.txt'  # what a writ
 
 def carried_vocabulary(model_dir: Optional[str | os.PathLike], n_vocab: int, files: Optional[tuple] = None) -> tuple:
     """The vocabulary files a model carries into a folder written from it (save_hf, export_litert, the command
-    line's convert and export): files when given, else its folder's own pair under either naming, else the
-    bundled GPT-2 pair (model_dir None: a model load_model did not read). Refused, not replaced: a vocabulary
-    the pair cannot hold (added tokens, a tokenizer.json alone), and one of more tokens than the model's n_vocab
-    (its ids past the model's would fail in any reader of the written folder)."""
+    line's convert and export): files when given, else its folder's own pair under either naming (or the one its
+    GPT-2 tokenizer.json holds), else the bundled GPT-2 pair (model_dir None: a model load_model did not read).
+    Refused, not replaced: a vocabulary the pair cannot hold (added tokens, another kind of tokenizer.json), and
+    one of more tokens than the model's n_vocab (its ids past the model's would fail in any reader of the written
+    folder)."""
     if files is None and model_dir is not None:
         try:
             encoder = encoder_for(model_dir)  # the rules by which the folder's text is read
@@ -327,7 +459,8 @@ def carried_vocabulary(model_dir: Optional[str | os.PathLike], n_vocab: int, fil
         encoder = _cached_encoder(*map(os.path.abspath, files), None)
     if encoder.n_vocab > n_vocab:
         raise GPT2Error(f'the vocabulary {files[0]} holds {encoder.n_vocab} tokens, more than the model\'s {n_vocab}: '
-                        f'put the pair made for the model ({PAIR}) in its folder, or pass it as vocabulary=')
+                        f'put the pair made for the model ({PAIR}) in its folder (in Python, or pass it as '
+                        f'vocabulary=)')
     return files
 
 
@@ -335,10 +468,16 @@ def _added_tokens(path: str) -> list:
     """The added tokens of an HF tokenizer.json other than <|endoftext|>."""
     try:
         with open(path, encoding='utf-8') as f:
-            added = json.load(f).get('added_tokens') or []
+            tokenizer = json.load(f)
     except (OSError, ValueError):
         return []
-    return [t for t in added if t.get('content') != END_OF_TEXT]
+    return [t for t in _added(tokenizer) if t.get('content') != END_OF_TEXT]
+
+
+def _added(tokenizer) -> list:
+    """The added tokens of a parsed tokenizer.json, each a JSON object."""
+    added = (tokenizer.get('added_tokens') if isinstance(tokenizer, dict) else None) or []
+    return [t for t in added if isinstance(t, dict)] if isinstance(added, list) else []
 
 
 def encode(text: str, *, special: bool = False) -> list:

@@ -353,3 +353,23 @@ def test_inputs_without_text_are_refused_not_written_empty(tmp_path):
                                         r'out\)$'):
         corpus.encode_corpus([tmp_path / 'blank.txt'], tmp_path / 'out.bin')
     assert sorted(os.listdir(tmp_path)) == ['blank.txt']
+
+
+def test_a_vocabulary_without_end_of_text_is_refused_before_any_work(tmp_path):
+    from gpt2_tf.dataset import load_dataset
+    from gpt2_tf.encoder import Encoder, bytes_to_unicode
+
+    table = {c: i for i, c in enumerate(bytes_to_unicode().values())}  # the 256 bytes alone
+    (tmp_path / 'encoder.json').write_text(json.dumps(table))
+    (tmp_path / 'vocab.bpe').write_text('#version: 0.2\n')
+    (tmp_path / 'a.txt').write_text('Some text.')
+    message = (r'^encoded text ends each document with <\|endoftext\|>, which this vocabulary does not have: add it '
+               r'to the vocabulary, or use one that has it \(GPT-2.s: without --model_dir\)$')
+    files = (str(tmp_path / 'encoder.json'), str(tmp_path / 'vocab.bpe'))
+    with pytest.raises(GPT2Error, match=message):
+        corpus.vocabulary_of(str(tmp_path))  # encode --model_dir, Beam's too
+    with pytest.raises(GPT2Error, match=message):
+        corpus.encode_corpus([tmp_path / 'a.txt'], tmp_path / 'out.bin', encoder_files=files, processes=1)
+    assert not list(tmp_path.glob('out.bin*'))
+    with pytest.raises(GPT2Error, match=message):  # fine-tuning on text
+        load_dataset(str(tmp_path / 'a.txt'), Encoder(table, []))

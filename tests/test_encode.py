@@ -195,3 +195,38 @@ def test_the_encode_command_in_process_leaves_the_callers_sigterm_handler(tmp_pa
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+END_MISSING = ('encoded text ends each document with <|endoftext|>, which this vocabulary does not have: add it to the '
+               "vocabulary, or use one that has it (GPT-2's: without --model_dir)")
+
+
+@pytest.mark.parametrize('out', ['o.bin', 'o.npz'])
+def test_a_vocabulary_without_end_of_text_is_refused_in_one_line(tmp_path, out):
+    from gpt2_tf.encoder import bytes_to_unicode
+
+    (tmp_path / 'bytes').mkdir()  # the 256 bytes alone: no <|endoftext|> to end a document with
+    table = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    (tmp_path / 'bytes' / 'encoder.json').write_text(json.dumps(table))
+    (tmp_path / 'bytes' / 'vocab.bpe').write_text('#version: 0.2\n')
+    (tmp_path / 'a.txt').write_text('Some text.')
+    done = encode(tmp_path, 'a.txt', out, '--model_dir', 'bytes')
+    assert done.returncode == 2 and done.stderr.strip() == f'gpt2-tf: error: {END_MISSING}', done.stderr
+    assert sorted(os.listdir(tmp_path)) == ['a.txt', 'bytes']
+
+
+def test_encode_reads_the_vocabulary_of_a_tokenizer_json_alone(tmp_path, monkeypatch):
+    from conftest import require
+    from gpt2_tf.assets import bundled_vocabulary
+    from gpt2_tf.encoder import CACHE_ENV
+    from gpt2_tf.hf import tokenizer_json
+
+    require('tokenizers')
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / 'cache'))
+    (tmp_path / 'hf').mkdir()
+    tokenizer_json(*bundled_vocabulary(), str(tmp_path / 'hf' / 'tokenizer.json'))  # the one save_hf writes
+    (tmp_path / 'a.txt').write_text(MIXED, encoding='utf-8', newline='')
+    done = encode(tmp_path, 'a.txt', 'a.bin', '--model_dir', 'hf')
+    assert done.returncode == 0, done.stderr
+    assert np.fromfile(tmp_path / 'a.bin', '<u2').tolist() == ids_of(MIXED)
+    assert json.loads((tmp_path / 'a.bin.json').read_text())['vocab_sha256'] == corpus.vocabulary_sha256(get_encoder())

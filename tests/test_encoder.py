@@ -1,7 +1,10 @@
 """The byte-level BPE: the original's ids on every input, on both paths."""
 
+import errno
 import hashlib
 import json
+import os
+import re
 import shutil
 
 import numpy as np
@@ -9,10 +12,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpt2_tf.assets import bundled_vocabulary as bundled_files
-from gpt2_tf.encoder import END_OF_TEXT, Encoder, bytes_to_unicode, get_encoder
+from gpt2_tf.encoder import (BLANK_RUN, CACHE_ENV, END_OF_TEXT, Encoder, _long_blank, bytes_to_unicode,
+                             carried_vocabulary, encoder_for, get_encoder, vocabulary_files)
 from gpt2_tf.validate import GPT2Error
 
-from conftest import FIXTURES
+from conftest import FIXTURES, require
 
 CASES = [json.loads(line) for line in (FIXTURES / 'bpe-cases.jsonl').read_text(encoding='utf-8').split('\n') if line]
 PATHS = {'python': get_encoder(fast=False), 'tiktoken': get_encoder(fast=True)}
@@ -168,3 +172,192 @@ def test_a_vocabulary_where_tiktoken_would_merge_differently_uses_the_original_a
     assert enc.encode('abc') == [256, encoder['c']]
     with pytest.raises(ValueError, match="needs tiktoken installed and GPT-2's own vocabulary"):
         Encoder(encoder, [('a', 'b'), ('b', 'c'), ('a', 'bc')], fast=True)
+
+
+@pytest.mark.parametrize('blank', ['\u2003', '\x0c', ' \t\n'])
+def test_a_run_of_any_whitespace_past_tiktokens_limit_is_encoded_without_its_panic(blank, capfd):
+    # tiktoken panics at about 10^6 characters of any whitespace; the original's way takes such a run, silently
+    text = blank * (1_000_000 // len(blank)) + 'x'
+    assert PATHS['tiktoken'].encode(text) == PATHS['python'].encode(text)
+    assert 'panicked' not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize('before', [0, 1, BLANK_RUN // 2 - 1, 12345])
+def test_every_whitespace_run_of_blank_run_characters_is_found(before):
+    mixed = ''.join(' \t\n\r\x0b\x0c\xa0\u2003\u3000\u2028'[i % 10] for i in range(BLANK_RUN))  # Python's \s, mixed
+    assert _long_blank('a' * before + mixed + 'b')
+    assert _long_blank('\u2003' * BLANK_RUN)
+    assert not _long_blank(('a' + ' ' * (BLANK_RUN // 2 - 1)) * 5)  # shorter runs, past no whole block
+    assert not _long_blank('a' * BLANK_RUN * 3)
+
+
+def read_tables(encoder_path, bpe_path) -> tuple:
+    """A vocabulary pair's (encoder, merges) as plain JSON and line splitting read them, not the code under test."""
+    with open(encoder_path, encoding='utf-8') as f, open(bpe_path, encoding='utf-8') as g:
+        return json.load(f), [tuple(line.split()) for line in g.read().split('\n')[1:] if line]
+
+
+def bundled_tables() -> tuple:
+    return read_tables(*bundled_files())
+
+
+def _without_z(vocab_dir):
+    """vocab_dir's encoder.json with the byte symbol 'z' renamed to a token no byte makes alone."""
+    encoder, _ = bundled_tables()
+    encoder['zzzzzzzzzzzzzzzz'] = encoder.pop('z')
+    (vocab_dir / 'encoder.json').write_text(json.dumps(encoder), encoding='utf-8')
+
+
+@pytest.mark.parametrize('change, message', [
+    (_without_z, r"encoder.json: no token for byte 0x7a \('z'\); a byte-level BPE vocabulary has all 256"),
+    (lambda d: (d / 'encoder.json').write_text(json.dumps({**bundled_tables()[0], 'two words': 50257})),
+     r"encoder.json: token 'two words' holds ' ', which stands for no byte"),
+])
+def test_a_vocabulary_that_is_not_byte_level_is_refused_as_it_is_read(vocab_dir, change, message):
+    change(vocab_dir)
+    with pytest.raises(GPT2Error, match=message) as refused:
+        get_encoder(vocab_dir)
+    assert '\n' not in str(refused.value)
+
+
+def test_special_needs_end_of_text_in_the_vocabulary():
+    enc = Encoder({c: i for i, c in enumerate(bytes_to_unicode().values())}, [])
+    assert enc.encode(f'a{END_OF_TEXT}') == enc.encode('a<|endoftext|>')  # text, as without special
+    with pytest.raises(GPT2Error, match=r'^special=True reads <\|endoftext\|>, which this vocabulary does not have: '
+                                        r'encode with special=False, where it is text$'):
+        enc.encode(f'a{END_OF_TEXT}b', special=True)
+
+
+def test_a_vocabulary_larger_than_the_model_names_the_way_for_each_caller():
+    with pytest.raises(GPT2Error, match=r'in its folder \(in Python, or pass it as vocabulary=\)$'):
+        carried_vocabulary(None, 1000, bundled_files())
+
+
+# --- a tokenizer.json alone (what transformers 5 saves) ----------------------------------------------------
+
+@pytest.fixture(scope='module')
+def saved_tokenizer(tmp_path_factory) -> dict:
+    """The tokenizer.json transformers saves for GPT-2's vocabulary (GPT2TokenizerFast from vocab.json and
+    merges.txt, then save_pretrained), parsed."""
+    transformers = require('transformers')
+    pair, saved = tmp_path_factory.mktemp('pair'), tmp_path_factory.mktemp('saved')
+    for name, path in zip(('vocab.json', 'merges.txt'), bundled_files()):
+        shutil.copy(path, pair / name)
+    transformers.GPT2TokenizerFast.from_pretrained(pair).save_pretrained(saved)
+    return json.loads((saved / 'tokenizer.json').read_text(encoding='utf-8'))
+
+
+@pytest.fixture
+def tokenizer_folder(tmp_path, monkeypatch, saved_tokenizer):
+    """write(tokenizer) -> a folder holding only that tokenizer.json; the derived pairs go under tmp_path."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / 'cache'))
+
+    def write(tokenizer: dict, name: str = 'folder'):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'tokenizer.json').write_text(json.dumps(tokenizer), encoding='utf-8')
+        return tmp_path / name
+    return write
+
+
+def tiktoken_gpt2():
+    """tiktoken's own gpt2 encoding (tiktoken_ext.openai_public's recipe), from the bundled files it checks by hash."""
+    tiktoken = require('tiktoken')
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    encoder_json, vocab_bpe = bundled_files()
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe, encoder_json,
+        vocab_bpe_hash='1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
+        encoder_json_hash='196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783')
+    return tiktoken.Encoding('gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={END_OF_TEXT: 50256}, explicit_n_vocab=50257)
+
+
+def as_strings(tokenizer: dict) -> dict:
+    """tokenizer with its merges as older tokenizers versions wrote them: "a b" strings, not pairs."""
+    merges = [m if isinstance(m, str) else ' '.join(m) for m in tokenizer['model']['merges']]
+    return {**tokenizer, 'model': {**tokenizer['model'], 'merges': merges}}
+
+
+def in_sequence(tokenizer: dict) -> dict:
+    return {**tokenizer, 'pre_tokenizer': {'type': 'Sequence', 'pretokenizers': [tokenizer['pre_tokenizer']]}}
+
+
+@pytest.mark.parametrize('form', [lambda t: t, as_strings, in_sequence], ids=['pairs', 'strings', 'sequence'])
+def test_a_gpt2_tokenizer_json_alone_is_read_as_its_vocabulary(tokenizer_folder, saved_tokenizer, monkeypatch,
+                                                                form):
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', '')  # tiktoken reads the bundled files, copying them nowhere
+    folder = tokenizer_folder(form(saved_tokenizer))
+    assert read_tables(*vocabulary_files(folder)) == bundled_tables()
+    enc, reference = encoder_for(folder), tiktoken_gpt2()
+    texts = [case['text'] for case in CASES] + ["Hello world, it's 2024!\n\n\tcafé 日本 🙂"]
+    assert [enc.encode(text) for text in texts] == [reference.encode_ordinary(text) for text in texts]
+    theirs = require('transformers').PreTrainedTokenizerFast(tokenizer_file=str(folder / 'tokenizer.json'))
+    ordinary = [text for text in texts if END_OF_TEXT not in text]  # HF reads it as the special token
+    assert [enc.encode(text) for text in ordinary] == [theirs.encode(text) for text in ordinary]
+    assert encoder_for(folder).encode('zebra') == [89, 37052]  # the second time from the cached pair
+
+
+def _drop_end_of_text(tokenizer: dict) -> dict:
+    vocab = dict(tokenizer['model']['vocab'])
+    del vocab[END_OF_TEXT]
+    return {**tokenizer, 'model': {**tokenizer['model'], 'vocab': vocab}}
+
+
+@pytest.mark.parametrize('change, differs', [
+    pytest.param(lambda t: {}, 'model is not a BPE with a vocab and merges (type None)', id='empty'),
+    pytest.param(lambda t: {**t, 'model': {**t['model'], 'type': 'WordPiece'}},
+                 "model is not a BPE with a vocab and merges (type 'WordPiece')", id='wordpiece'),
+    pytest.param(lambda t: {**t, 'model': {**t['model'], 'ignore_merges': True}}, 'BPE model sets ignore_merges=True',
+                 id='ignore-merges'),
+    pytest.param(lambda t: {**t, 'model': {**t['model'], 'merges': [[1, 2]]}},
+                 'model.merges holds an entry other than', id='merge-of-numbers'),
+    pytest.param(lambda t: {**t, 'normalizer': {'type': 'NFC'}}, 'normalizer changes the text first', id='normalizer'),
+    pytest.param(lambda t: {**t, 'pre_tokenizer': {**t['pre_tokenizer'], 'add_prefix_space': True}},
+                 'pre-tokenizer is not', id='prefix-space'),
+    pytest.param(lambda t: {**t, 'pre_tokenizer': {'type': 'Sequence', 'pretokenizers': [
+        t['pre_tokenizer'], {'type': 'Digits', 'individual_digits': True}]}}, 'pre-tokenizer is not', id='digits'),
+    pytest.param(_drop_end_of_text, '<|endoftext|> is an added token at id 50256, not its model.vocab id',
+                 id='end-of-text-added'),
+])
+def test_another_kind_of_tokenizer_json_is_refused_saying_what_differs(tokenizer_folder, saved_tokenizer, change,
+                                                                        differs):
+    folder = tokenizer_folder(change(saved_tokenizer))
+    assert vocabulary_files(folder) is None  # a token file trains without it
+    with pytest.raises(GPT2Error) as refused:
+        encoder_for(folder)
+    assert str(refused.value).startswith(f'{folder} has only a tokenizer.json, and its {differs}')
+    assert '\n' not in str(refused.value)
+
+
+def test_a_tokenizer_json_vocabulary_that_is_not_byte_level_names_the_file(tokenizer_folder, saved_tokenizer):
+    vocab = dict(saved_tokenizer['model']['vocab'])
+    vocab['zzzzzzzzzzzzzzzz'] = vocab.pop('z')
+    folder = tokenizer_folder({**saved_tokenizer, 'model': {**saved_tokenizer['model'], 'vocab': vocab}})
+    with pytest.raises(GPT2Error, match=r"tokenizer.json \(model.vocab\): no token for byte 0x7a \('z'\)"):
+        encoder_for(folder)
+
+
+def test_the_pair_a_tokenizer_json_holds_is_written_whole_or_not_at_all(tokenizer_folder, saved_tokenizer, tmp_path,
+                                                                         monkeypatch):
+    import gpt2_tf.encoder
+
+    folder = tokenizer_folder(saved_tokenizer)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    with monkeypatch.context() as patched:
+        patched.setattr(gpt2_tf.encoder.json, 'dump', full)
+        with pytest.raises(GPT2Error, match=rf'^cannot write {re.escape(str(tmp_path / "cache"))}/\w{{16}} \(No '
+                                            rf'space left on device\): set {CACHE_ENV} to a folder that can be '
+                                            rf'written$'):
+            encoder_for(folder)
+    assert os.listdir(tmp_path / 'cache') == []  # no pair, and no staging folder left
+    assert encoder_for(folder).n_vocab == 50257
+    [written] = os.listdir(tmp_path / 'cache')
+    assert sorted(os.listdir(tmp_path / 'cache' / written)) == ['merges.txt', 'vocab.json']
+    (tmp_path / 'file').write_text('')
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / 'file' / 'cache'))
+    with pytest.raises(GPT2Error, match=rf'^cannot write .*: set {CACHE_ENV} to a folder that can be written$'):
+        encoder_for(folder)

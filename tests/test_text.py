@@ -1,11 +1,15 @@
 """Text in, text out, in one call."""
 
+import os
+
 import pytest
 
 import gpt2_tf
 from gpt2_tf.assets import bundled_checkpoint
 from gpt2_tf.encoder import encoder_for
 from gpt2_tf.validate import GPT2Error
+
+from test_encoder import bundled_tables, read_tables
 
 
 @pytest.fixture(scope='module')
@@ -81,3 +85,53 @@ def test_text_goes_through_the_vocabulary_of_the_folder_the_model_came_from(tmp_
     own = encoder_for(folder)
     tokens = gpt2_tf.sample_sequence(model, 3, context=own.encode('Hi'), temperature=0, mode='function')
     assert texts == [own.decode(tokens[0, 2:])]
+
+
+def test_a_folder_with_only_transformers_5s_tokenizer_json_reads_writes_and_converts(tmp_path, monkeypatch, model,
+                                                                                       capsys):
+    import shutil
+    import warnings
+
+    from conftest import require
+    from gpt2_tf.assets import bundled_vocabulary
+    from gpt2_tf.cli import main
+    from gpt2_tf.encoder import CACHE_ENV
+
+    transformers = require('transformers')
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / 'cache'))
+    folder, pair = gpt2_tf.save_hf(model, tmp_path / 'hf'), tmp_path / 'pair'
+    pair.mkdir()
+    for name, path in zip(('vocab.json', 'merges.txt'), bundled_vocabulary()):
+        os.remove(os.path.join(folder, name))
+        shutil.copy(path, pair / name)
+    os.remove(os.path.join(folder, 'tokenizer.json'))
+    transformers.GPT2TokenizerFast.from_pretrained(pair).save_pretrained(folder)  # tokenizer.json, its config
+    assert not {'vocab.json', 'merges.txt'} & set(os.listdir(folder))  # as transformers 5 saves it
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # no "using the bundled GPT-2 vocabulary": the folder's own is read
+        loaded = gpt2_tf.load_model(folder)
+        assert gpt2_tf.generate(loaded, 'Hello', 6, temperature=0, mode='function') == \
+            gpt2_tf.generate(model, 'Hello', 6, temperature=0, mode='function')
+    again = gpt2_tf.save_hf(loaded, tmp_path / 'again')
+    assert read_tables(os.path.join(again, 'vocab.json'), os.path.join(again, 'merges.txt')) == bundled_tables()
+    assert main(['convert', folder, str(tmp_path / 'original'), '--to', 'original']) == 0, capsys.readouterr().err
+    original = tmp_path / 'original'
+    assert read_tables(original / 'encoder.json', original / 'vocab.bpe') == bundled_tables()
+
+
+def test_a_vocabulary_missing_a_byte_is_refused_in_one_line(tmp_path, capsys):
+    import json
+    import shutil
+
+    from gpt2_tf.cli import main
+
+    folder = tmp_path / 'no-z'
+    shutil.copytree(bundled_checkpoint(), folder)
+    encoder, merges = bundled_tables()
+    encoder['zzzzzzzzzzzzzzzz'] = encoder.pop('z')  # the same ids; no token stands for the byte 'z' alone
+    (folder / 'encoder.json').write_text(json.dumps(encoder), encoding='utf-8')
+    (folder / 'vocab.bpe').write_text('\n'.join(['#version: 0.2', *map(' '.join, merges), '']), encoding='utf-8')
+    assert main(['generate', 'zebra', '--model_dir', str(folder), '--length', '2']) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gpt2-tf: error: {folder / 'encoder.json'}: no token for byte 0x7a ('z'); a byte-level BPE vocabulary has "
+        f"all 256 byte symbols: give the vocabulary's complete file")
