@@ -30,31 +30,54 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 from typing import Optional
 
-from .validate import is_off
+# validate is imported where it is used: it imports numpy, and `import gpt2_tf` (this module) stays quick.
 
 _captured = ''
-XLA_CACHE_ENV = 'GPT2_TF_XLA_CACHE'  # a folder for compiled XLA code, or 'off'
+XLA_CACHE_ENV = 'GPT2_TF_XLA_CACHE'  # a folder for compiled XLA code, an on word (the default folder), or 'off'
+ON = ('', 'on', '1', 'true', 'yes')  # what leaves a setting on, unset included; validate.OFF turns it off
 XLA_CACHE_LIMIT = 1 << 30  # bytes kept in the cache folder; the oldest files go first
 CPU_FLAGS = ('avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')
+
+
+def switch(name: str) -> Optional[bool]:
+    """$name read as an on/off setting: False for an off word (validate.OFF), True for an on word (ON) or when
+    unset, None for any other value (GPT2_TF_XLA_CACHE's folder, say)."""
+    from .validate import is_off
+
+    value = os.environ.get(name, '')
+    return False if is_off(value) else True if value.strip().lower() in ON else None
+
+
+def check_switch(name: str) -> bool:
+    """$name as switch() reads it, where it takes no other value (GPT2_TF_KERNELS): GPT2Error for one."""
+    from .validate import OFF, GPT2Error
+
+    on = switch(name)
+    if on is None:
+        raise GPT2Error(f'{name}={os.environ[name]!r} is neither off ({", ".join(OFF)}) nor on '
+                        f'({", ".join(filter(None, ON))}): set one, or unset it')
+    return on
 
 
 def xla_cache_folder() -> Optional[str]:
     """Where compiled XLA code persists across processes, or None when turned off.
 
-    $GPT2_TF_XLA_CACHE, else ~/.cache/gpt2_tf/xla (under $XDG_CACHE_HOME when
-    set), in a subfolder named by the TensorFlow version and the CPU's vector
-    flags: compiled code is specific to both, and the cache's file names encode
-    neither (the project's machines change CPU class).
+    $GPT2_TF_XLA_CACHE (~ expanded), else (or for an on word) ~/.cache/gpt2_tf/xla
+    (under $XDG_CACHE_HOME when set), in a subfolder named by the TensorFlow version
+    and the CPU's vector flags: compiled code is specific to both, and the cache's
+    file names encode neither (the project's machines change CPU class).
     """
-    chosen = os.environ.get(XLA_CACHE_ENV)
-    if chosen and is_off(chosen):
+    on = switch(XLA_CACHE_ENV)
+    if on is False:
         return None
-    base = chosen or os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'gpt2_tf',
-                                  'xla')
+    base = (os.path.expanduser(os.environ[XLA_CACHE_ENV]) if on is None else
+            os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'gpt2_tf', 'xla'))
     try:
         from importlib.metadata import version
         tf_version = version('tensorflow')
@@ -90,8 +113,11 @@ def use_xla_cache() -> Optional[str]:
                 os.remove(path)
     except OSError:
         return None  # an unwritable cache only costs compile time
+    # Quoted: XLA's flag parser ends an unquoted value at whitespace (a home folder with a space in its name);
+    # inside double quotes a backslash escapes the character after it.
+    quoted = folder.replace('\\', '\\\\').replace('"', '\\"')
     os.environ['TF_XLA_FLAGS'] = (os.environ.get('TF_XLA_FLAGS', '') +
-                                  f' --tf_xla_persistent_cache_directory={folder}').strip()
+                                  f' --tf_xla_persistent_cache_directory="{quoted}"').strip()
     return folder
 
 
@@ -117,13 +143,33 @@ def _stderr_to_file():
             text.append(sink.read().decode('utf-8', errors='replace'))
 
 
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Holds a Ctrl-C (SIGINT) until the end of the block, then raises KeyboardInterrupt, whatever the block
+    raised: raised inside TensorFlow's import, the interrupt can come out as another error (AttributeError:
+    'tuple' object has no attribute '_type_spec'), a traceback where the command line exits 130. Only where
+    Ctrl-C raises KeyboardInterrupt (Python's handler, on the main thread): a program's own handler stays."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if held:
+            raise KeyboardInterrupt
+
+
 def _start(load) -> None:
-    """Runs load() (TensorFlow's import) and the device initialisation with descriptor 2 captured;
-    what was captured is shown if either fails."""
+    """Runs load() (TensorFlow's import) and the device initialisation with descriptor 2 captured and Ctrl-C
+    held (_ctrl_c_held); what was captured is shown if either fails."""
     global _captured
     read = None
     try:
-        with _stderr_to_file() as read:
+        with _stderr_to_file() as read, _ctrl_c_held():
             load()
             sys.modules['tensorflow'].config.list_physical_devices()  # device initialisation (cuInit) prints too
     except KeyboardInterrupt:  # Ctrl-C while TensorFlow loads: its start-up lines say nothing about that

@@ -123,6 +123,7 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
     (['generate', 'x' * 400, '--length', '100'], r'the prompt: 50 tokens \+ length 100 exceeds the window by 21'),
     (['generate', ''], 'the prompt is empty'),
     (['generate', 'ab\udcffcd'], r'the prompt is not UTF-8 text \(byte 0xff at character 2\): give it in UTF-8'),
+    (['explore', 'test', '--prompt', 'ab\udcffcd'], r'--prompt is not UTF-8 text \(byte 0xff at character 2\)'),
     (['generate', 'x', '--top_k', '-1'], 'top_k must be an integer >= 0'),
     (['generate', 'x', '--top_p', '1.5'], r'top_p must be in \[0, 1\]'),
     (['generate', 'x', '--temperature', '3'], r'temperature must be in \[0, 2\]'),
@@ -155,10 +156,38 @@ def test_model_folder_by_name(capsys, monkeypatch, tmp_path):
 ])
 def test_errors_are_one_line_and_come_before_tensorflow_loads(capsys, monkeypatch, tmp_path, argv, message):
     monkeypatch.setattr(quiet, 'tensorflow', lambda **_: pytest.fail('TensorFlow loaded before the check'))
-    code, _, err = run(capsys, monkeypatch, tmp_path, *argv, *([] if argv[0] in ('inspect', 'compare') else FAST))
+    code, _, err = run(capsys, monkeypatch, tmp_path, *argv,
+                       *([] if argv[0] in ('inspect', 'compare', 'explore') else FAST))
     assert code == 2
     assert len(err.strip().splitlines()) == 1, err
     assert re.search(message, err.strip())
+
+
+@pytest.mark.parametrize('argv', [
+    ['generate', 'x', *FAST], ['sample', *FAST], ['score', 'text.txt'], ['finetune', 'text.txt'],
+    ['explore', 'test', '--prompt', 'x'], ['inspect', 'test'], ['compare', str(FIXTURES / 'tf1-tiny'), '--tokens', '1'],
+    ['export', 'test', 'out'], ['serve'],
+])
+def test_every_command_refuses_a_kernels_switch_neither_on_nor_off_before_tensorflow_loads(capsys, monkeypatch,
+                                                                                           tmp_path, argv):
+    # score once ran to the end with it: only the commands that decode reached the kernels, which refused it.
+    monkeypatch.setattr(quiet, 'tensorflow', lambda **_: pytest.fail('TensorFlow loaded before the check'))
+    monkeypatch.setenv('GPT2_TF_KERNELS', 'bogus')
+    (tmp_path / 'text.txt').write_text('Some text to score.')
+    code, _, err = run(capsys, monkeypatch, tmp_path, *argv)
+    assert code == 2
+    assert err.splitlines() == ["gpt2-tf: error: GPT2_TF_KERNELS='bogus' is neither off (off, 0, false, no, none) "
+                                "nor on (on, 1, true, yes): set one, or unset it"]
+
+
+def test_every_command_taking_model_dir_takes_model_dash_dir_too():
+    from gpt2_tf.cli import parser
+
+    commands = next(a for a in parser()._actions if a.dest == 'command').choices
+    spellings = {name: a.option_strings for name, command in commands.items() for a in command._actions
+                 if '--model_dir' in a.option_strings}
+    assert 'encode' in spellings and all('--model-dir' in s for s in spellings.values()), spellings
+    assert parser().parse_args(['encode', 'in.txt', 'out.bin', '--model-dir', 'folder']).model_dir == 'folder'
 
 
 def test_a_vocabulary_without_end_of_text_refuses_what_needs_it_in_one_line(capsys, monkeypatch, tmp_path):
@@ -362,10 +391,11 @@ def test_finetunes_flags_are_the_configs_fields_with_its_defaults():
 
 
 def test_choices_are_the_modules_own():
-    from gpt2_tf import compiled, precision
+    from gpt2_tf import compiled, kernels, precision
     from gpt2_tf.cli import common, parser
 
     assert common.DTYPES == precision.DTYPES and common.MODES == compiled.MODES
+    assert common.KERNELS_ENV == kernels.SWITCH_ENV
     commands = next(a for a in parser()._actions if a.dest == 'command').choices
     for name in ('generate', 'sample', 'score', 'serve', 'export', 'explore'):
         actions = {a.dest: a for a in commands[name]._actions}
@@ -430,3 +460,24 @@ def test_an_interrupted_finetune_saves_and_exits_130(tmp_path):
     assert process.returncode == 130, err
     assert 'interrupted' in out + err and (tmp_path / 'checkpoint' / 'run1' / 'checkpoint').exists()
     assert err.strip().splitlines()[-1].startswith('gpt2-tf: interrupted at step')
+
+
+CTRL_C_AT_START = """
+import builtins, sys
+real = builtins.__import__
+
+def interrupted(name, *args, **kwargs):
+    if name == 'numpy':  # what gpt2_tf.cli imports first: Ctrl-C there
+        raise KeyboardInterrupt
+    return real(name, *args, **kwargs)
+
+builtins.__import__ = interrupted
+from gpt2_tf.console import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback():
+    done = subprocess.run([sys.executable, '-c', CTRL_C_AT_START, 'generate', 'x'], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr) == (130, '')

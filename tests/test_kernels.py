@@ -536,6 +536,16 @@ def test_a_missing_compiler_is_told_from_another_missing_file(tmp_path, monkeypa
         assert kernels._load(xla=False, name='attention').startswith(reason)
 
 
+def test_a_cache_folder_that_cannot_be_made_is_said_in_one_warning_naming_its_setting(tmp_path, monkeypatch):
+    (tmp_path / 'file').write_text('not a folder')
+    for where in ('file', 'file/kernels'):  # a file, a folder under a file
+        monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / where))
+        with pytest.warns(UserWarning) as said:
+            assert isinstance(kernels._load(xla=False, name='attention'), str)  # the kernels are off
+        assert [str(w.message).count('\n') for w in said] == [0]
+        assert 'set GPT2_TF_KERNEL_CACHE to a writable folder' in str(said[0].message)
+
+
 def test_a_cut_off_library_is_built_again_not_mapped(tmp_path, monkeypatch):
     # A cache folder copied or synced may hold a cut-off library: mapping one crashes the process (SIGBUS).
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))

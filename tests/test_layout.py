@@ -10,7 +10,8 @@ PACKAGE = pathlib.Path(__file__).parent.parent / 'gpt2_tf'
 # A subpackage is one entry, its modules named 'package.module'; inside it the same rule holds.
 LAYERS = [
     {'validate'},
-    {'assets', 'quiet', 'kernels', 'filters', 'thresholds', 'tensorfiles', 'interrupts'},
+    {'quiet'},
+    {'assets', 'kernels', 'filters', 'thresholds', 'tensorfiles', 'interrupts'},
     {'hparams', 'precision', 'causal', 'encoder', 'noise', 'train_config', 'penalties'},
     {'model', 'corpus', 'litert_run', 'distribute'},
     {'runtime', 'tf1_reference', 'compiled', 'dataset'},
@@ -20,6 +21,7 @@ LAYERS = [
     {'text', 'diagnostics', 'train', 'export'},
     {'serve', 'explorer', 'beam'},
     {'cli'},
+    {'console'},
     {'__main__'},
 ]
 

@@ -128,3 +128,58 @@ def test_ctrl_c_while_tensorflow_loads_shows_none_of_its_lines(capfd):
     with pytest.raises(ImportError):
         quiet._start(lambda: load(ImportError('a broken install')))
     assert 'a start-up line' in capfd.readouterr().err  # a failed import shows them
+
+
+def test_the_xla_cache_goes_to_a_folder_with_spaces_in_its_name(tmp_path):
+    # TF_XLA_FLAGS is split at whitespace: unquoted, XLA wrote into tmp_path/my and left 'my cache' empty.
+    script = ('from gpt2_tf import quiet; tf = quiet.tensorflow(); '
+              'tf.function(lambda x: x * 2, jit_compile=True)(tf.ones(3))')
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=env(GPT2_TF_XLA_CACHE=str(tmp_path / 'my "cache"'), TF_XLA_FLAGS=''))
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.glob('my "cache"/*/*.pb')) and sorted(os.listdir(tmp_path)) == ['my "cache"']
+
+
+def test_the_xla_cache_setting_reads_on_words_as_the_default_folder_and_expands_a_tilde(monkeypatch, tmp_path):
+    from gpt2_tf import quiet
+
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+    monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+    monkeypatch.chdir(tmp_path)
+    for value in ('on', 'ON', '1', 'true', ' yes ', ''):  # the words that turn GPT2_TF_KERNELS on
+        monkeypatch.setenv(quiet.XLA_CACHE_ENV, value)
+        assert os.path.dirname(quiet.xla_cache_folder()) == str(tmp_path / 'xdg' / 'gpt2_tf' / 'xla'), value
+    monkeypatch.setenv(quiet.XLA_CACHE_ENV, '~/xla')
+    assert os.path.dirname(quiet.xla_cache_folder()) == str(tmp_path / 'home' / 'xla')
+
+
+def test_ctrl_c_while_tensorflow_loads_is_an_interrupt_whatever_its_import_makes_of_it(capfd, monkeypatch):
+    # TensorFlow's import turned a KeyboardInterrupt raised inside it into an AttributeError, 3 times in 40.
+    import signal
+    import types
+
+    import pytest
+
+    from gpt2_tf import quiet
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    devices = types.SimpleNamespace(list_physical_devices=lambda: [])
+    monkeypatch.setitem(sys.modules, 'tensorflow', types.SimpleNamespace(config=devices))
+    finished = []
+
+    def load(error=None):
+        os.write(2, b'I0000 a start-up line\n')
+        try:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, mid-way through the import
+        except KeyboardInterrupt:
+            raise AttributeError("'tuple' object has no attribute '_type_spec'") from None
+        if error:
+            raise error
+        finished.append(True)
+
+    for error in (None, AttributeError("'tuple' object has no attribute '_type_spec'")):
+        with pytest.raises(KeyboardInterrupt):
+            quiet._start(lambda: load(error))
+        assert capfd.readouterr().err == ''  # no start-up lines, no traceback
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C raises again
+    assert finished == [True]  # the import went on to its end

@@ -28,8 +28,9 @@ def cmd_explore(args):
     """One self-contained HTML page of the block, for a checkpoint and a prompt."""
     folder = model_folder(args)
     hparams, encoder = folder.hparams(), folder.encoder()
-    from ..validate import check_explorer_prompt, check_token_ids
+    from ..validate import check_explorer_prompt, check_token_ids, check_utf8
 
+    check_utf8(args.prompt, name='--prompt')
     tokens = encoder.encode(args.prompt)
     check_explorer_prompt(len(tokens), hparams.n_layer, hparams.n_head, hparams.n_ctx, name='--prompt')
     check_token_ids(tokens, hparams.n_vocab, name="the prompt's token", encoded=True)

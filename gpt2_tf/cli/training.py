@@ -59,7 +59,7 @@ def add_commands(commands) -> None:
     encode.add_argument('out', metavar='OUT', help='the .bin (a token file) or .npz to write')
     encode.add_argument('--glob', default=None, help="the files of a folder to encode (default: '*.txt' for a .bin, "
                                                      "every file for an .npz, as finetune reads a folder)")
-    encode.add_argument('--model_dir', default=None,
+    encode.add_argument('--model_dir', '--model-dir', default=None,
                         help="encode with this model folder's vocabulary (default: the bundled GPT-2 one)")
     encode.add_argument('--processes', type=int, default=None,
                         help="processes encoding a .bin in parallel, in order (default: the CPUs this process "

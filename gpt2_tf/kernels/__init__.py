@@ -55,7 +55,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from ..validate import OFF, GPT2Error, first_line, is_off
+from .. import quiet
+from ..validate import GPT2Error, first_line
 
 # The products' library: matmul.cc (the ops and their products: all a build without XLA compiles), then
 # matmul_xla.cc (the ops' XLA kernels); both include HEADER. A whole sequence's attention is a library of its own
@@ -213,7 +214,12 @@ def _one_builder(target: pathlib.Path):
     POSIX's: imported here, where the build is on Linux, so that the package still imports elsewhere.)"""
     import fcntl
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where the folder goes, say: it turns the kernels off, which nothing else would tell
+        warnings.warn(f'the kernels\' cache folder {target.parent} cannot be made ({first_line(e)}), so TensorFlow\'s '
+                      f'ops run instead: set {CACHE_ENV} to a writable folder', stacklevel=1)
+        raise
     path = target.with_suffix('.lock')
     with open(path, 'w') as lock:
         start, told = time.monotonic(), False
@@ -284,17 +290,10 @@ def _in_the_sources(e: subprocess.CalledProcessError) -> bool:
     return e.returncode > 0 and bool(SOURCE_ERROR.search(e.stderr or b'')) and not TRANSIENT.search(e.stderr or b'')
 
 
-ON = ('', 'on', '1', 'true', 'yes')
-
-
 def _refused() -> Optional[str]:
     """Why no library is built here at all, or None."""
-    switch = os.environ.get(SWITCH_ENV, '')
-    if is_off(switch):
-        return f'{SWITCH_ENV}={switch}'
-    if switch.strip().lower() not in ON:
-        raise GPT2Error(f'{SWITCH_ENV}={switch!r} is neither off ({", ".join(OFF)}) nor on (1, true, yes): set one, '
-                        f'or unset it')
+    if not quiet.check_switch(SWITCH_ENV):
+        return f'{SWITCH_ENV}={os.environ[SWITCH_ENV]}'
     if not sys.platform.startswith('linux'):
         return 'the kernel is built on Linux only'
     return None
