@@ -455,6 +455,8 @@ def carried_vocabulary(model_dir: Optional[str | os.PathLike], n_vocab: int, fil
         except GPT2Error as e:
             raise GPT2Error(f'{first_line(e)} (a written folder carries only the vocabulary pair: {PAIR})') from None
     else:
+        if files is not None and (isinstance(files, (str, bytes, os.PathLike)) or len(files) != 2):
+            raise GPT2Error(f'vocabulary= takes a pair of paths ({PAIR}), got {files!r}')
         files = files or bundled_vocabulary()
         encoder = _cached_encoder(*map(os.path.abspath, files), None)
     if encoder.n_vocab > n_vocab:

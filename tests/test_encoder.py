@@ -233,6 +233,12 @@ def test_a_vocabulary_larger_than_the_model_names_the_way_for_each_caller():
         carried_vocabulary(None, 1000, bundled_files())
 
 
+@pytest.mark.parametrize('given', ['encoder.json', ('encoder.json',), ('a', 'b', 'c')])
+def test_a_vocabulary_that_is_not_a_pair_of_paths_is_refused(given):
+    with pytest.raises(GPT2Error, match=r'^vocabulary= takes a pair of paths \(encoder.json and vocab.bpe, or '):
+        carried_vocabulary(None, 50257, given)  # save_hf(model, out, vocabulary='encoder.json'): a TypeError
+
+
 # --- a tokenizer.json alone (what transformers 5 saves) ----------------------------------------------------
 
 @pytest.fixture(scope='module')
