@@ -199,7 +199,8 @@ class Encoder:
         tokens = [int(t) for t in tokens]
         bad = [t for t in tokens if t not in self.decoder]
         if bad:
-            raise GPT2Error(f'token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})')
+            raise GPT2Error(f'token id {bad[0]} is outside the vocabulary [0, {self.n_vocab}), which has no text for '
+                            f'it (a model of a larger n_vocab draws such ids: give it the vocabulary made for it)')
         return tokens
 
     def decode(self, tokens: Iterable[int]) -> str:

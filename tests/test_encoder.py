@@ -115,7 +115,9 @@ def test_invalid_utf8_decodes_with_replacement():
 
 @pytest.mark.parametrize('path', PATHS)
 def test_decoding_an_unknown_id_is_an_error(path):
-    with pytest.raises(ValueError, match=r'token id 50257 is outside the vocabulary \[0, 50257\)'):
+    with pytest.raises(ValueError, match=r'token id 50257 is outside the vocabulary \[0, 50257\), which has no text '
+                                         r'for it \(a model of a larger n_vocab draws such ids: give it the '
+                                         r'vocabulary made for it\)$'):
         PATHS[path].decode([1, 50257])
     with pytest.raises(ValueError, match='token id -1'):
         PATHS[path].decode([-1])
