@@ -30,7 +30,8 @@ from .validate import GPT2Error, first_line, save_folder
 from .runtime import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
-SAVES = re.compile(re.escape(CHECKPOINT_PREFIX) + r'(-\d+)?')  # the prefixes save_checkpoint writes
+RUN_SAVE = re.compile(r'model-(\d+)')  # a run folder's save of a step (runfolder.save, gpt-2-simple's)
+NOT_RUN_SAVE = re.compile(r'(?!model-\d+$).+')  # what save_checkpoint's keep counts: a run's saves stay
 
 
 # The one table of the original graph's variables: checkpoint name (under model/, with {i} for a block),
@@ -383,18 +384,11 @@ def forget(model_dir: str, name: str) -> None:
 
 
 def replace_atomically(path: str, text: str) -> None:
-    """path holds text, whole, or what it held before (a failed write leaves no temporary file)."""
-    temporary = f'{path}.tmp-{os.getpid()}'
-    try:
-        with open(temporary, 'w', encoding='utf-8') as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-        raise
+    """path holds text, whole and on the disk, or what it held before (validate.replacing)."""
+    with validate.replacing(path) as temporary, open(temporary, 'w', encoding='utf-8') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
@@ -536,11 +530,11 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
     Into a folder without a checkpoint it writes the published layout (model.ckpt.*,
     `checkpoint`, hparams.json). Over an existing checkpoint it writes the tensors
     under a new prefix (model.ckpt-1, -2, ...; or `name`, which must be new), switches
-    the `checkpoint` file to it with an atomic rename, and only then removes its own
-    kind of prefix (model.ckpt, model.ckpt-N) beyond the `keep` newest, as TF's own
-    Saver removes only its own saves: an interrupted save leaves the earlier checkpoint
-    loadable, and a failed one leaves the folder as it was. Other saves the folder lists
-    (a run folder's model-N) stay listed, and its other files stay. A folder whose
+    the `checkpoint` file to it with an atomic rename, and only then removes the listed
+    prefixes beyond the `keep` newest, but for a run folder's model-<step> saves, which
+    stay listed (fine-tuning's, not this function's): an interrupted save leaves the
+    earlier checkpoint loadable, and a failed one leaves the folder as it was. The
+    folder's other files stay. A folder whose
     hparams.json describes another model size, and one holding a Hugging Face model
     (config.json and its weights), are refused. Attached LoRA adapters are written
     merged (stored_weights).
@@ -558,7 +552,7 @@ def save_checkpoint(model: Model, model_dir: str | os.PathLike, *, name: Optiona
                               f'one in place (an interrupted one would leave neither): give a new name, or '
                               f'leave name out')
     write_tensors(os.path.join(model_dir, name), stored_weights(model))
-    return publish(model, model_dir, name, keep=keep, own=SAVES)
+    return publish(model, model_dir, name, keep=keep, own=NOT_RUN_SAVE)
 
 
 def check_save(model: Model, model_dir: str | os.PathLike) -> str:
@@ -593,26 +587,31 @@ def publish(model: Model, model_dir: str, name: str, *, keep: int, own: re.Patte
     removed; other listed prefixes stay. A failure before the switch removes name's files too, so a failed
     save leaves the folder as it was. Returns the prefix."""
     hparams_path = os.path.join(model_dir, 'hparams.json')
+    written = not os.path.exists(hparams_path)
     try:
-        if not os.path.exists(hparams_path):
+        if written:
             model.hparams.to_json(hparams_path)  # whole or absent, as the `checkpoint` file
         _, listed = checkpoint_state(model_dir)
         mine = [n for n in listed if n != name and own.fullmatch(n)]
         gone = set(mine[:max(len(mine) - (keep - 1), 0)])
         write_state(model_dir, [n for n in listed if n != name and n not in gone] + [name])
     except BaseException:
-        _remove_unlisted(model_dir, name)
+        if _remove_unlisted(model_dir, name) and written:  # the folder as it was: without the hparams.json too
+            with contextlib.suppress(OSError):
+                os.remove(hparams_path)
         raise
     for old in gone:  # only once the `checkpoint` file names the new one
         remove_bundle(os.path.join(model_dir, old))
     return os.path.join(model_dir, name)
 
 
-def _remove_unlisted(model_dir: str, name: str) -> None:
-    """Prefix name's files, unless the `checkpoint` file lists it (or cannot be read: then they stay)."""
+def _remove_unlisted(model_dir: str, name: str) -> bool:
+    """Prefix name's files, unless the `checkpoint` file lists it (or cannot be read: then they stay); whether
+    they went."""
     try:
         listed = checkpoint_state(model_dir)[1]
     except Exception:
-        return
+        return False
     if name not in listed:
         remove_bundle(os.path.join(model_dir, name))
+    return name not in listed

@@ -171,9 +171,11 @@ class Encoder:
             raise TypeError(f'encode takes a str, got {type(text).__name__}')
         if not special:
             return self._encode_ordinary(text)
-        end = self.end_of_text('special=True reads', 'encode with special=False, where it is text')
+        parts = text.split(END_OF_TEXT)
+        if len(parts) > 1:  # a vocabulary without it still encodes text that does not hold it
+            end = self.end_of_text('special=True reads', 'encode with special=False, where it is text')
         ids = []
-        for i, part in enumerate(text.split(END_OF_TEXT)):
+        for i, part in enumerate(parts):
             if i:
                 ids.append(end)
             ids.extend(self._encode_ordinary(part))
@@ -315,7 +317,8 @@ def _differs(tokenizer) -> Optional[str]:
     GPT-2's regex, no normalizer, and <|endoftext|>, where it is an added token, at its model.vocab id."""
     model = tokenizer.get('model') if isinstance(tokenizer, dict) else None
     model = model if isinstance(model, dict) else {}
-    if model.get('type') != 'BPE' or not isinstance(model.get('vocab'), dict) or \
+    # Older tokenizers versions wrote a BPE model without its type (Hugging Face's gpt2 tokenizer.json among them).
+    if model.get('type', 'BPE') != 'BPE' or not isinstance(model.get('vocab'), dict) or \
             not isinstance(model.get('merges'), list):
         return f'model is not a BPE with a vocab and merges (type {shown(model.get("type"))})'
     if not all(isinstance(m, str) or isinstance(m, list) and all(isinstance(s, str) for s in m)

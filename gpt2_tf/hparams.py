@@ -8,7 +8,7 @@ import os
 from typing import Any, Mapping
 
 from .assets import bundled_checkpoint
-from .validate import GPT2Error, shown
+from .validate import GPT2Error, replacing, shown
 
 
 HF_CONFIG = 'config.json'
@@ -92,12 +92,10 @@ class HParams:
         return dataclasses.asdict(self)
 
     def to_json(self, path: str | os.PathLike) -> None:
-        """Writes the file whole or not at all (beside it first, then renamed over it)."""
-        temporary = f'{os.fspath(path)}.tmp-{os.getpid()}'
-        with open(temporary, 'w', encoding='utf-8') as f:
+        """Writes the file whole or not at all (validate.replacing)."""
+        with replacing(path) as temporary, open(temporary, 'w', encoding='utf-8') as f:
             json.dump(self.to_dict(), f, indent=2)
             f.write('\n')
-        os.replace(temporary, path)
 
 
 PUBLISHED = {

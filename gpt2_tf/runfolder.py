@@ -32,10 +32,9 @@ from .checkpoint import CheckpointError
 from .encoder import is_save
 from .hparams import PUBLISHED, HParams, folder_names
 from .precision import stored
-from .validate import GPT2Error, first_line
+from .validate import GPT2Error, first_line, replacing
 
 COUNTER = 'counter'
-SAVES = re.compile(r'model-(\d+)')  # the prefixes a run's save writes: model-<step>
 TRAINING_STATE = re.compile(r'(^|/)(beta[12]_power|global_step)$|/Adam(_1)?$')  # TF1 Adam's and the Saver's
 
 
@@ -68,7 +67,12 @@ def save(run_dir: str, model, slots: dict, step: int, *, max_checkpoints: int = 
         if slots:
             checkpoint.move_bundle(os.path.join(staging, 'optimizer'), state)
         checkpoint.move_bundle(os.path.join(staging, 'model'), os.path.join(run_dir, name))
-    prefix = checkpoint.publish(model, run_dir, name, keep=max_checkpoints, own=SAVES)
+    try:
+        prefix = checkpoint.publish(model, run_dir, name, keep=max_checkpoints, own=checkpoint.RUN_SAVE)
+    except BaseException:  # publish removed model-<step>: its optimizer state goes too
+        with contextlib.suppress(Exception):
+            remove_orphan_states(run_dir)
+        raise
     remove_orphan_states(run_dir)
     try:
         checkpoint.replace_atomically(os.path.join(run_dir, COUNTER), f'{step}\n')
@@ -105,14 +109,8 @@ def copy_vocabulary(run_dir: str, vocabulary=None) -> None:
         target = os.path.join(run_dir, name)
         if os.path.exists(target) and (not replace or filecmp.cmp(target, source, shallow=False)):
             continue
-        temporary = f'{target}.tmp-{os.getpid()}'
-        try:
+        with replacing(target) as temporary:
             shutil.copyfile(source, temporary)
-            os.replace(temporary, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
-            raise
 
 
 def run_hparams(run_dir: str) -> HParams:
@@ -127,7 +125,7 @@ def read_step(run_dir: str, prefix: str) -> int:
     """The run's step: the number in model-<step>, which names what the files hold (gpt-2-simple also writes
     it to `counter`, after the save: a save cut short leaves the counter behind); for a prefix of another
     name, `counter`, else 0."""
-    saved = SAVES.fullmatch(os.path.basename(prefix))
+    saved = checkpoint.RUN_SAVE.fullmatch(os.path.basename(prefix))
     if saved:
         return int(saved.group(1))
     counter = os.path.join(run_dir, COUNTER)

@@ -7,9 +7,10 @@ loading it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -35,6 +36,20 @@ def first_line(error: BaseException) -> str:
         said = [line for line in lines[1:] if not line[0].isspace() and not line.startswith('Detected at node')]
         lines = said or lines
     return re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', lines[0]) if lines else type(error).__name__
+
+
+@contextlib.contextmanager
+def replacing(path) -> Iterator[str]:
+    """A temporary path beside path, renamed over it when the block ends, removed when it fails: path holds the
+    new file whole, or what it held before (the same file system, so the rename is atomic)."""
+    temporary = f'{os.fspath(path)}.tmp-{os.getpid()}'
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
 
 
 def save_folder(path) -> str:

@@ -353,12 +353,8 @@ def test_a_full_disk_while_writing_is_an_oserror_naming_the_prefix(tmp_path, mon
     assert _files(tmp_path) == before
 
 
-def test_a_save_failing_at_the_switch_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
-    """The new prefix's files are whole but the `checkpoint` file cannot be written: they go, with the temporary
-    file, instead of staying unlisted (a model's size, on a disk that is full already)."""
-    model = gpt2_tf.load_model(TINY)
-    gpt2_tf.save_checkpoint(model, tmp_path)
-    before = _files(tmp_path)
+def full_at_the_switch(monkeypatch) -> None:
+    """The disk fills when the `checkpoint` file is switched: every save's files whole, none of them published."""
     real_replace = os.replace
 
     def full(source, destination):
@@ -367,6 +363,15 @@ def test_a_save_failing_at_the_switch_leaves_the_folder_as_it_was(tmp_path, monk
         return real_replace(source, destination)
 
     monkeypatch.setattr(os, 'replace', full)
+
+
+def test_a_save_failing_at_the_switch_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """The new prefix's files are whole but the `checkpoint` file cannot be written: they go, with the temporary
+    file, instead of staying unlisted (a model's size, on a disk that is full already)."""
+    model = gpt2_tf.load_model(TINY)
+    gpt2_tf.save_checkpoint(model, tmp_path)
+    before = _files(tmp_path)
+    full_at_the_switch(monkeypatch)
     with pytest.raises(OSError, match='No space'):
         gpt2_tf.save_checkpoint(model, tmp_path)
     monkeypatch.undo()
@@ -395,8 +400,8 @@ def _run_folder(tmp_path, steps=(10, 20)):
 
 
 def test_saving_into_a_run_folder_keeps_its_saves(tmp_path):
-    """As TF's Saver, save_checkpoint removes only its own earlier prefixes: a run's model-10 (a better step
-    someone loaded to save its fine-tuned copy beside) and model-20 stay, listed."""
+    """save_checkpoint never removes a run's saves: model-10 (a better step someone loaded to save its fine-tuned
+    copy beside) and model-20 stay, listed."""
     folder = _run_folder(tmp_path)
     model = gpt2_tf.load_model(folder / 'model-10')
     first = gpt2_tf.save_checkpoint(model, folder)
@@ -405,6 +410,34 @@ def test_saving_into_a_run_folder_keeps_its_saves(tmp_path):
     assert gpt2_tf.checkpoint.checkpoint_state(str(folder))[1] == ['model-10', 'model-20', 'model.ckpt-1']
     for step in (10, 20):
         assert (folder / f'model-{step}.index').exists()
+
+
+def test_keep_counts_saves_under_given_names(tmp_path):
+    model = gpt2_tf.load_model(TINY)
+    for i in range(4):
+        gpt2_tf.save_checkpoint(model, tmp_path, name=f'step-{i}', keep=2)
+    assert gpt2_tf.checkpoint.checkpoint_state(str(tmp_path))[1] == ['step-2', 'step-3']
+    assert sorted(p.name for p in tmp_path.glob('*.index')) == ['step-2.index', 'step-3.index']
+
+
+def test_a_first_save_that_fails_leaves_no_hparams_json(tmp_path, monkeypatch):
+    full_at_the_switch(monkeypatch)
+    with pytest.raises(OSError, match='No space'):
+        gpt2_tf.save_checkpoint(gpt2_tf.load_model(TINY), tmp_path / 'new')
+    assert os.listdir(tmp_path / 'new') == []
+
+
+def test_a_run_s_save_failing_at_the_switch_leaves_no_optimizer_state(tmp_path, monkeypatch):
+    from gpt2_tf import runfolder
+
+    model = gpt2_tf.load_model(TINY)
+    slots = {'model/wte/Adam': tf.Variable(tf.ones_like(model.variables_by_name()['model/wte']))}
+    runfolder.save(str(tmp_path), model, slots, 1)
+    before = _files(tmp_path)
+    full_at_the_switch(monkeypatch)
+    with pytest.raises(OSError, match='No space'):
+        runfolder.save(str(tmp_path), model, slots, 2)
+    assert _files(tmp_path) == before  # model-2 and optimizer-2 gone: step 1 as it was
 
 
 def test_a_run_folder_without_its_checkpoint_file_names_its_saves(tmp_path):

@@ -225,6 +225,7 @@ def test_a_vocabulary_that_is_not_byte_level_is_refused_as_it_is_read(vocab_dir,
 def test_special_needs_end_of_text_in_the_vocabulary():
     enc = Encoder({c: i for i, c in enumerate(bytes_to_unicode().values())}, [])
     assert enc.encode(f'a{END_OF_TEXT}') == enc.encode('a<|endoftext|>')  # text, as without special
+    assert enc.encode('ab', special=True) == enc.encode('ab')  # nothing special in it: no need of the token
     with pytest.raises(GPT2Error, match=r'^special=True reads <\|endoftext\|>, which this vocabulary does not have: '
                                         r'encode with special=False, where it is text$'):
         enc.encode(f'a{END_OF_TEXT}b', special=True)
@@ -292,7 +293,16 @@ def in_sequence(tokenizer: dict) -> dict:
     return {**tokenizer, 'pre_tokenizer': {'type': 'Sequence', 'pretokenizers': [tokenizer['pre_tokenizer']]}}
 
 
-@pytest.mark.parametrize('form', [lambda t: t, as_strings, in_sequence], ids=['pairs', 'strings', 'sequence'])
+def untyped(tokenizer: dict) -> dict:
+    """tokenizer as older tokenizers versions wrote it: the model without its type, the pre-tokenizer without
+    use_regex (both their defaults, BPE and true)."""
+    pre = {k: v for k, v in tokenizer['pre_tokenizer'].items() if k != 'use_regex'}
+    model = {k: v for k, v in as_strings(tokenizer)['model'].items() if k != 'type'}
+    return {**tokenizer, 'model': model, 'pre_tokenizer': pre}
+
+
+@pytest.mark.parametrize('form', [lambda t: t, as_strings, in_sequence, untyped],
+                         ids=['pairs', 'strings', 'sequence', 'untyped'])
 def test_a_gpt2_tokenizer_json_alone_is_read_as_its_vocabulary(tokenizer_folder, saved_tokenizer, monkeypatch,
                                                                 form):
     monkeypatch.setenv('TIKTOKEN_CACHE_DIR', '')  # tiktoken reads the bundled files, copying them nowhere

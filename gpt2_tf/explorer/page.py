@@ -23,7 +23,7 @@ import numpy as np
 from ..checkpoint import ORIGINAL_CODE
 from ..encoder import Encoder, well_formed
 from ..model import Graph
-from ..validate import check_explorer_prompt, check_token_ids
+from ..validate import check_explorer_prompt, check_token_ids, replacing
 from .figures import diagram, inner_flow, legend, line_chart, token_color
 from .measure import NEAR_ZERO, RESIDUAL, explore
 from .panels import (LN_1, LN_2, LN_F, INSIDE, LABELS, ORIGINAL, PANELS, accounting, accounting_table, claimed,
@@ -414,12 +414,6 @@ def write_report(model: Graph, encoder: Encoder, prompt: str, path: str, *, mode
     check_explorer_prompt(len(tokens), hp.n_layer, hp.n_head, hp.n_ctx)
     check_token_ids(tokens, hp.n_vocab, name="the prompt's token", encoded=True)
     page = render(model, encoder, explore(model, tokens), model_dir=model_dir, prompt=prompt)
-    temporary = f'{path}.tmp-{os.getpid()}'
-    try:
-        with open(temporary, 'w', encoding='utf-8') as f:
-            f.write(page)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    with replacing(path) as temporary, open(temporary, 'w', encoding='utf-8') as f:
+        f.write(page)
     return path
