@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from . import interrupts
-from .encoder import END_OF_TEXT_ID, carried_vocabulary
+from .encoder import END_OF_TEXT_ID, TOKENIZER_JSON, carried_vocabulary  # the fast tokenizer's one file
 from .hparams import HF_CONFIG, HF_WEIGHTS, HParams
 from .tensorfiles import read_torch, unreadable
 from .validate import GPT2Error, first_line, save_folder
@@ -33,7 +33,6 @@ from .validate import GPT2Error, first_line, save_folder
 CONFIG = HF_CONFIG
 SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN = HF_WEIGHTS
 TOKENIZER_FILES = {'vocab.json': 'encoder.json', 'merges.txt': 'vocab.bpe'}  # HF's names for the same files
-TOKENIZER_JSON = 'tokenizer.json'  # the fast tokenizer's one file, written by the tokenizers library
 WRITTEN = (SAFETENSORS, *TOKENIZER_FILES, TOKENIZER_JSON, CONFIG)  # what save_hf writes, in the order it moves them in
 GPT2_VOCAB = 50257
 
