@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from .encoder import END_OF_TEXT, Encoder, get_encoder
+from .encoder import Encoder, get_encoder
 from .runtime import Model
 from .sample import sample_chunks
 from .validate import GPT2Error, check_seed, default_length, is_int
@@ -40,10 +40,8 @@ def iter_samples(model: Model, prompt: Optional[str] = None, length: Optional[in
     if seed is not None:
         check_seed(seed, 1)
     if prompt is None:
-        if END_OF_TEXT not in encoder.encoder:
-            raise GPT2Error('unconditional samples start from <|endoftext|>, which this vocabulary does not have: '
-                            'give a prompt')
-        request = dict(start_token=encoder.encoder[END_OF_TEXT], batch_size=batch_size)
+        request = dict(start_token=encoder.end_of_text('unconditional samples start from', 'give a prompt'),
+                       batch_size=batch_size)
     else:
         context = encoder.encode(prompt)
         if not context:

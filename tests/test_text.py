@@ -135,3 +135,13 @@ def test_a_vocabulary_missing_a_byte_is_refused_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"gpt2-tf: error: {folder / 'encoder.json'}: no token for byte 0x7a ('z'); a byte-level BPE vocabulary has "
         f"all 256 byte symbols: give the vocabulary's complete file")
+
+
+def test_unconditional_samples_need_end_of_text_in_the_vocabulary():
+    from gpt2_tf.encoder import Encoder, bytes_to_unicode
+
+    bytes_only = Encoder({c: i for i, c in enumerate(bytes_to_unicode().values())}, [])
+    model = gpt2_tf.load_model('test')
+    with pytest.raises(GPT2Error, match=r'^unconditional samples start from <\|endoftext\|>, which this vocabulary '
+                                        r'does not have: give a prompt$'):
+        gpt2_tf.generate(model, None, 2, encoder=bytes_only)
