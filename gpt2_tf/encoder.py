@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Sequence
 import regex
 
 from .assets import bundled_vocabulary
+from .quiet import cache_folder
 from .validate import GPT2Error, first_line, is_int, shown
 
 END_OF_TEXT = '<|endoftext|>'
@@ -279,18 +280,14 @@ GPT2_BPE = {'dropout': (None,), 'continuing_subword_prefix': (None, ''), 'end_of
             'byte_fallback': (False,), 'ignore_merges': (False,)}
 
 
-def _cache_folder() -> str:
-    """$GPT2_TF_VOCABULARY_CACHE, else ~/.cache/gpt2_tf/vocabularies (beside the kernels' cache)."""
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser('~'), '.cache', 'gpt2_tf', 'vocabularies')
-
-
 def _tokenizer_pair(path: str) -> tuple:
     """(vocab.json, merges.txt) holding the vocabulary of an HF tokenizer.json of GPT-2's kind (_differs), written
-    once into _cache_folder() under its sha256: the pair is what the encoder reads, and what a written folder
-    copies (save_hf, a run folder). Another kind of tokenizer is refused in one line saying what differs."""
+    once into the vocabulary cache (quiet.cache_folder) under its sha256: the pair is what the encoder reads, and
+    what a written folder copies (save_hf, a run folder). Another kind of tokenizer is refused in one line saying
+    what differs."""
     with open(path, 'rb') as f:
         content = f.read()
-    folder = os.path.join(_cache_folder(), hashlib.sha256(content).hexdigest()[:16])
+    folder = os.path.join(cache_folder(CACHE_ENV, 'vocabularies'), hashlib.sha256(content).hexdigest()[:16])
     files = (os.path.join(folder, 'vocab.json'), os.path.join(folder, 'merges.txt'))
     if os.path.isdir(folder):  # the same bytes were read, checked and written before
         return files

@@ -40,15 +40,14 @@ from typing import Optional
 
 _captured = ''
 XLA_CACHE_ENV = 'GPT2_TF_XLA_CACHE'  # a folder for compiled XLA code, an on word (the default folder), or 'off'
-ON = ('', 'on', '1', 'true', 'yes')  # what leaves a setting on, unset included; validate.OFF turns it off
 XLA_CACHE_LIMIT = 1 << 30  # bytes kept in the cache folder; the oldest files go first
 CPU_FLAGS = ('avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')
 
 
 def switch(name: str) -> Optional[bool]:
-    """$name read as an on/off setting: False for an off word (validate.OFF), True for an on word (ON) or when
-    unset, None for any other value (GPT2_TF_XLA_CACHE's folder, say)."""
-    from .validate import is_off
+    """$name read as an on/off setting: False for an off word (validate.OFF), True for an on word (validate.ON)
+    or when unset, None for any other value (GPT2_TF_XLA_CACHE's folder, say)."""
+    from .validate import ON, is_off
 
     value = os.environ.get(name, '')
     return False if is_off(value) else True if value.strip().lower() in ON else None
@@ -56,13 +55,18 @@ def switch(name: str) -> Optional[bool]:
 
 def check_switch(name: str) -> bool:
     """$name as switch() reads it, where it takes no other value (GPT2_TF_KERNELS): GPT2Error for one."""
-    from .validate import OFF, GPT2Error
+    from .validate import OFF, ON, GPT2Error
 
     on = switch(name)
     if on is None:
         raise GPT2Error(f'{name}={os.environ[name]!r} is neither off ({", ".join(OFF)}) nor on '
                         f'({", ".join(filter(None, ON))}): set one, or unset it')
     return on
+
+
+def cache_folder(env: str, name: str) -> str:
+    """$env, else ~/.cache/gpt2_tf/<name>: where the kernels' libraries and tokenizer.json's vocabularies are kept."""
+    return os.environ.get(env) or os.path.join(os.path.expanduser('~'), '.cache', 'gpt2_tf', name)
 
 
 def xla_cache_folder() -> Optional[str]:

@@ -579,9 +579,10 @@ def finetune(model_dir: str, dataset, config: Optional[FinetuneConfig] = None, *
     Ctrl-C (or SIGTERM), or a log that can no longer be written (its reader
     gone: BrokenPipeError), saves the step reached (none before this run's first
     step), then raises Interrupted (a KeyboardInterrupt holding the trainer).
-    stop, when given, is asked after each step whether to stop there. strategy: a make_strategy() strategy, or the name of one
-    (as config.strategy). Data-parallel, every worker draws the same seeded
-    global batch and its replicas take their slices; only the chief logs,
+    stop, when given, is asked after each step whether to stop there.
+    strategy: a make_strategy() strategy, or the name of one (as config.strategy).
+    Data-parallel, every worker draws the same seeded global batch and its
+    replicas take their slices; only the chief logs,
     samples and writes checkpoints (on several hosts, checkpoint_dir must be
     shared storage for restore_from='latest' to find them).
     """

@@ -98,6 +98,7 @@ def check_new_folder(path) -> str:
 
 
 OFF = ('off', '0', 'false', 'no', 'none')  # what turns a setting off (GPT2_TF_KERNELS, GPT2_TF_XLA_CACHE)
+ON = ('', 'on', '1', 'true', 'yes')  # what leaves one on, unset included (quiet.switch)
 
 
 def is_off(value: str) -> bool:

@@ -104,7 +104,7 @@ FEW_ROWS = {'avx2': {False: range(1, 17), True: range(1, 9)},
 
 
 def cache_folder() -> pathlib.Path:
-    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / '.cache' / 'gpt2_tf' / 'kernels')
+    return pathlib.Path(quiet.cache_folder(CACHE_ENV, 'kernels'))
 
 
 @functools.lru_cache(maxsize=1)  # read once: few_rows asks for every product traced
