@@ -500,7 +500,6 @@ def test_a_killed_writers_staging_beside_a_new_folder_goes_at_the_next_write(tmp
 
 @pytest.mark.parametrize('dtype', ['float32', 'int8'])
 def test_load_model_holds_one_checkpoint_tensor_at_a_time(monkeypatch, dtype):
-    import gc
     import weakref
 
     from gpt2_tf import checkpoint
@@ -512,7 +511,6 @@ def test_load_model_holds_one_checkpoint_tensor_at_a_time(monkeypatch, dtype):
             self.reader = reader
 
         def get_tensor(self, name):
-            gc.collect()
             held.append(sum(ref() is not None for ref in read))
             value = self.reader.get_tensor(name)
             read.append(weakref.ref(value))
