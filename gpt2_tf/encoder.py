@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import heapq
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
 from typing import Iterable, Optional, Sequence
 
 import regex
@@ -53,9 +55,43 @@ def bytes_to_unicode() -> dict:
     return dict(sorted(table.items()))
 
 
-def get_pairs(word: tuple) -> set:
-    """The adjacent symbol pairs of a word given as a tuple of symbols."""
-    return set(zip(word, word[1:]))
+def merge_by_rank(word: str, ranks: dict) -> list:
+    """word's symbols after the original's merges: each round merges the pair of lowest rank wherever it stands,
+    left to right and without overlap (with the merge 'a a', 'aaa' becomes 'aa a'), until no pair has a rank.
+
+    The original recomputes every pair each round, O(n^2) on a long word without whitespace; here the symbols
+    are a linked list by their first character's position, and a heap holds (rank, position) for each pair,
+    those a merge made stale skipped as they come up: O(n log n).
+    """
+    symbols = list(word)
+    after = [*range(1, len(word)), None]  # the next symbol's position; None at the end
+    before = [None, *range(len(word) - 1)]
+    heap = [(ranks[pair], i) for i, pair in enumerate(zip(word, word[1:])) if pair in ranks]
+    heapq.heapify(heap)
+
+    def push(i: Optional[int]) -> None:  # the pair that starts at i, where it has a rank
+        if i is not None and after[i] is not None:
+            rank = ranks.get((symbols[i], symbols[after[i]]))
+            if rank is not None:
+                heapq.heappush(heap, (rank, i))
+    while heap:
+        rank = heap[0][0]
+        due = []  # one round: every place of the one pair of this rank, left to right (the pops come in order)
+        while heap and heap[0][0] == rank:
+            due.append(heapq.heappop(heap)[1])
+        # Only now do merges push the pairs they make: the original ends a round before it looks at any of them,
+        # even at one of a lower rank.
+        for i in due:
+            j = after[i]
+            if symbols[i] is None or j is None or ranks.get((symbols[i], symbols[j])) != rank:
+                continue  # merged into its left neighbour (an overlap), or its pair has changed since
+            symbols[i], symbols[j] = symbols[i] + symbols[j], None
+            after[i] = after[j]
+            if after[i] is not None:
+                before[after[i]] = i
+            push(before[i])
+            push(i)
+    return [symbol for symbol in symbols if symbol is not None]
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,29 +164,9 @@ class Encoder:
 
     def bpe(self, token: str) -> str:
         """Merges a word's symbols by rank; returns them joined by spaces."""
-        if token in self.cache:
-            return self.cache[token]
-        word = tuple(token)
-        pairs = get_pairs(word)
-        while pairs:
-            bigram = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float('inf')))
-            if bigram not in self.bpe_ranks:
-                break
-            first, second = bigram
-            merged = []
-            i = 0
-            while i < len(word):
-                if i < len(word) - 1 and word[i] == first and word[i + 1] == second:
-                    merged.append(first + second)
-                    i += 2
-                else:
-                    merged.append(word[i])
-                    i += 1
-            word = tuple(merged)
-            pairs = get_pairs(word)
-        result = ' '.join(word)
-        self.cache[token] = result
-        return result
+        if token not in self.cache:
+            self.cache[token] = ' '.join(merge_by_rank(token, self.bpe_ranks))
+        return self.cache[token]
 
     def _encode_ordinary(self, text: str) -> list:
         if self._tiktoken is not None and not _long_blank(text):
@@ -310,8 +326,8 @@ def _tokenizer_pair(path: str) -> tuple:
 
 def _differs(tokenizer) -> Optional[str]:
     """What makes an HF tokenizer.json other than GPT-2's byte-level BPE (a phrase), or None: a BPE model with
-    GPT2_BPE's options, a ByteLevel pre-tokenizer (alone, or alone in a Sequence) without prefix space and with
-    GPT-2's regex, no normalizer, and <|endoftext|>, where it is an added token, at its model.vocab id."""
+    GPT2_BPE's options, GPT-2's pre-tokenizer (_splits_as_gpt2), no normalizer, and <|endoftext|>, where it is an
+    added token, at its model.vocab id."""
     model = tokenizer.get('model') if isinstance(tokenizer, dict) else None
     model = model if isinstance(model, dict) else {}
     # Older tokenizers versions wrote a BPE model without its type (Hugging Face's gpt2 tokenizer.json among them).
@@ -326,11 +342,7 @@ def _differs(tokenizer) -> Optional[str]:
         return f'BPE model sets {odd[0]}'
     if tokenizer.get('normalizer') is not None:
         return 'normalizer changes the text first'
-    pre = tokenizer.get('pre_tokenizer') or {}
-    steps = pre.get('pretokenizers') if isinstance(pre, dict) and pre.get('type') == 'Sequence' else [pre]
-    if not (isinstance(steps, list) and len(steps) == 1 and isinstance(steps[0], dict)
-            and steps[0].get('type') == 'ByteLevel' and steps[0].get('add_prefix_space') is False
-            and steps[0].get('use_regex', True) is True):
+    if not _splits_as_gpt2(tokenizer.get('pre_tokenizer') or {}):
         return 'pre-tokenizer is not ByteLevel alone, without a prefix space and with GPT-2\'s regex'
     end = [t.get('id') for t in _added(tokenizer) if t.get('content') == END_OF_TEXT]
     if end and end[0] != model['vocab'].get(END_OF_TEXT):
@@ -338,13 +350,42 @@ def _differs(tokenizer) -> Optional[str]:
     return None
 
 
+# GPT-2's regex as a Split step, exactly as tokenizers writes Split(Regex(PATTERN), behavior='isolated'): each match
+# a piece of its own, the pieces ByteLevel(use_regex=True) makes.
+GPT2_SPLIT = {'type': 'Split', 'pattern': {'Regex': PATTERN}, 'behavior': 'Isolated', 'invert': False}
+
+
+def _splits_as_gpt2(pre) -> bool:
+    """Whether a tokenizer.json's pre_tokenizer makes GPT-2's pieces and bytes: ByteLevel with its own regex
+    (GPT-2's), alone or alone in a Sequence; or a Sequence of GPT2_SPLIT, then ByteLevel without a regex (the same
+    split, spelled out). Either ByteLevel without a prefix space."""
+    steps = pre.get('pretokenizers') if isinstance(pre, dict) and pre.get('type') == 'Sequence' else [pre]
+    if not (isinstance(steps, list) and all(isinstance(step, dict) for step in steps)):
+        return False
+    if steps[:1] == [GPT2_SPLIT]:
+        return len(steps) == 2 and _byte_level(steps[1], regex=False)
+    return len(steps) == 1 and _byte_level(steps[0], regex=True)
+
+
+def _byte_level(step: dict, *, regex: bool) -> bool:
+    """Whether step is ByteLevel without a prefix space, splitting by its own regex or (regex False) not at all."""
+    return step.get('type') == 'ByteLevel' and step.get('add_prefix_space') is False and \
+        step.get('use_regex', True) is regex
+
+
+STAGING = '.staging-'  # + mkdtemp's characters: a pair being written, beside the vocabularies' folders
+STALE_S = 3600  # a staging this old was left by a writer killed mid-write: a live one takes well under a second
+
+
 def _write_pair(folder: str, vocab: dict, merges: list) -> None:
     """vocab.json and merges.txt into folder, both or neither: written into a staging folder beside it, which is
-    then renamed (where another process renamed the same bytes' pair in first, that one stays)."""
+    then renamed (where another process renamed the same bytes' pair in first, that one stays). The stagings
+    of writers killed before the rename go first (_remove_stale)."""
     parent, staging = os.path.dirname(folder), None
     try:
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix='.staging-', dir=parent)
+        _remove_stale(parent)
+        staging = tempfile.mkdtemp(prefix=STAGING, dir=parent)
         with open(os.path.join(staging, 'vocab.json'), 'w', encoding='utf-8') as f:
             json.dump(vocab, f, ensure_ascii=False)
         with open(os.path.join(staging, 'merges.txt'), 'w', encoding='utf-8') as f:
@@ -357,6 +398,19 @@ def _write_pair(folder: str, vocab: dict, merges: list) -> None:
     finally:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_stale(parent: str) -> None:
+    """The stagings in parent older than STALE_S. Age, not the writer's pid (checkpoint.staged's rule), tells them
+    apart: the cache may be a home folder that other machines write too, and stagings before this rule carry
+    no pid."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:  # a folder it cannot list: nothing goes
+        for entry in entries:
+            with contextlib.suppress(OSError):  # gone meanwhile: another writer removed it first
+                if entry.name.startswith(STAGING) and entry.is_dir(follow_symlinks=False) and \
+                        now - entry.stat(follow_symlinks=False).st_mtime > STALE_S:
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=8)

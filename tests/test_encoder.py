@@ -4,15 +4,19 @@ import errno
 import hashlib
 import json
 import os
+import pathlib
+import random
 import re
 import shutil
+import sysconfig
+import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpt2_tf.assets import bundled_vocabulary as bundled_files
-from gpt2_tf.encoder import (BLANK_RUN, CACHE_ENV, END_OF_TEXT, Encoder, _long_blank, bytes_to_unicode,
+from gpt2_tf.encoder import (BLANK_RUN, CACHE_ENV, END_OF_TEXT, STALE_S, Encoder, _long_blank, bytes_to_unicode,
                              carried_vocabulary, encoder_for, get_encoder, vocabulary_files)
 from gpt2_tf.validate import GPT2Error
 
@@ -176,6 +180,115 @@ def test_a_vocabulary_where_tiktoken_would_merge_differently_uses_the_original_a
         Encoder(encoder, [('a', 'b'), ('b', 'c'), ('a', 'bc')], fast=True)
 
 
+def original_bpe(word: str, ranks: dict) -> list:
+    """openai/gpt-2's bpe, transcribed: the pair of lowest rank, merged wherever it stands, left to right and
+    without overlap; again, until no pair has a rank."""
+    word = list(word)
+    while len(word) > 1:
+        first, second = min(zip(word, word[1:]), key=lambda pair: ranks.get(pair, float('inf')))
+        if (first, second) not in ranks:
+            break
+        merged, i = [], 0
+        while i < len(word):
+            if word[i:i + 2] == [first, second]:
+                merged.append(first + second)
+                i += 2
+            else:
+                merged.append(word[i])
+                i += 1
+        word = merged
+    return word
+
+
+def random_merges(rng: random.Random) -> list:
+    """Merges over one to three letters, each joining two symbols made before it, so that two merges may make
+    the same symbol ('a bc', 'ab c'), a merge may join a symbol to itself ('a a': overlapping runs) and most
+    pairs have no merge; half the time shuffled, so a merge may rank before those that make its parts (a
+    round's merges then make a pair of a lower rank than its own)."""
+    symbols = list('abc'[:rng.randint(1, 3)])
+    merges = []
+    for _ in range(rng.randint(0, 12)):
+        pair = rng.choice(symbols), rng.choice(symbols)
+        merges.append(pair)
+        symbols.append(''.join(pair))
+    if rng.random() < 0.5:
+        rng.shuffle(merges)
+    return merges
+
+
+@pytest.mark.parametrize('word, merges, symbols', [
+    ('aaa', [('a', 'a')], ['aa', 'a']),  # overlapping places: the leftmost first
+    ('aaaaa', [('a', 'a'), ('aa', 'a')], ['aa', 'aaa']),  # every place of a round, then the next rank
+    ('abab', [('ab', 'a'), ('a', 'b')], ['ab', 'ab']),  # ... even those of a lower rank that it makes
+    ('abc', [('a', 'b'), ('b', 'c'), ('a', 'bc')], ['ab', 'c']),
+    ('abc', [('b', 'c'), ('ab', 'c'), ('a', 'bc')], ['abc']),  # 'abc' made two ways
+    ('', [('a', 'b')], []),
+])
+def test_bpe_merges_as_the_original_on_known_cases(word, merges, symbols):
+    assert original_bpe(word, {pair: rank for rank, pair in enumerate(merges)}) == symbols  # the reference itself
+    assert Encoder({}, merges, fast=False).bpe(word) == ' '.join(symbols)
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_bpe_merges_as_the_original_on_random_tables(seed):
+    rng = random.Random(seed)
+    for _ in range(250):
+        merges = random_merges(rng)
+        enc, ranks = Encoder({}, merges, fast=False), {pair: rank for rank, pair in enumerate(merges)}
+        for _ in range(20):
+            word = ''.join(rng.choice('abc') for _ in range(rng.randint(1, 16)))
+            assert enc.bpe(word).split(' ') == original_bpe(word, ranks), (word, merges)
+
+
+def stdlib_text() -> str:
+    """Real text: three of Python's own modules, in every installation."""
+    stdlib = pathlib.Path(sysconfig.get_paths()['stdlib'])
+    return ''.join((stdlib / name).read_text(encoding='utf-8') for name in ('argparse.py', 'difflib.py', 'textwrap.py'))
+
+
+def test_the_python_path_gives_tiktokens_ids_on_real_words_and_long_pieces():
+    python = Encoder(*bundled_tables(), fast=False)  # its own cache: every word goes through bpe
+    text = stdlib_text()
+    words = sorted(set(python.pat.findall(text)))
+    assert len(words) > 3000
+    letters = ''.join(word.strip() for word in words if word.strip().isalpha())
+    marks = ''.join(c for c in text if not (c.isalnum() or c.isspace()))
+    long = [letters[i:i + 5000] for i in range(0, 20000, 5000)] + [marks[:5000]]
+    assert all(python.pat.fullmatch(piece) for piece in long)  # each one piece for bpe
+    assert [python.encode(word) for word in words] == [PATHS['tiktoken'].encode(word) for word in words]
+    assert [python.encode(piece) for piece in long] == [PATHS['tiktoken'].encode(piece) for piece in long]
+
+
+class CountedRanks(dict):
+    """A merge table that counts the ranks looked up in it."""
+    lookups = 0
+
+    def get(self, pair, default=None):
+        self.lookups += 1
+        return super().get(pair, default)
+
+    def __getitem__(self, pair):
+        self.lookups += 1
+        return super().__getitem__(pair)
+
+    def __contains__(self, pair):
+        self.lookups += 1
+        return super().__contains__(pair)
+
+
+def test_a_long_piece_costs_a_few_rank_lookups_per_character():
+    # Counted, not timed: the original looks up every pair each round, 8e6 lookups for these 20,000 letters
+    # (7 s). Each merge here pushes at most two pairs and each pair is looked up once or twice when pushed and
+    # once when popped: about 3 per character here, and at most 7 whatever the vocabulary.
+    enc = Encoder(*bundled_tables(), fast=False)
+    enc.bpe_ranks = CountedRanks(enc.bpe_ranks)
+    rng = random.Random(0)
+    piece = ''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(20000))
+    assert len(enc.encode(piece)) > 10000
+    lookups = enc.bpe_ranks.lookups
+    assert 0 < lookups <= 7 * len(piece)
+
+
 @pytest.mark.parametrize('blank', ['\u2003', '\x0c', ' \t\n'])
 def test_a_run_of_any_whitespace_past_tiktokens_limit_is_encoded_without_its_panic(blank, capfd):
     # tiktoken panics at about 10^6 characters of any whitespace; the original's way takes such a run, silently
@@ -301,19 +414,38 @@ def untyped(tokenizer: dict) -> dict:
     return {**tokenizer, 'model': model, 'pre_tokenizer': pre}
 
 
-@pytest.mark.parametrize('form', [lambda t: t, as_strings, in_sequence, untyped],
-                         ids=['pairs', 'strings', 'sequence', 'untyped'])
+# openai/gpt-2 src/encoder.py's regex, as written there
+GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def spelled_out(tokenizer: dict, pattern: str = GPT2_REGEX, *, literal: bool = False, **split) -> dict:
+    """tokenizer with its split spelled out, as the tokenizers library writes Sequence([Split(Regex(pattern),
+    behavior='isolated', **split), ByteLevel(add_prefix_space=False, use_regex=False)]); literal: the pattern
+    as a string to split at, not a Regex."""
+    tokenizers = require('tokenizers')
+    pre = tokenizers.pre_tokenizers
+    holder = tokenizers.Tokenizer(tokenizers.models.BPE())
+    holder.pre_tokenizer = pre.Sequence([
+        pre.Split(pattern if literal else tokenizers.Regex(pattern), **{'behavior': 'isolated', **split}),
+        pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return {**tokenizer, 'pre_tokenizer': json.loads(holder.to_str())['pre_tokenizer']}
+
+
+@pytest.mark.parametrize('form', [lambda t: t, as_strings, in_sequence, untyped, spelled_out],
+                         ids=['pairs', 'strings', 'sequence', 'untyped', 'spelled-out'])
 def test_a_gpt2_tokenizer_json_alone_is_read_as_its_vocabulary(tokenizer_folder, saved_tokenizer, monkeypatch,
                                                                 form):
     monkeypatch.setenv('TIKTOKEN_CACHE_DIR', '')  # tiktoken reads the bundled files, copying them nowhere
     folder = tokenizer_folder(form(saved_tokenizer))
     assert read_tables(*vocabulary_files(folder)) == bundled_tables()
     enc, reference = encoder_for(folder), tiktoken_gpt2()
-    texts = [case['text'] for case in CASES] + ["Hello world, it's 2024!\n\n\tcafé 日本 🙂"]
+    texts = [case['text'] for case in CASES] + ["Hello world, it's 2024!\n\n\tcafé 日本 🙂", stdlib_text()[:20000]]
     assert [enc.encode(text) for text in texts] == [reference.encode_ordinary(text) for text in texts]
     theirs = require('transformers').PreTrainedTokenizerFast(tokenizer_file=str(folder / 'tokenizer.json'))
     ordinary = [text for text in texts if END_OF_TEXT not in text]  # HF reads it as the special token
     assert [enc.encode(text) for text in ordinary] == [theirs.encode(text) for text in ordinary]
+    own = require('tokenizers').Tokenizer.from_file(str(folder / 'tokenizer.json'))  # the library alone
+    assert [enc.encode(text) for text in ordinary] == [encoding.ids for encoding in own.encode_batch(ordinary)]
     assert encoder_for(folder).encode('zebra') == [89, 37052]  # the second time from the cached pair
 
 
@@ -338,6 +470,10 @@ def _drop_end_of_text(tokenizer: dict) -> dict:
         t['pre_tokenizer'], {'type': 'Digits', 'individual_digits': True}]}}, 'pre-tokenizer is not', id='digits'),
     pytest.param(_drop_end_of_text, '<|endoftext|> is an added token at id 50256, not its model.vocab id',
                  id='end-of-text-added'),
+    pytest.param(lambda t: spelled_out(t, f'(?i:{GPT2_REGEX})'), 'pre-tokenizer is not', id='split-ignorecase'),
+    pytest.param(lambda t: spelled_out(t, literal=True), 'pre-tokenizer is not', id='split-at-a-string'),
+    pytest.param(lambda t: spelled_out(t, behavior='contiguous'), 'pre-tokenizer is not', id='split-contiguous'),
+    pytest.param(lambda t: spelled_out(t, invert=True), 'pre-tokenizer is not', id='split-inverted'),
 ])
 def test_another_kind_of_tokenizer_json_is_refused_saying_what_differs(tokenizer_folder, saved_tokenizer, change,
                                                                         differs):
@@ -379,3 +515,16 @@ def test_the_pair_a_tokenizer_json_holds_is_written_whole_or_not_at_all(tokenize
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / 'file' / 'cache'))
     with pytest.raises(GPT2Error, match=rf'^cannot write .*: set {CACHE_ENV} to a folder that can be written$'):
         encoder_for(folder)
+
+
+def test_a_killed_writers_staging_goes_at_the_next_write_and_a_live_ones_stays(tokenizer_folder, saved_tokenizer,
+                                                                                 tmp_path):
+    cache = tmp_path / 'cache'
+    killed, live, pair = cache / '.staging-killed00', cache / '.staging-running', cache / '0123456789abcdef'
+    for folder, age in (killed, STALE_S + 60), (live, STALE_S / 2), (pair, STALE_S * 24):  # ages in seconds
+        folder.mkdir(parents=True)
+        (folder / 'vocab.json').write_text('{')
+        os.utime(folder, (time.time() - age,) * 2)
+    encoder_for(tokenizer_folder(saved_tokenizer))  # a pair not there yet: written
+    written = [name for name in os.listdir(cache) if re.fullmatch(r'[0-9a-f]{16}', name) and name != pair.name]
+    assert sorted(os.listdir(cache)) == sorted([live.name, pair.name, *written]) and len(written) == 1
