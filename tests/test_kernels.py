@@ -718,3 +718,15 @@ def test_the_cache_key_holds_what_changes_the_library(monkeypatch):
     monkeypatch.setattr(kernels, '_gxx_version', lambda: '99.1.0')
     assert kernels._library_path(xla=False) != key
 
+
+def test_one_install_reached_through_a_link_is_one_key(monkeypatch, tmp_path):
+    # A venv linked into another folder (as the README's tests do) names TensorFlow's headers by another path.
+    (tmp_path / 'venv').mkdir(), (tmp_path / 'other').mkdir()
+    (tmp_path / 'linked').symlink_to(tmp_path / 'venv')
+    keys = {}
+    for folder in ('venv', 'linked', 'other'):
+        monkeypatch.setattr(tf.sysconfig, 'get_compile_flags', lambda: [f'-I{tmp_path / folder}/include', '-DX'])
+        monkeypatch.setattr(tf.sysconfig, 'get_link_flags', lambda: [f'-L{tmp_path / folder}', '-l:libx.so.2'])
+        keys[folder] = kernels._library_path(xla=False)
+    assert keys['venv'] == keys['linked'] != keys['other']
+

@@ -131,10 +131,18 @@ def _library_path(xla: bool, name: str = 'matmul') -> pathlib.Path:
     """The library's file in the cache, keyed by its sources, TensorFlow's version and build flags (another
     install of the same version: its ABI flags and include path), g++'s version and flags, and the CPU."""
     sources, headers = LIBRARIES[name]
-    built_with = [tf.__version__, *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(), _gxx_version(),
-                  *_common_flags(), _cpu_key()]
+    tf_flags = [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
+    built_with = [tf.__version__, *map(_real, tf_flags), _gxx_version(), *_common_flags(), _cpu_key()]
     digest = hashlib.sha256(b''.join(f.read_bytes() for f in (*sources, *headers)) + '\n'.join(built_with).encode())
     return cache_folder() / f'{name}-{digest.hexdigest()[:16]}{"-xla" if xla else ""}.so'
+
+
+def _real(flag: str) -> str:
+    """A -I or -L flag with its folder's real path: one install reached through a link (a venv linked into
+    another folder) is one key, where its build would otherwise be repeated in every such folder."""
+    if flag[:2] in ('-I', '-L'):
+        return flag[:2] + os.path.realpath(flag[2:])
+    return flag
 
 
 @functools.lru_cache(maxsize=1)
