@@ -1,9 +1,11 @@
-"""One decode step's choice of tokens (sample.choose) on the full vocabulary, under XLA, per top_k.
+"""One decode step's choice of tokens (sample.choose) on the full vocabulary, under XLA, per filter.
 
-    python bench/bench_choose.py [--batch 8] [--top_k 40,64] [--calls 200]
+    python bench/bench_choose.py [--batch 1,8] [--calls 200]
 
-Times choose alone on random logits [batch, 50257], drawing among tf.math.top_k's candidates (what the
-decode loop does when every row has a top_k) and over the full row, with the CPU named.
+Times choose alone on random logits [batch, 50257], with the plan the decode loop makes (sample.plan_for):
+drawing among tf.math.top_k's candidates where every row is cut by a top_k or a top_p whose nucleus they hold,
+else over the full row. Two kinds of rows: flat (normal, scale 2: a top_p of 0.9 keeps a few thousand tokens,
+more than the candidates) and peaked (scale 8: it keeps a few). With the CPU named.
 """
 
 import argparse
@@ -22,31 +24,38 @@ from gpt2_tf.noise import row_keys  # noqa: E402
 from bench_generate import cpu  # noqa: E402
 
 VOCAB = 50257
+CASES = [  # name, top_k, top_p, scale of the logits
+    ('no filter', 0, 1.0, 2), ('top_k=40', 40, 1.0, 2), ('top_k=40 top_p=0.9', 40, 0.9, 2),
+    ('top_p=0.9, flat rows', 0, 0.9, 2), ('top_p=0.9, peaked rows', 0, 0.9, 8),
+]
+
+
+def timed(batch: int, top_k: int, top_p: float, scale: float, calls: int) -> float:
+    """ms a call of choose, as the decode loop plans it."""
+    logits = tf.constant(np.random.default_rng(0).standard_normal((batch, VOCAB)).astype(np.float32) * scale)
+    options = [tf.fill([batch], np.float32(1.0)), tf.fill([batch], np.int32(top_k)),
+               tf.fill([batch], np.float32(top_p)), tf.constant(row_keys(1, batch))]
+    plan = sample.plan_for(np.array([1.0]), np.array([top_k]), np.array([top_p]), VOCAB, chunk=1)
+    choose = tf.function(lambda x, step: sample.choose(x, *options, step, kmax=plan.kmax, among_top=plan.among_top),
+                         jit_compile=True)
+    choose(logits, tf.constant(0, tf.int64)).numpy()
+    start = time.perf_counter()
+    for i in range(calls):
+        choose(logits, tf.constant(i, tf.int64)).numpy()
+    return (time.perf_counter() - start) / calls * 1000
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument('--batch', type=int, default=8)
-    parser.add_argument('--top_k', default='40,64')
+    parser.add_argument('--batch', default='1,8')
     parser.add_argument('--calls', type=int, default=200)
     args = parser.parse_args()
     print(f'CPU: {cpu()}')
-    logits = tf.constant(np.random.default_rng(0).standard_normal((args.batch, VOCAB)).astype(np.float32) * 2)
-    print(f'{"top_k":>6} {"kmax":>6} {"among top ms":>13} {"full row ms":>12}')
-    for top_k in map(int, args.top_k.split(',')):
-        options = [tf.fill([args.batch], np.float32(1.0)), tf.fill([args.batch], np.int32(top_k)),
-                   tf.fill([args.batch], np.float32(1.0)), tf.constant(row_keys(1, args.batch))]
-        kmax = sample.top_k_size(np.array([top_k]), VOCAB)
-        times = []
-        for among_top in (True, False):
-            choose = tf.function(lambda l, step, flag=among_top: sample.choose(l, *options, step, kmax=kmax,
-                                                                               among_top=flag), jit_compile=True)
-            choose(logits, tf.constant(0, tf.int64)).numpy()
-            start = time.perf_counter()
-            for i in range(args.calls):
-                choose(logits, tf.constant(i, tf.int64)).numpy()
-            times.append((time.perf_counter() - start) / args.calls * 1000)
-        print(f'{top_k:>6} {kmax:>6} {times[0]:>13.3f} {times[1]:>12.3f}')
+    batches = [int(b) for b in args.batch.split(',')]
+    print(f'{"case":<26}' + ''.join(f'{f"B{b} ms":>10}' for b in batches))
+    for name, top_k, top_p, scale in CASES:
+        row = [timed(b, top_k, top_p, scale, args.calls) for b in batches]
+        print(f'{name:<26}' + ''.join(f'{ms:>10.3f}' for ms in row), flush=True)
 
 
 if __name__ == '__main__':

@@ -4,7 +4,8 @@ top_p(top_k(logits / temperature)) keeps every token at or above some logit,
 so each row's kept set is one number: a floor on `order_keys(logits)`. top_k's
 floor is the k-th largest logit (tf.math.top_k, or a bisection when k is known
 only at run time); top_p's is found by bisection over the logit values, exact,
-with the original's rule that the token crossing p is dropped.
+with the original's rule that the token crossing p is dropped: among
+tf.math.top_k's candidates where they hold the nucleus, else over the full row.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def nucleus_floor(keys, probs, target):
     return tf.minimum(floor, tf.reduce_max(keys, axis=-1))
 
 
-def top_k_floor(logits, keys, top_k, *, kmax):
+def top_k_floor(logits, keys, top_k, *, kmax, values=None):
     """The top-k floor key per row [batch], -BIG where a row keeps everything (top_k 0 or >= vocab).
 
     kmax (static) >= every top_k in use, 0 if none, None when the top_k are known
     only at run time (then a bisection finds the k-th logit that tf.math.top_k does).
+    values: tf.math.top_k(logits, kmax)'s, where the caller has them.
     """
     vocab = logits.shape[-1]
     none = tf.fill(tf.shape(logits)[:1], tf.constant(-BIG, tf.int64))
@@ -77,28 +79,50 @@ def top_k_floor(logits, keys, top_k, *, kmax):
                        lambda: tf.where(truncating, kth_largest(keys, tf.maximum(top_k, 1)), none), lambda: none)
     if not kmax:
         return none
-    values, _ = tf.math.top_k(logits, k=min(kmax, vocab))
+    if values is None:
+        values, _ = tf.math.top_k(logits, k=min(kmax, vocab))
     kth = tf.gather(values, tf.maximum(tf.minimum(top_k, values.shape[-1]) - 1, 0), batch_dims=1)
     return tf.where(truncating, order_keys(kth), none)
 
 
-def floors(logits, temperature, top_k, top_p, *, kmax):
+def floors(logits, temperature, top_k, top_p, *, kmax, top=None):
     """The kept set of top_p(top_k(logits / temperature)) as a threshold: keep order_keys(logits) >= floor.
 
     logits [batch, vocab]; temperature, top_p float32 [batch] (temperature > 0);
-    top_k int32 [batch], 0 for none; kmax as top_k_floor takes it.
+    top_k int32 [batch], 0 for none; kmax as top_k_floor takes it; top, where
+    given, tf.math.top_k(logits, kmax) (values, ids [batch, kmax]), the candidates.
     Returns floor int64 [batch], and z = (logits - max) / temperature [batch, vocab].
     """
     keys = order_keys(logits)
     none = tf.fill(tf.shape(logits)[:1], tf.constant(-BIG, tf.int64))
-    floor_k = top_k_floor(logits, keys, top_k, kmax=kmax)
+    floor_k = top_k_floor(logits, keys, top_k, kmax=kmax, values=None if top is None else top[0])
     z = (logits - tf.reduce_max(logits, axis=-1, keepdims=True)) / temperature[:, None]
 
     def nucleus():
         valid = keys >= floor_k[:, None]
         zv = tf.where(valid, z, -np.inf)
-        probs = tf.exp(zv - tf.reduce_logsumexp(zv, axis=-1, keepdims=True))  # 0 outside the top-k set
-        return tf.where(top_p < 1, nucleus_floor(keys, probs, top_p - TOP_P_MARGIN), none)
+        total = tf.reduce_logsumexp(zv, axis=-1, keepdims=True)
+        target = top_p - TOP_P_MARGIN
+        full = lambda: nucleus_floor(keys, tf.exp(zv - total), target)  # noqa: E731  0 outside the top-k set
+        floor = full() if top is None else _among(top, zv, total, top_p, target, full)
+        return tf.where(top_p < 1, floor, none)
 
     floor_p = tf.cond(tf.reduce_any(top_p < 1), nucleus, lambda: none)
     return tf.maximum(floor_k, floor_p), z
+
+
+def _among(top, zv, total, top_p, target, full):
+    """nucleus_floor among the candidates, where every cut row's are enough, else full(): the full row's floor
+    (its sums rounded in another order).
+
+    Every token above the last candidate's logit is a candidate, so where the candidates above it hold more than
+    top_p, the tokens nucleus_floor looks at (those at or above the floor, and the next logit down) are all
+    candidates, with the same probabilities (each exp(zv - total), total over the full row).
+    """
+    values, ids = top
+    keys = order_keys(values)
+    probs = tf.exp(tf.gather(zv, ids, batch_dims=1) - total)
+    last = tf.reduce_min(keys, axis=-1, keepdims=True)  # not a slice (see sample.choose)
+    above = tf.reduce_sum(tf.where(keys > last, probs, 0.0), axis=-1)
+    held = tf.reduce_all((above > top_p) | (top_p >= 1))
+    return tf.cond(held, lambda: nucleus_floor(keys, probs, target), full)

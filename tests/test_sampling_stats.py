@@ -54,8 +54,8 @@ def draw(row, temperature, top_k, top_p, *, rows: int, steps: int, seed: int) ->
     logits = tf.constant(np.tile(row, [rows, 1]))
     options = [tf.fill([rows], np.float32(temperature)), tf.fill([rows], np.int32(top_k)),
                tf.fill([rows], np.float32(top_p)), tf.constant(row_keys(seed, rows))]
-    kmax = sample.top_k_size(np.array([top_k]), row.shape[-1])
-    among_top = sample.truncating(np.array([temperature]), np.array([top_k]), row.shape[-1])
+    plan = sample.plan_for(np.array([temperature]), np.array([top_k]), np.array([top_p]), row.shape[-1], chunk=1)
+    kmax, among_top = plan.kmax, plan.among_top  # as the decode loop decides
     counts = np.zeros(row.shape[-1], np.int64)
     for step in range(steps):
         ids = _choose(logits, *options, tf.constant(step, tf.int64), kmax=kmax, among_top=among_top).numpy()
@@ -100,43 +100,70 @@ def test_no_draw_outside_the_original_filters_support(temperature, top_k, top_p)
     assert outside == 0, f'{outside} of 10,000 draws fell outside the {allowed.sum()} allowed tokens'
 
 
+def held_by_candidates(logits, temperature, top_p, k) -> np.ndarray:
+    """bool [batch]: whether the tokens above each row's k-th largest logit hold more than top_p (float64), so
+    that the nucleus is found among tf.math.top_k's k candidates."""
+    z = logits.astype(np.float64) / temperature
+    probs = np.exp(z - z.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    kth = -np.sort(-logits, axis=-1)[:, k - 1:k]
+    return np.where(logits > kth, probs, 0).sum(-1) > top_p
+
+
 def test_kept_set_equals_the_original_float32_filter():
-    """The top-p cut differs from the original's only where float32 rounding of the cumulative sum decides."""
+    """The top-p cut differs from the original's only where float32 rounding of the cumulative sum decides,
+    found over the full row or among tf.math.top_k's candidates (where they hold the nucleus)."""
     rng = np.random.default_rng(3)
+    held = []
     for trial in range(12):
-        scale = [0.5, 1.5, 3.0][trial % 3]
+        scale = [0.5, 1.5, 3.0, 8.0][trial % 4]
         logits = (rng.standard_normal((4, V)) * scale).astype(np.float32)
         for temperature, top_k, top_p in [(1.0, 0, 0.9), (0.7, 40, 0.8), (1.3, 0, 0.5), (1.0, 1000, 0.95)]:
-            floor, _ = floors(tf.constant(logits), tf.fill([4], np.float32(temperature)),
-                              tf.fill([4], np.int32(top_k)), tf.fill([4], np.float32(top_p)),
-                              kmax=sample.top_k_size(np.array([top_k]), V))
-            ours = order_keys(tf.constant(logits)).numpy() >= floor.numpy()[:, None]
-            x = top_k_filter(tf.constant(logits / np.float32(temperature)), top_k).numpy()
-            theirs = top_p_filter(tf.constant(x), top_p).numpy() > -1e9
-            # The original's cumulative sums, float32 as it computes them and exact, per token.
-            order = np.argsort(-x, axis=-1, kind='stable')
-            ordered = np.take_along_axis(x, order, -1)
-            cum32 = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1).numpy().astype(np.float64)
-            exact = np.exp(ordered.astype(np.float64) - ordered[:, :1])
-            cum64 = np.cumsum(exact / exact.sum(-1, keepdims=True), axis=-1)
-            doubtful = np.zeros_like(ours)
-            np.put_along_axis(doubtful, order, (np.abs(cum32 - top_p) < 1e-5) | (np.abs(cum64 - top_p) < 1e-5), -1)
-            assert not (ours & ~theirs & ~doubtful).any(), 'kept a token the original drops'
-            assert not (theirs & ~ours & ~doubtful).any(), 'dropped a token the original keeps'
+            kmax = sample.candidates(np.array([temperature]), np.array([top_k]), np.array([top_p]), V)
+            if not top_k:
+                held.extend(held_by_candidates(logits, temperature, top_p, kmax))
+            for top in (None, tf.math.top_k(logits, k=kmax)):
+                check_kept_set(logits, temperature, top_k, top_p, kmax, top)
+    assert 0 < sum(held) < len(held)  # the candidates held some rows' nuclei and missed others'
 
 
-@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 40, 1.0), (0.7, 40, 0.9), (1.3, 200, 1.0),
-                                                      (2.0, 5, 0.5), (0.01, 3, 1.0)])
-def test_drawing_among_the_top_k_picks_what_the_full_row_picks(temperature, top_k, top_p):
+def check_kept_set(logits, temperature, top_k, top_p, kmax, top):
+    floor, _ = floors(tf.constant(logits), tf.fill([4], np.float32(temperature)), tf.fill([4], np.int32(top_k)),
+                      tf.fill([4], np.float32(top_p)), kmax=kmax, top=top)
+    ours = order_keys(tf.constant(logits)).numpy() >= floor.numpy()[:, None]
+    x = top_k_filter(tf.constant(logits / np.float32(temperature)), top_k).numpy()
+    theirs = top_p_filter(tf.constant(x), top_p).numpy() > -1e9
+    # The original's cumulative sums, float32 as it computes them and exact, per token.
+    order = np.argsort(-x, axis=-1, kind='stable')
+    ordered = np.take_along_axis(x, order, -1)
+    cum32 = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1).numpy().astype(np.float64)
+    exact = np.exp(ordered.astype(np.float64) - ordered[:, :1])
+    cum64 = np.cumsum(exact / exact.sum(-1, keepdims=True), axis=-1)
+    doubtful = np.zeros_like(ours)
+    np.put_along_axis(doubtful, order, (np.abs(cum32 - top_p) < 1e-5) | (np.abs(cum64 - top_p) < 1e-5), -1)
+    assert not (ours & ~theirs & ~doubtful).any(), 'kept a token the original drops'
+    assert not (theirs & ~ours & ~doubtful).any(), 'dropped a token the original keeps'
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p, scale, held', [
+    (1.0, 40, 1.0, 2, True), (0.7, 40, 0.9, 2, True), (1.3, 200, 1.0, 2, True), (2.0, 5, 0.5, 2, True),
+    (0.01, 3, 1.0, 2, True), (1.0, 0, 0.9, 2, False), (1.0, 0, 0.9, 8, True), (0.8, 0, 0.95, 8, True),
+])
+def test_drawing_among_the_candidates_picks_what_the_full_row_picks(temperature, top_k, top_p, scale, held):
+    # held: whether the candidates hold every row's nucleus (else the step looks over the full row).
     rng = np.random.default_rng(8)
-    logits = tf.constant((rng.standard_normal((8, V)) * 2).astype(np.float32))
+    logits = (rng.standard_normal((8, V)) * scale).astype(np.float32)
     options = [tf.fill([8], np.float32(temperature)), tf.fill([8], np.int32(top_k)), tf.fill([8], np.float32(top_p)),
                tf.constant(row_keys(9, 8))]
-    kmax = sample.top_k_size(np.array([top_k]), V)
+    plan = sample.plan_for(np.array([temperature]), np.array([top_k]), np.array([top_p]), V, chunk=1)
+    assert plan.among_top and 0 < plan.kmax < V
+    if not top_k:
+        assert held_by_candidates(logits, temperature, top_p, plan.kmax).all() == held
     for step in range(100):
-        full, top = (_choose(logits, *options, tf.constant(step, tf.int64), kmax=kmax, among_top=flag).numpy()
-                     for flag in (False, True))
-        np.testing.assert_array_equal(top, full, err_msg=f'step {step}')
+        ours = _choose(logits, *options, tf.constant(step, tf.int64), kmax=plan.kmax, among_top=True).numpy()
+        # kmax=None: the k-th logit found by bisection, the nucleus over the full row, the draw over the full row
+        full = _choose(logits, *options, tf.constant(step, tf.int64), kmax=None).numpy()
+        np.testing.assert_array_equal(ours, full, err_msg=f'step {step}')
 
 
 @pytest.mark.parametrize('top_k', [20, 64])
