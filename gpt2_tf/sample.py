@@ -231,10 +231,12 @@ def _cut(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab: i
 
 
 def candidates(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab: int) -> int:
-    """choose's kmax: past every row's top_k (top_k_size), and at least NUCLEUS_CANDIDATES where a row is cut
-    by top_p alone (where the vocabulary is larger); 0 where no row is cut."""
-    size = top_k_size(top_k, vocab)
-    if _cut(temperature, top_k, top_p, vocab)[2].any() and NUCLEUS_CANDIDATES < vocab:
+    """choose's kmax: past every drawing row's top_k (top_k_size; a greedy row's top_k is not looked at), and at
+    least NUCLEUS_CANDIDATES where a row is cut by top_p alone (where the vocabulary is larger); 0 where no row
+    is cut."""
+    drawing, _, by_p = _cut(temperature, top_k, top_p, vocab)
+    size = top_k_size(top_k[drawing], vocab)
+    if by_p.any() and NUCLEUS_CANDIDATES < vocab:
         size = max(size, NUCLEUS_CANDIDATES)
     return size
 

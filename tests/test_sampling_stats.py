@@ -166,6 +166,50 @@ def test_drawing_among_the_candidates_picks_what_the_full_row_picks(temperature,
         np.testing.assert_array_equal(ours, full, err_msg=f'step {step}')
 
 
+def mixed_rows() -> np.ndarray:
+    rng = np.random.default_rng(12)
+    flat = (rng.standard_normal((3, V)) * 1.5).astype(np.float32)  # a 0.9-nucleus of thousands of tokens
+    peaked = flat.copy()
+    peaked[:, rng.choice(V, 20, replace=False)] += 12  # one of a few
+    masked = np.full((2, V), -np.inf, np.float32)  # as penalties or a mask leave a row: a few finite logits
+    masked[0, rng.choice(V, 100, replace=False)] = rng.standard_normal(100) * 3
+    masked[1, :3] = [1, 2, 3]
+    return np.concatenate([peaked, flat, masked])
+
+
+@pytest.mark.parametrize('rows, temperature, top_k, top_p', [
+    # greedy, top_p alone, top_k alone, top_k with top_p, top_p 1 with a top_k: the nuclei all held
+    ([0, 1, 2, 0, 1, 6, 7], [0, 1, 1, 1, 0.7, 1, 1], [0, 0, 40, 300, 1, 0, 10], [0.9, 0.9, 1, 0.8, 0.9, 0.9, 0.5]),
+    # the same with flat rows cut by top_p alone: those rows' nuclei are past the candidates
+    ([0, 3, 2, 4, 1, 5, 7], [0, 1, 1, 1, 0.7, 1, 1], [0, 0, 40, 300, 1, 0, 10], [0.9, 0.9, 1, 0.8, 0.9, 0.95, 0.5]),
+    # a drawing row without a cut: every row over the full row
+    ([0, 1, 3, 6], [1, 1, 1, 1], [0, 40, 0, 0], [0.9, 0.9, 1, 0.5]),
+])
+def test_rows_of_mixed_options_draw_what_the_full_row_draws(rows, temperature, top_k, top_p):
+    logits = tf.constant(mixed_rows()[rows])
+    options = [tf.constant(np.float32(temperature)), tf.constant(np.int32(top_k)), tf.constant(np.float32(top_p)),
+               tf.constant(row_keys(4, len(rows)))]
+    plan = sample.plan_for(np.float32(temperature), np.int32(top_k), np.float32(top_p), V, chunk=1)
+    for step in range(20):
+        ours = _choose(logits, *options, tf.constant(step, tf.int64), kmax=plan.kmax, among_top=plan.among_top)
+        full = _choose(logits, *options, tf.constant(step, tf.int64), kmax=None)
+        np.testing.assert_array_equal(ours.numpy(), full.numpy(), err_msg=f'step {step}')
+
+
+def test_the_candidates_count_drawing_rows_and_need_a_larger_vocabulary():
+    one = lambda *values: np.array(values)  # noqa: E731
+    assert sample.candidates(one(1.0), one(0), one(0.9), V) == sample.NUCLEUS_CANDIDATES
+    assert sample.candidates(one(1.0, 1.0), one(40, 0), one(1.0, 0.9), V) == sample.NUCLEUS_CANDIDATES
+    assert sample.candidates(one(1.0, 1.0), one(300, 0), one(1.0, 0.9), V) == 1024
+    assert sample.candidates(one(1.0), one(40), one(1.0), V) == 64
+    assert sample.candidates(one(1.0), one(0), one(1.0), V) == 0  # nothing cut
+    assert sample.candidates(one(0.0, 1.0), one(0, 0), one(0.9, 1.0), V) == 0  # the cut row is greedy
+    assert sample.candidates(one(0.0, 1.0), one(20000, 40), one(1.0, 0.9), V) == 64  # a greedy row's top_k
+    assert sample.candidates(one(1.0), one(0), one(0.9), 256) == 0  # no fewer candidates than the vocabulary
+    assert sample.truncating(one(1.0, 1.0), one(0, 40), one(0.9, 1.0), V)
+    assert not sample.truncating(one(1.0, 1.0), one(0, 40), one(1.0, 1.0), V)
+
+
 @pytest.mark.parametrize('top_k', [20, 64])
 def test_ties_at_the_k_th_logit_past_the_candidates_are_drawn_as_the_full_row_draws_them(top_k):
     # 10 logits at 5 and 70 at 4: top_k 20 or 64 keeps all 80 (ties with the k-th survive, as in the original),
