@@ -291,6 +291,7 @@ def _merges(lines: Iterable[tuple], encoder: dict, where: str, table: str) -> li
 
 TOKENIZER_JSON = 'tokenizer.json'
 CACHE_ENV = 'GPT2_TF_VOCABULARY_CACHE'  # where a tokenizer.json's vocabulary is kept as vocab.json and merges.txt
+CACHED = ('vocab.json', 'merges.txt')  # the pair the vocabulary cache holds for a tokenizer.json
 # The BPE model's options that change ids, and the values GPT-2's takes (the first: the tokenizers default).
 GPT2_BPE = {'dropout': (None,), 'continuing_subword_prefix': (None, ''), 'end_of_word_suffix': (None, ''),
             'byte_fallback': (False,), 'ignore_merges': (False,)}
@@ -304,7 +305,7 @@ def _tokenizer_pair(path: str) -> tuple:
     with open(path, 'rb') as f:
         content = f.read()
     folder = os.path.join(cache_folder(CACHE_ENV, 'vocabularies'), hashlib.sha256(content).hexdigest()[:16])
-    files = (os.path.join(folder, 'vocab.json'), os.path.join(folder, 'merges.txt'))
+    files = tuple(os.path.join(folder, name) for name in CACHED)
     if os.path.isdir(folder):  # the same bytes were read, checked and written before
         return files
     try:
@@ -386,9 +387,9 @@ def _write_pair(folder: str, vocab: dict, merges: list) -> None:
         os.makedirs(parent, exist_ok=True)
         _remove_stale(parent)
         staging = tempfile.mkdtemp(prefix=STAGING, dir=parent)
-        with open(os.path.join(staging, 'vocab.json'), 'w', encoding='utf-8') as f:
+        with open(os.path.join(staging, CACHED[0]), 'w', encoding='utf-8') as f:
             json.dump(vocab, f, ensure_ascii=False)
-        with open(os.path.join(staging, 'merges.txt'), 'w', encoding='utf-8') as f:
+        with open(os.path.join(staging, CACHED[1]), 'w', encoding='utf-8') as f:
             f.write('#version: 0.2\n' + ''.join(f'{a} {b}\n' for a, b in merges))
         os.replace(staging, folder)
     except OSError as e:
@@ -401,15 +402,17 @@ def _write_pair(folder: str, vocab: dict, merges: list) -> None:
 
 
 def _remove_stale(parent: str) -> None:
-    """The stagings in parent older than STALE_S. Age, not the writer's pid (checkpoint.staged's rule), tells them
-    apart: the cache may be a home folder that other machines write too, and stagings before this rule carry
-    no pid."""
+    """The stagings in parent older than STALE_S, holding nothing but what _write_pair writes (another program's
+    folder of the same name, in a cache folder shared with it, stays). Age, not the writer's pid
+    (checkpoint.staged's rule), tells them apart: the cache may be a home folder that other machines write too,
+    and stagings before this rule carry no pid."""
     now = time.time()
     with contextlib.suppress(OSError), os.scandir(parent) as entries:  # a folder it cannot list: nothing goes
         for entry in entries:
             with contextlib.suppress(OSError):  # gone meanwhile: another writer removed it first
                 if entry.name.startswith(STAGING) and entry.is_dir(follow_symlinks=False) and \
-                        now - entry.stat(follow_symlinks=False).st_mtime > STALE_S:
+                        now - entry.stat(follow_symlinks=False).st_mtime > STALE_S and \
+                        set(os.listdir(entry.path)) <= set(CACHED):
                     shutil.rmtree(entry.path, ignore_errors=True)
 
 

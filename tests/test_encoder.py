@@ -521,10 +521,13 @@ def test_a_killed_writers_staging_goes_at_the_next_write_and_a_live_ones_stays(t
                                                                                  tmp_path):
     cache = tmp_path / 'cache'
     killed, live, pair = cache / '.staging-killed00', cache / '.staging-running', cache / '0123456789abcdef'
-    for folder, age in (killed, STALE_S + 60), (live, STALE_S / 2), (pair, STALE_S * 24):  # ages in seconds
-        folder.mkdir(parents=True)
+    others = cache / '.staging-build'  # another program's, in a cache folder shared with it
+    for folder, age in (killed, STALE_S + 60), (live, STALE_S / 2), (pair, STALE_S * 24), (others, STALE_S * 24):
+        folder.mkdir(parents=True)  # ages in seconds
         (folder / 'vocab.json').write_text('{')
         os.utime(folder, (time.time() - age,) * 2)
+    (others / 'notes.txt').write_text('theirs')
+    os.utime(others, (time.time() - STALE_S * 24,) * 2)
     encoder_for(tokenizer_folder(saved_tokenizer))  # a pair not there yet: written
     written = [name for name in os.listdir(cache) if re.fullmatch(r'[0-9a-f]{16}', name) and name != pair.name]
-    assert sorted(os.listdir(cache)) == sorted([live.name, pair.name, *written]) and len(written) == 1
+    assert sorted(os.listdir(cache)) == sorted([live.name, pair.name, others.name, *written]) and len(written) == 1
