@@ -159,8 +159,8 @@ def step_choice(hparams, args, rng):
         for name, top_k, top_p in (('no filter', 0, 1.0), ('top_k=40', 40, 1.0), ('top_p=0.9', 0, 0.9)):
             options = [tf.fill([batch], 1.0), tf.fill([batch], top_k), tf.fill([batch], np.float32(top_p)), keys]
             choose = tf.function(sample.choose, jit_compile=True)
-            plan = sample.plan_for(np.array([1.0]), np.array([top_k]), np.array([top_p]), vocab, chunk=1)
-            kmax, among_top = plan.kmax, plan.among_top  # as the loop decides
+            kmax = sample.top_k_size(np.array([top_k]), vocab)
+            among_top = sample.truncating(np.array([1.0]), np.array([top_k]), vocab)  # as the loop decides
             _, ours = timed(lambda: choose(logits, *options, tf.constant(0, tf.int64), kmax=kmax,
                                            among_top=among_top).numpy(), 20)
             note = ''

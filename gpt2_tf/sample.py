@@ -37,7 +37,6 @@ from .validate import GPT2Error
 MODES = compiled.MODES
 DEFAULT_CHUNK = 32  # tokens per compiled call; see BENCHMARKS.md for the overhead against one call
 _TOP_K_SIZES = (64, 256, 1024, 4096, 16384)  # tf.math.top_k compiles per k; these are the sizes it sees
-NUCLEUS_CANDIDATES = 256  # for rows cut by top_p alone: where these hold the nucleus, it is found among them
 
 
 # --- one step's choice -----------------------------------------------------------------------
@@ -69,12 +68,12 @@ def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: 
     [batch, 2]; step int64 []. A row with temperature 0 or top_k 1 takes the
     argmax (the lowest id among exact ties); greedy=True (static) says every row does.
     kmax (static) is how many of tf.math.top_k's candidates the filters look at
-    where 0 < kmax < vocab (thresholds.floors; None: top_k known only at run
-    time). among_top=True (static) says every
-    other row is cut by a top_k or a top_p: the draw then runs over the candidates
-    only, each with the noise it has in the full row, so it picks the same token
-    for a fraction of the cost; over the full row where a row keeps a token past
-    the last candidate (exact ties at its k-th logit, a nucleus wider than them).
+    where 0 < kmax < vocab, past every drawing row's top_k (thresholds.floors;
+    None: top_k known only at run time). among_top=True (static) says every other
+    row has 0 < top_k < kmax: the draw then runs over the candidates only, each
+    with the noise it has in the full row, so it picks the same token for a
+    fraction of the cost (over the full row where exact ties at a row's k-th
+    logit reach the last candidate).
     """
     best = first_argmax(logits)
     if greedy:
@@ -93,10 +92,9 @@ def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: 
     if not among_top or top is None:
         return tf.where(is_greedy, best, full())
     values, ids = top
-    # A row that keeps the last candidate may keep more past it (exact ties at its k-th logit, which top_k keeps
-    # all of; a nucleus the candidates do not hold): then every row draws over its full row (the same token
-    # wherever nothing was cut). The last candidate by reduce_min, not a slice: XLA sorts the whole row where
-    # top_k's values are sliced other than to their first k.
+    # Exact ties at a row's k-th logit, all of which top_k keeps, can reach the last candidate and run past it:
+    # then every row draws over its full row (the same token wherever nothing was cut). The last candidate by
+    # reduce_min, not a slice: XLA sorts the whole row where top_k's values are sliced other than to their first k.
     past = tf.reduce_any(~is_greedy & (order_keys(tf.reduce_min(values, axis=-1)) >= floor))
     chosen = tf.cond(past, full, lambda: draw(values, ids, tf.gather(z, ids, batch_dims=1)))
     return tf.where(is_greedy, best, chosen)
@@ -131,8 +129,9 @@ class Plan(NamedTuple):
     """What shapes the compiled loop; Python values (each new one traces anew), chunk a tensor in a signature."""
     chunk: Any  # tokens chosen per call
     greedy: bool = False  # every row takes the argmax
-    kmax: Optional[int] = 0  # tf.math.top_k's candidates, past every row's top_k; 0: none; None: top_k at run time
-    among_top: bool = False  # every drawing row is cut by a top_k or a top_p (see choose)
+    kmax: Optional[int] = 0  # tf.math.top_k's candidates, past every drawing row's top_k; 0: none truncates;
+    # None: the top_k are known only at run time
+    among_top: bool = False  # every drawing row keeps at most kmax tokens (see choose)
     logprobs: Optional[int] = None  # N: also the chosen tokens' log-probs and the N likeliest tokens'
     penalized: bool = False  # the rows' logits go through penalties.penalize (options.penalties, the state)
 
@@ -223,36 +222,24 @@ def top_k_size(top_k: np.ndarray, vocab: int) -> int:
     return next((size for size in _TOP_K_SIZES if size > largest), vocab)
 
 
-def _cut(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab: int) -> tuple:
-    """Per row: (whether it draws at random, whether a top_k cuts it, whether a top_p alone does)."""
-    drawing = (temperature > 0) & (top_k != 1)
-    by_k = (top_k > 0) & (top_k < vocab)
-    return drawing, by_k, drawing & ~by_k & (top_p < 1)
+def _drawing(temperature: np.ndarray, top_k: np.ndarray) -> np.ndarray:
+    """Per row: whether it draws at random (a row with temperature 0 or top_k 1 takes the argmax)."""
+    return (temperature > 0) & (top_k != 1)
 
 
-def candidates(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab: int) -> int:
-    """choose's kmax: past every drawing row's top_k (top_k_size; a greedy row's top_k is not looked at), and at
-    least NUCLEUS_CANDIDATES where a row is cut by top_p alone (where the vocabulary is larger); 0 where no row
-    is cut."""
-    drawing, _, by_p = _cut(temperature, top_k, top_p, vocab)
-    size = top_k_size(top_k[drawing], vocab)
-    if by_p.any() and NUCLEUS_CANDIDATES < vocab:
-        size = max(size, NUCLEUS_CANDIDATES)
-    return size
+def truncating(temperature: np.ndarray, top_k: np.ndarray, vocab: int) -> bool:
+    """Whether every row that draws at random keeps at most its top_k tokens (choose's among_top)."""
+    return bool(np.all(~_drawing(temperature, top_k) | ((top_k > 0) & (top_k < vocab))))
 
 
-def truncating(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab: int) -> bool:
-    """Whether every row that draws at random is cut by a top_k or a top_p (choose's among_top)."""
-    drawing, by_k, by_p = _cut(temperature, top_k, top_p, vocab)
-    return bool(np.all(~drawing | by_k | by_p))
-
-
-def plan_for(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab: int, *, chunk: int,
-             logprobs=None, penalized: bool = False) -> Plan:
-    """The static plan for rows with these options."""
+def plan_for(temperature: np.ndarray, top_k: np.ndarray, vocab: int, *, chunk: int, logprobs=None,
+             penalized: bool = False) -> Plan:
+    """The static plan for rows with these options (the candidates past the drawing rows' top_k only: a greedy
+    row's is not looked at)."""
     greedy = bool(np.all((temperature == 0) | (top_k == 1)))
-    return Plan(chunk=chunk, greedy=greedy, kmax=0 if greedy else candidates(temperature, top_k, top_p, vocab),
-                among_top=truncating(temperature, top_k, top_p, vocab), logprobs=logprobs, penalized=penalized)
+    kmax = 0 if greedy else top_k_size(top_k[_drawing(temperature, top_k)], vocab)
+    return Plan(chunk=chunk, greedy=greedy, kmax=kmax, among_top=truncating(temperature, top_k, vocab),
+                logprobs=logprobs, penalized=penalized)
 
 
 def _prompts(context, start_token, batch_size) -> list:
@@ -316,7 +303,7 @@ class Request:
         self.penalties = penalties.penalties_for(len(self.rows), hp.n_vocab, **penalty)  # None: none set
         self.length, self.mode = length, mode or compiled.default_mode(model)
         _check_loop_options(self.mode, chunk, logprobs, hp.n_vocab)
-        self.plan = plan_for(self.temperature, self.top_k, self.top_p, hp.n_vocab,
+        self.plan = plan_for(self.temperature, self.top_k, hp.n_vocab,
                              chunk=min(chunk or DEFAULT_CHUNK, bucket(length)), logprobs=logprobs,
                              penalized=self.penalties is not None)
         prompt = bucket(max(len(row) for row in self.rows))

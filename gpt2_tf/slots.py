@@ -186,8 +186,8 @@ class Slots:
     def plan(self, logprobs: Optional[int]) -> Plan:
         """The static plan for the rows the slots hold now."""
         rows = self.occupied
-        return plan_for(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.model.hparams.n_vocab,
-                        chunk=self.chunk, logprobs=logprobs, penalized=bool(self.penalized[rows].any()))
+        return plan_for(self.temperature[rows], self.top_k[rows], self.model.hparams.n_vocab, chunk=self.chunk,
+                        logprobs=logprobs, penalized=bool(self.penalized[rows].any()))
 
     def options(self) -> Options:
         """Every slot's options as tensors; the penalties only when some row has them."""

@@ -5,7 +5,8 @@ so each row's kept set is one number: a floor on `order_keys(logits)`. top_k's
 floor is the k-th largest logit (tf.math.top_k, or a bisection when k is known
 only at run time); top_p's is found by bisection over the logit values, exact,
 with the original's rule that the token crossing p is dropped: among
-tf.math.top_k's candidates where they hold the nucleus, else over the full row.
+tf.math.top_k's candidates (taken for a top_k) where they hold the nucleus, else
+over the full row.
 """
 
 from __future__ import annotations

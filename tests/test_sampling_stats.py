@@ -54,7 +54,7 @@ def draw(row, temperature, top_k, top_p, *, rows: int, steps: int, seed: int) ->
     logits = tf.constant(np.tile(row, [rows, 1]))
     options = [tf.fill([rows], np.float32(temperature)), tf.fill([rows], np.int32(top_k)),
                tf.fill([rows], np.float32(top_p)), tf.constant(row_keys(seed, rows))]
-    plan = sample.plan_for(np.array([temperature]), np.array([top_k]), np.array([top_p]), row.shape[-1], chunk=1)
+    plan = sample.plan_for(np.array([temperature]), np.array([top_k]), row.shape[-1], chunk=1)
     kmax, among_top = plan.kmax, plan.among_top  # as the decode loop decides
     counts = np.zeros(row.shape[-1], np.int64)
     for step in range(steps):
@@ -100,31 +100,17 @@ def test_no_draw_outside_the_original_filters_support(temperature, top_k, top_p)
     assert outside == 0, f'{outside} of 10,000 draws fell outside the {allowed.sum()} allowed tokens'
 
 
-def held_by_candidates(logits, temperature, top_p, k) -> np.ndarray:
-    """bool [batch]: whether the tokens above each row's k-th largest logit hold more than top_p (float64), so
-    that the nucleus is found among tf.math.top_k's k candidates."""
-    z = logits.astype(np.float64) / temperature
-    probs = np.exp(z - z.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    kth = -np.sort(-logits, axis=-1)[:, k - 1:k]
-    return np.where(logits > kth, probs, 0).sum(-1) > top_p
-
-
 def test_kept_set_equals_the_original_float32_filter():
     """The top-p cut differs from the original's only where float32 rounding of the cumulative sum decides,
-    found over the full row or among tf.math.top_k's candidates (where they hold the nucleus)."""
+    found over the full row or among tf.math.top_k's candidates (a top_k's)."""
     rng = np.random.default_rng(3)
-    held = []
     for trial in range(12):
         scale = [0.5, 1.5, 3.0, 8.0][trial % 4]
         logits = (rng.standard_normal((4, V)) * scale).astype(np.float32)
         for temperature, top_k, top_p in [(1.0, 0, 0.9), (0.7, 40, 0.8), (1.3, 0, 0.5), (1.0, 1000, 0.95)]:
-            kmax = sample.candidates(np.array([temperature]), np.array([top_k]), np.array([top_p]), V)
-            if not top_k:
-                held.extend(held_by_candidates(logits, temperature, top_p, kmax))
-            for top in (None, tf.math.top_k(logits, k=kmax)):
+            kmax = sample.top_k_size(np.array([top_k]), V)
+            for top in (None, tf.math.top_k(logits, k=kmax) if kmax else None):
                 check_kept_set(logits, temperature, top_k, top_p, kmax, top)
-    assert 0 < sum(held) < len(held)  # the candidates held some rows' nuclei and missed others'
 
 
 def check_kept_set(logits, temperature, top_k, top_p, kmax, top):
@@ -145,20 +131,15 @@ def check_kept_set(logits, temperature, top_k, top_p, kmax, top):
     assert not (theirs & ~ours & ~doubtful).any(), 'dropped a token the original keeps'
 
 
-@pytest.mark.parametrize('temperature, top_k, top_p, scale, held', [
-    (1.0, 40, 1.0, 2, True), (0.7, 40, 0.9, 2, True), (1.3, 200, 1.0, 2, True), (2.0, 5, 0.5, 2, True),
-    (0.01, 3, 1.0, 2, True), (1.0, 0, 0.9, 2, False), (1.0, 0, 0.9, 8, True), (0.8, 0, 0.95, 8, True),
-])
-def test_drawing_among_the_candidates_picks_what_the_full_row_picks(temperature, top_k, top_p, scale, held):
-    # held: whether the candidates hold every row's nucleus (else the step looks over the full row).
+@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 40, 1.0), (0.7, 40, 0.9), (1.3, 200, 1.0),
+                                                      (2.0, 5, 0.5), (0.01, 3, 1.0), (1.0, 1000, 0.95)])
+def test_drawing_among_the_top_k_picks_what_the_full_row_picks(temperature, top_k, top_p):
     rng = np.random.default_rng(8)
-    logits = (rng.standard_normal((8, V)) * scale).astype(np.float32)
+    logits = tf.constant((rng.standard_normal((8, V)) * 2).astype(np.float32))
     options = [tf.fill([8], np.float32(temperature)), tf.fill([8], np.int32(top_k)), tf.fill([8], np.float32(top_p)),
                tf.constant(row_keys(9, 8))]
-    plan = sample.plan_for(np.array([temperature]), np.array([top_k]), np.array([top_p]), V, chunk=1)
+    plan = sample.plan_for(np.array([temperature]), np.array([top_k]), V, chunk=1)
     assert plan.among_top and 0 < plan.kmax < V
-    if not top_k:
-        assert held_by_candidates(logits, temperature, top_p, plan.kmax).all() == held
     for step in range(100):
         ours = _choose(logits, *options, tf.constant(step, tf.int64), kmax=plan.kmax, among_top=True).numpy()
         # kmax=None: the k-th logit found by bisection, the nucleus over the full row, the draw over the full row
@@ -178,54 +159,49 @@ def mixed_rows() -> np.ndarray:
 
 
 @pytest.mark.parametrize('rows, temperature, top_k, top_p', [
-    # greedy, top_p alone, top_k alone, top_k with top_p, top_p 1 with a top_k: the nuclei all held
-    ([0, 1, 2, 0, 1, 6, 7], [0, 1, 1, 1, 0.7, 1, 1], [0, 0, 40, 300, 1, 0, 10], [0.9, 0.9, 1, 0.8, 0.9, 0.9, 0.5]),
-    # the same with flat rows cut by top_p alone: those rows' nuclei are past the candidates
-    ([0, 3, 2, 4, 1, 5, 7], [0, 1, 1, 1, 0.7, 1, 1], [0, 0, 40, 300, 1, 0, 10], [0.9, 0.9, 1, 0.8, 0.9, 0.95, 0.5]),
-    # a drawing row without a cut: every row over the full row
-    ([0, 1, 3, 6], [1, 1, 1, 1], [0, 40, 0, 0], [0.9, 0.9, 1, 0.5]),
+    # every drawing row has a top_k: greedy rows, top_k alone, top_k with top_p, rows left with a few finite logits
+    ([0, 1, 2, 3, 1, 5, 6], [0, 1, 1, 1, 0.7, 1, 1], [0, 40, 300, 40, 1, 10, 50], [0.9, 1, 0.8, 0.9, 0.9, 0.5, 0.9]),
+    # and a row cut by top_p alone: the draw over the full row, the top_k rows' floors still from the candidates
+    ([0, 3, 2, 4, 1, 5, 6], [0, 1, 1, 1, 0.7, 1, 1], [0, 0, 40, 300, 1, 0, 10], [0.9, 0.9, 1, 0.8, 0.9, 0.95, 0.5]),
 ])
 def test_rows_of_mixed_options_draw_what_the_full_row_draws(rows, temperature, top_k, top_p):
     logits = tf.constant(mixed_rows()[rows])
     options = [tf.constant(np.float32(temperature)), tf.constant(np.int32(top_k)), tf.constant(np.float32(top_p)),
                tf.constant(row_keys(4, len(rows)))]
-    plan = sample.plan_for(np.float32(temperature), np.int32(top_k), np.float32(top_p), V, chunk=1)
+    plan = sample.plan_for(np.float32(temperature), np.int32(top_k), V, chunk=1)
+    assert 0 < plan.kmax < V
     for step in range(20):
         ours = _choose(logits, *options, tf.constant(step, tf.int64), kmax=plan.kmax, among_top=plan.among_top)
         full = _choose(logits, *options, tf.constant(step, tf.int64), kmax=None)
         np.testing.assert_array_equal(ours.numpy(), full.numpy(), err_msg=f'step {step}')
 
 
-def test_the_candidates_count_drawing_rows_and_need_a_larger_vocabulary():
+def test_the_candidates_are_past_the_drawing_rows_top_k():
     one = lambda *values: np.array(values)  # noqa: E731
-    assert sample.candidates(one(1.0), one(0), one(0.9), V) == sample.NUCLEUS_CANDIDATES
-    assert sample.candidates(one(1.0, 1.0), one(40, 0), one(1.0, 0.9), V) == sample.NUCLEUS_CANDIDATES
-    assert sample.candidates(one(1.0, 1.0), one(300, 0), one(1.0, 0.9), V) == 1024
-    assert sample.candidates(one(1.0), one(40), one(1.0), V) == 64
-    assert sample.candidates(one(1.0), one(0), one(1.0), V) == 0  # nothing cut
-    assert sample.candidates(one(0.0, 1.0), one(0, 0), one(0.9, 1.0), V) == 0  # the cut row is greedy
-    assert sample.candidates(one(0.0, 1.0), one(20000, 40), one(1.0, 0.9), V) == 64  # a greedy row's top_k
-    assert sample.candidates(one(1.0), one(0), one(0.9), 256) == 0  # no fewer candidates than the vocabulary
-    assert sample.truncating(one(1.0, 1.0), one(0, 40), one(0.9, 1.0), V)
-    assert not sample.truncating(one(1.0, 1.0), one(0, 40), one(1.0, 1.0), V)
+    assert sample.plan_for(one(1.0, 1.0), one(40, 300), V, chunk=1).kmax == 1024
+    assert sample.plan_for(one(0.0, 1.0), one(20000, 40), V, chunk=1).kmax == 64  # a greedy row's top_k
+    assert sample.plan_for(one(1.0, 1.0), one(1, 40), V, chunk=1).kmax == 64  # top_k 1 is greedy too
+    assert sample.plan_for(one(1.0), one(0), V, chunk=1).kmax == 0
+    assert sample.plan_for(one(1.0), one(20000), V, chunk=1).kmax == V  # no bucket past it: the full row
 
 
-@pytest.mark.parametrize('top_k', [20, 64])
-def test_ties_at_the_k_th_logit_past_the_candidates_are_drawn_as_the_full_row_draws_them(top_k):
+@pytest.mark.parametrize('top_k, top_p', [(20, 1.0), (64, 1.0), (20, 0.99)])
+def test_ties_at_the_k_th_logit_past_the_candidates_are_drawn_as_the_full_row_draws_them(top_k, top_p):
     # 10 logits at 5 and 70 at 4: top_k 20 or 64 keeps all 80 (ties with the k-th survive, as in the original),
-    # more than the 64 candidates top_k 20 alone would take; one row without ties shares the batch.
+    # more than the 64 candidates top_k 20 alone would take; one row without ties shares the batch. With a top_p
+    # too, the candidates above the ties hold less than it: its cut is found over the full row.
     rows, vocab = 400, 300
     row = np.full(vocab, -3.0, np.float32)
     row[:10], row[10:80] = 5.0, 4.0
     logits = np.tile(row, [rows, 1])
     logits[-1] = np.random.default_rng(0).standard_normal(vocab).astype(np.float32)
-    options = [tf.fill([rows], np.float32(1.0)), tf.fill([rows], np.int32(top_k)), tf.fill([rows], np.float32(1.0)),
+    options = [tf.fill([rows], np.float32(1.0)), tf.fill([rows], np.int32(top_k)), tf.fill([rows], np.float32(top_p)),
                tf.constant(row_keys(3, rows))]
     kmax = sample.top_k_size(np.array([top_k]), vocab)
     drawn = set()
     for step in range(5):
-        full, top = (_choose(tf.constant(logits), *options, tf.constant(step, tf.int64), kmax=kmax,
-                             among_top=flag).numpy() for flag in (False, True))
+        full, top = (_choose(tf.constant(logits), *options, tf.constant(step, tf.int64), kmax=k,
+                             among_top=flag).numpy() for k, flag in ((None, False), (kmax, True)))
         np.testing.assert_array_equal(top, full, err_msg=f'step {step}')
         drawn |= set(full[:-1].tolist())
     assert drawn == set(range(80))  # every kept token, none past them
