@@ -18,13 +18,12 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from typing import Iterable, Optional, Sequence
 
 import regex
 
 from .assets import bundled_vocabulary
-from .quiet import cache_folder
+from .quiet import cache_folder, remove_stale
 from .validate import GPT2Error, first_line, is_int, shown
 
 END_OF_TEXT = '<|endoftext|>'
@@ -381,11 +380,13 @@ STALE_S = 3600  # a staging this old was left by a writer killed mid-write: a li
 def _write_pair(folder: str, vocab: dict, merges: list) -> None:
     """vocab.json and merges.txt into folder, both or neither: written into a staging folder beside it, which is
     then renamed (where another process renamed the same bytes' pair in first, that one stays). The stagings
-    of writers killed before the rename go first (_remove_stale)."""
+    of writers killed before the rename go first."""
     parent, staging = os.path.dirname(folder), None
     try:
         os.makedirs(parent, exist_ok=True)
-        _remove_stale(parent)
+        # Stagings of writers killed before the rename. Age, not the writer's pid (checkpoint.staged's rule), tells
+        # them apart: the cache may be a home folder that other machines write too.
+        remove_stale(parent, STAGING, STALE_S, holding=set(CACHED))
         staging = tempfile.mkdtemp(prefix=STAGING, dir=parent)
         with open(os.path.join(staging, CACHED[0]), 'w', encoding='utf-8') as f:
             json.dump(vocab, f, ensure_ascii=False)
@@ -399,21 +400,6 @@ def _write_pair(folder: str, vocab: dict, merges: list) -> None:
     finally:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _remove_stale(parent: str) -> None:
-    """The stagings in parent older than STALE_S, holding nothing but what _write_pair writes (another program's
-    folder of the same name, in a cache folder shared with it, stays). Age, not the writer's pid
-    (checkpoint.staged's rule), tells them apart: the cache may be a home folder that other machines write too,
-    and stagings before this rule carry no pid."""
-    now = time.time()
-    with contextlib.suppress(OSError), os.scandir(parent) as entries:  # a folder it cannot list: nothing goes
-        for entry in entries:
-            with contextlib.suppress(OSError):  # gone meanwhile: another writer removed it first
-                if entry.name.startswith(STAGING) and entry.is_dir(follow_symlinks=False) and \
-                        now - entry.stat(follow_symlinks=False).st_mtime > STALE_S and \
-                        set(os.listdir(entry.path)) <= set(CACHED):
-                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=8)

@@ -30,10 +30,12 @@ import importlib.util
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
 import threading
+import time
 from typing import Optional
 
 # validate is imported where it is used: it imports numpy, and `import gpt2_tf` (this module) stays quick.
@@ -67,6 +69,21 @@ def check_switch(name: str) -> bool:
 def cache_folder(env: str, name: str) -> str:
     """$env, else ~/.cache/gpt2_tf/<name>: where the kernels' libraries and tokenizer.json's vocabularies are kept."""
     return os.environ.get(env) or os.path.join(os.path.expanduser('~'), '.cache', 'gpt2_tf', name)
+
+
+def remove_stale(parent: str, prefix: str, age: float, holding: Optional[set] = None) -> None:
+    """Removes the folders in parent whose names start with prefix and that are older than age seconds: the work
+    folders of writers killed before they renamed or removed them (a live writer's is younger). With holding, only
+    those that hold nothing else (another program's folder of the same name, in a shared cache, stays). A folder
+    gone meanwhile, or one that cannot be read, is left to the next writer."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False) and \
+                        now - entry.stat(follow_symlinks=False).st_mtime > age and \
+                        (holding is None or set(os.listdir(entry.path)) <= holding):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def xla_cache_folder() -> Optional[str]:

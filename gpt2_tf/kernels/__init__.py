@@ -44,7 +44,6 @@ import hashlib
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -245,10 +244,7 @@ def _one_builder(target: pathlib.Path):
                           file=sys.stderr, flush=True)
                     told = True
                 time.sleep(0.25)
-        for left in target.parent.glob(WORK + '*'):  # a killed build's, which TemporaryDirectory did not remove
-            with contextlib.suppress(OSError):
-                if left.is_dir() and time.time() - left.stat().st_mtime > STALE:
-                    shutil.rmtree(left, ignore_errors=True)
+        quiet.remove_stale(str(target.parent), WORK, STALE)  # a killed build's, which TemporaryDirectory left
         yield
 
 
