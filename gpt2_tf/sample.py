@@ -67,9 +67,9 @@ def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: 
     Per row: temperature, top_p float32 [batch], top_k int32 [batch], keys int64
     [batch, 2]; step int64 []. A row with temperature 0 or top_k 1 takes the
     argmax (the lowest id among exact ties); greedy=True (static) says every row does.
-    kmax (static) is how many of tf.math.top_k's candidates the filters look at
-    where 0 < kmax < vocab, past every drawing row's top_k (thresholds.floors;
-    None: top_k known only at run time). among_top=True (static) says every other
+    kmax (static) is how many of tf.math.top_k's candidates the filters look at,
+    past every drawing row's top_k (thresholds.floors; 0: none; None: top_k known
+    only at run time). among_top=True (static) says every other
     row has 0 < top_k < kmax: the draw then runs over the candidates only, each
     with the noise it has in the full row, so it picks the same token for a
     fraction of the cost (over the full row where exact ties at a row's k-th
@@ -80,7 +80,7 @@ def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: 
         return best
     is_greedy = tf.equal(temperature, 0) | tf.equal(top_k, 1)
     vocab = logits.shape[-1]
-    top = tf.math.top_k(logits, k=kmax) if kmax and kmax < vocab else None  # [batch, kmax] each
+    top = tf.math.top_k(logits, k=min(kmax, vocab)) if kmax else None  # [batch, kmax] each: the candidates
     floor, z = floors(logits, tf.where(is_greedy, 1.0, temperature), top_k, tf.where(is_greedy, 1.0, top_p),
                       kmax=kmax, top=top)
 
@@ -89,7 +89,7 @@ def choose(logits, temperature, top_k, top_p, keys, step, *, kmax: int, greedy: 
         return _first_best(noisy, tokens)
 
     full = lambda: draw(logits, vocab, z)  # noqa: E731
-    if not among_top or top is None:
+    if not among_top or kmax >= vocab:
         return tf.where(is_greedy, best, full())
     values, ids = top
     # Exact ties at a row's k-th logit, all of which top_k keeps, can reach the last candidate and run past it:

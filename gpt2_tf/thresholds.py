@@ -70,7 +70,7 @@ def top_k_floor(logits, keys, top_k, *, kmax, values=None):
 
     kmax (static) >= every top_k in use, 0 if none, None when the top_k are known
     only at run time (then a bisection finds the k-th logit that tf.math.top_k does).
-    values: tf.math.top_k(logits, kmax)'s, where the caller has them.
+    values: tf.math.top_k(logits, min(kmax, vocab))'s, given with a kmax past 0.
     """
     vocab = logits.shape[-1]
     none = tf.fill(tf.shape(logits)[:1], tf.constant(-BIG, tf.int64))
@@ -80,8 +80,6 @@ def top_k_floor(logits, keys, top_k, *, kmax, values=None):
                        lambda: tf.where(truncating, kth_largest(keys, tf.maximum(top_k, 1)), none), lambda: none)
     if not kmax:
         return none
-    if values is None:
-        values, _ = tf.math.top_k(logits, k=min(kmax, vocab))
     kth = tf.gather(values, tf.maximum(tf.minimum(top_k, values.shape[-1]) - 1, 0), batch_dims=1)
     return tf.where(truncating, order_keys(kth), none)
 
@@ -90,8 +88,8 @@ def floors(logits, temperature, top_k, top_p, *, kmax, top=None):
     """The kept set of top_p(top_k(logits / temperature)) as a threshold: keep order_keys(logits) >= floor.
 
     logits [batch, vocab]; temperature, top_p float32 [batch] (temperature > 0);
-    top_k int32 [batch], 0 for none; kmax as top_k_floor takes it; top, where
-    given, tf.math.top_k(logits, kmax) (values, ids [batch, kmax]), the candidates.
+    top_k int32 [batch], 0 for none; kmax as top_k_floor takes it; top, with a
+    kmax past 0, tf.math.top_k(logits, min(kmax, vocab)) (values, ids), the candidates.
     Returns floor int64 [batch], and z = (logits - max) / temperature [batch, vocab].
     """
     keys = order_keys(logits)
