@@ -69,17 +69,18 @@ class Choice:
         for i, token in enumerate(map(int, tokens)):
             if self.finish_reason:
                 break
-            if log_probs is not None:
-                self.drawn.append(float(log_probs['log_probs'][i]))
+            log_prob = None if log_probs is None else float(log_probs['log_probs'][i])
+            if log_prob is not None:
+                self.drawn.append(log_prob)
             if token == self.end:
                 self.finish_reason = 'stop'
                 break
             self.tokens.append(token)
             if self.logprobs is not None and log_probs is not None:
-                log_prob, offset = float(log_probs['log_probs'][i]), len(self.prefix) + self.offsets.take(token)
-                top = top_logprobs(self.encoder, token, log_prob, log_probs['top_ids'][i],
+                piece, offset = token_piece(self.encoder, token), len(self.prefix) + self.offsets.take(token)
+                top = top_logprobs(self.encoder, piece, log_prob, log_probs['top_ids'][i],
                                    log_probs['top_log_probs'][i], top=self.logprobs)
-                self._entry(token_piece(self.encoder, token), log_prob, top, offset)
+                self._entry(piece, log_prob, top, offset)
         text = self.stopped(self.encoder.decode(self.tokens))
         if not self.finish_reason:
             text = text.rstrip('\ufffd')  # a token may end inside a UTF-8 character: wait for the rest
@@ -189,10 +190,11 @@ def no_entries() -> dict:
     return {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
 
 
-def top_logprobs(encoder: Encoder, token: int, log_prob: float, ids, log_probs, *, top: int) -> dict:
-    """One token's top_logprobs: the `top` likeliest pieces, and the token's own always (OpenAI's rule)."""
+def top_logprobs(encoder: Encoder, piece: str, log_prob: float, ids, log_probs, *, top: int) -> dict:
+    """One token's top_logprobs: the `top` likeliest pieces, and the token's own (its piece) always (OpenAI's
+    rule)."""
     entry = {token_piece(encoder, t): float(p) for t, p in zip(ids[:top], log_probs[:top])}
-    entry.setdefault(token_piece(encoder, token), log_prob)
+    entry.setdefault(piece, log_prob)
     return entry
 
 
@@ -212,7 +214,7 @@ def _echo_entries(encoder: Encoder, prompt: list, lp, ids, top_lp, *, top: int) 
             entries['top_logprobs'].append(None)
         else:
             entries['token_logprobs'].append(float(lp[i - 1]))
-            entries['top_logprobs'].append(top_logprobs(encoder, token, float(lp[i - 1]), ids[i - 1], top_lp[i - 1],
+            entries['top_logprobs'].append(top_logprobs(encoder, piece, float(lp[i - 1]), ids[i - 1], top_lp[i - 1],
                                                         top=top))
     return entries
 
