@@ -31,7 +31,7 @@ from .runtime import Model
 
 CHECKPOINT_PREFIX = 'model.ckpt'
 RUN_SAVE = re.compile(r'model-(\d+)')  # a run folder's save of a step (runfolder.save, gpt-2-simple's)
-NOT_RUN_SAVE = re.compile(r'(?!model-\d+$).+')  # what save_checkpoint's keep counts: a run's saves stay
+NOT_RUN_SAVE = re.compile(rf'(?!{RUN_SAVE.pattern}$).+')  # what save_checkpoint's keep counts: a run's saves stay
 
 
 # The one table of the original graph's variables: checkpoint name (under model/, with {i} for a block),

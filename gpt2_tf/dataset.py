@@ -23,7 +23,7 @@ import numpy as np
 from . import corpus, validate
 from .encoder import END_OF_TEXT_ID, Encoder, encoder_for, get_encoder, vocabulary_files
 from .train_config import COMBINE, check_integer
-from .validate import GPT2Error, first_line
+from .validate import GPT2Error, first_line, replacing
 
 TOKEN_FILE = '.bin'
 
@@ -125,14 +125,8 @@ def encode_dataset(path: str, out_path: str, encoder: Encoder, combine: int = CO
     """Encodes a text dataset to an .npz of token chunks (gpt-2-simple's format); returns the token count.
     The .npz appears under its name only when complete."""
     chunks = load_dataset(path, encoder, combine, pattern=pattern)
-    partial = os.fspath(out_path) + '.partial'
-    try:
-        with open(partial, 'wb') as f:
-            np.savez_compressed(f, *chunks)
-        os.replace(partial, out_path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    with replacing(out_path) as partial, open(partial, 'wb') as f:
+        np.savez_compressed(f, *chunks)
     return int(sum(c.size for c in chunks))
 
 

@@ -41,6 +41,7 @@ from typing import Optional
 # validate is imported where it is used: it imports numpy, and `import gpt2_tf` (this module) stays quick.
 
 _captured = ''
+KERNELS_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops (gpt2_tf.kernels)
 XLA_CACHE_ENV = 'GPT2_TF_XLA_CACHE'  # a folder for compiled XLA code, an on word (the default folder), or 'off'
 XLA_CACHE_LIMIT = 1 << 30  # bytes kept in the cache folder; the oldest files go first
 CPU_FLAGS = ('avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')

@@ -19,7 +19,6 @@ from ..validate import DTYPES, GPT2Error
 BANNER = '=' * 40 + ' SAMPLE {} ' + '=' * 40
 # compiled.MODES, which imports TensorFlow; tests/test_cli.py holds them equal.
 MODES = ('xla', 'function', 'eager')
-KERNELS_ENV = 'GPT2_TF_KERNELS'  # kernels.SWITCH_ENV, which imports TensorFlow; tests/test_cli.py holds them equal
 
 
 class CommandError(GPT2Error):
@@ -62,7 +61,7 @@ def model_folder(args) -> ModelFolder:
 def start_tensorflow(args, folder: ModelFolder = None, *, onednn: bool = True) -> None:
     """GPT2_TF_KERNELS checked (here, for every command alike: the kernels read it only where a command reaches
     them), the fallback notice, if any, then TensorFlow without its start-up lines (--verbose shows them)."""
-    quiet.check_switch(KERNELS_ENV)
+    quiet.check_switch(quiet.KERNELS_ENV)
     if folder is not None and folder.notice:
         print(folder.notice, file=sys.stderr)
     quiet.tensorflow(verbose=args.verbose, onednn=onednn)

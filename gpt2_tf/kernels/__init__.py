@@ -67,7 +67,7 @@ ATTENTION = pathlib.Path(__file__).with_name('attention.cc')
 # Each library by name: (its sources, a build without XLA compiling the first alone; the headers they include).
 LIBRARIES = {'matmul': (SOURCES, (HEADER,)), 'attention': ((ATTENTION,), ())}
 CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
-SWITCH_ENV = 'GPT2_TF_KERNELS'  # 'off': always the TensorFlow ops
+SWITCH_ENV = quiet.KERNELS_ENV  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
 _local = threading.local()  # on this thread: .off inside tensorflow_ops(), .attention_off unless products_only
 # From this many rows on, an int8 product is TensorFlow's float32 product over a dequantized copy, which beat the
