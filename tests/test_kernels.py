@@ -105,10 +105,12 @@ def test_packed_product_equals_the_float64_product(m, k, n, width, where):
 
 FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, False),  # below 17 rows: bands of k
                 (5, 33, 300, False),  # two threads: bands of 8, 8, 8, 9 rows of w (one past the steps); a channel tail
-                (7, 40, 2100, False), (8, 3072, 768, False),  # x's rows in tiles, 4 + 3 and 4 + 4 with AVX2
-                (11, 130, 70, False),  # tiles of 8 + 3 (AVX-512), 4 + 4 + 3 (AVX2); a band of 34 rows: 4 steps + 2
-                (12, 3072, 768, False), (13, 33, 300, False),  # tiles of 8 + 4 and 8 + 5 (AVX-512)
-                (16, 768, 2304, False),  # the most rows a band takes: tiles of 8 + 8 (AVX-512), 4 x 4 (AVX2)
+                # from 7 rows on, register tiles of up to 12 rows (AVX-512) or 6 (AVX2), over chunks of 128 rows of w:
+                (7, 40, 2100, False), (8, 3072, 768, False),  # rows 7 and 8, AVX2 3 + 4 and 4 + 4; k in 6 chunks a band
+                (11, 130, 70, False),  # AVX2 5 + 6; four tiles of channels and a tail of 6; a band of 34 rows of w
+                (12, 3072, 768, False), (13, 33, 300, False),  # AVX-512 12 and 6 + 7, AVX2 6 + 6 and 4 + 4 + 5
+                (16, 768, 2304, False),  # the most rows a band takes: AVX-512 8 + 8, AVX2 5 + 5 + 6
+                (6, 130, 70, False),  # the most rows the bands' steps take: AVX2 4 + 2
                 (4, 3, 50, False),  # k shorter than a band's step of 8 rows
                 (17, 3072, 768, False), (22, 768, 2304, False),  # panels: k in 24 and 6 chunks; rows 6+6+5, 6+6+6+4
                 (19, 33, 300, False),  # the last segment 44: 2 panels, then a vector and 4 channels; rows 6 + 6 + 6 + 1

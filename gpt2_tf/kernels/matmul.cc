@@ -25,7 +25,8 @@
 // Float32 weights keep their plain [K, N] layout (training, saving and export read it), so a tile walking down
 // a block of columns would jump N floats at every k. Their few-row product instead reads whole rows of w: below
 // 17 rows of x (a decode step at batch 1-16), each thread a band of w's rows, one contiguous stream; from 17 rows
-// on, a segment of columns a unit of work, its rows' runs copied into panels that stay in the caches. [N, K]
+// on, a segment of columns a unit of work, its rows' runs copied into panels that stay in the caches (from 7 rows
+// on, each band's sums in registers a chunk of its rows at a time). [N, K]
 // weights (wte) take the same row tiles as int8's.
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
@@ -560,6 +561,7 @@ void Segment(const Problem<float>& p, int64_t b) {
 // into two bands a thread (one a thread left whole calls waiting on a late thread: batch 4 took 1.4x XLA's
 // time in two of six runs), each read kBandStep rows at a time (eight streams, each one contiguous) into its own
 // sums y[M, N] (in L1 and L2); the bands' sums are added in order at the end, each band's over its k in order.
+// (From kTiledRows rows on, each band's sums are held in register tiles instead: TiledBand, below.)
 // Against the row segments they replace (bench/bench_products.py with the kernel forced, alternating processes,
 // on a Zen 4): 0.56-0.82x the time of the 48 block products at 2-8 rows with AVX-512, 0.66-0.68x with AVX2's
 // code, 0.8-1.0x at 10 rows; level with XLA's dot at one row with AVX-512, 1.3x with AVX2's (when the products
@@ -626,6 +628,74 @@ void BandOf(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
   Band<Max>(p, k0, k1, y);
 }
 
+// From kTiledRows rows of x on, a band's sums pass through y once per kTileK rows of w rather than once per
+// kBandStep: a register tile of up to kTileRows rows of x times one cache line of channels (12 sums) keeps its sums
+// over kTileK rows of w, whose lines for those channels stay in L1 for the chunk's other row tiles; the first row
+// tile asks for the lines kTileAhead lines of channels on (each row of w, one line at a time, is a stream the
+// prefetchers do not follow). Each sum still runs over its band's k in order. The 48 block products chained as in
+// a step (bench/bench_products.py --dtypes float32-decoding --parts chained, fastest of 7, alternating with the
+// bands, two rounds, Zen 4): with AVX2's code 0.86-0.92x the bands' time at 7 rows, 0.83-0.85x at 8, 0.75-0.80x
+// at 10, 0.73-0.83x at 12 and 0.78-0.82x at 16 (level at 6, 1.07-1.19x at 4-5); with AVX-512 0.81-1.00x at 7-12
+// and 0.76-0.78x at 16 (1.03-1.28x at 4-6). Two vectors a tile with AVX-512 (12 rows, 24 sums) took 1.14-1.28x
+// the bands' time at 12 and 16 rows. Whole greedy calls at batch 8 and 16: 0.90-0.97x the time (BENCHMARKS.md).
+constexpr int64_t kTiledRows = 7;
+constexpr int64_t kTileWidth = kFloatsPerLine;  // channels a tile
+constexpr int kTileVectors = kTileWidth / kLanes;
+// AVX-512 12 rows, AVX2 6: 12 sums, a line of w and a broadcast (AVX2 has 16 registers); plain C++ one row.
+constexpr int kTileRows = kTileVectors >= 12 ? 1 : 12 / kTileVectors;
+constexpr int64_t kTileK = 128;  // rows of w a chunk: 8 KB of lines for one tile's channels
+constexpr int64_t kTileAhead = 4;  // lines of channels
+
+// y[r0:r0+R, n:n+kTileWidth] += x[r0:r0+R, k0:k1] w[k0:k1, n:n+kTileWidth].
+template <int R, bool kAsk>
+void RegisterTile(const Problem<float>& p, int64_t r0, int64_t n, int64_t k0, int64_t k1, float* y) {
+  const int64_t N = p.N, K = p.K;
+  Vec acc[R][kTileVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Load(y + (r0 + r) * N + n + v * kLanes);
+  const float* w = p.w + k0 * N + n;
+  const float* x = p.x + r0 * K;
+  for (int64_t k = k0; k < k1; ++k, w += N) {
+    if constexpr (kAsk) Prefetch(w + kTileAhead * kTileWidth);
+    Vec row[kTileVectors];
+    for (int v = 0; v < kTileVectors; ++v) row[v] = Load(w + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xk = Broadcast(x[r * K + k]);
+      for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Fma(xk, row[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kTileVectors; ++v) Store(y + (r0 + r) * N + n + v * kLanes, acc[r][v]);
+}
+
+template <int R, int C>
+struct RegisterTiles {
+  static void Run(const Problem<float>& p, int64_t r0, int64_t n, int64_t k0, int64_t k1, float* const& y,
+                  bool first) {
+    first ? RegisterTile<R, true>(p, r0, n, k0, k1, y) : RegisterTile<R, false>(p, r0, n, k0, k1, y);
+  }
+};
+
+// y[0:M, :] = x[0:M, k0:k1] w[k0:k1, :], the rows split evenly into tiles of at most kTileRows.
+void TiledBand(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
+  const int64_t N = p.N, M = p.M, wide = N / kTileWidth * kTileWidth;
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  std::fill(y, y + M * N, 0.0f);
+  for (int64_t kc = k0; kc < k1; kc += kTileK) {
+    const int64_t ke = std::min(k1, kc + kTileK);
+    for (int64_t n = 0; n < wide; n += kTileWidth) {
+      for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+        const int64_t rows = (M - r0) / (tiles - t);
+        LastRows<RegisterTiles, kTileRows, kTileVectors>(rows, p, r0, n, kc, ke, y, t == 0);
+        r0 += rows;
+      }
+    }
+    for (int64_t n = wide; n < N; ++n)  // channels past the last tile
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t k = kc; k < ke; ++k) y[r * N + n] += p.x[r * p.K + k] * p.w[k * N + n];
+  }
+}
+
 int64_t BandCount(const Problem<float>& p, const Threads& threads) {
   return std::max<int64_t>(1, std::min(2 * threads.count, p.K / kBandStep));
 }
@@ -639,7 +709,11 @@ void Bands(const Problem<float>& p, float* sums, const Threads& threads) {
       const int64_t k0 = (p.K * b / bands) / kBandStep * kBandStep;
       const int64_t k1 = b + 1 == bands ? p.K : (p.K * (b + 1) / bands) / kBandStep * kBandStep;
       float* y = b ? sums + (b - 1) * size : p.y;
-      BandOf<kPackedRows - 1>(p, k0, k1, y);
+      if (p.M >= kTiledRows) {
+        TiledBand(p, k0, k1, y);
+      } else {
+        BandOf<kPackedRows - 1>(p, k0, k1, y);
+      }
     }
   });
   for (int64_t b = 1; b < bands; ++b)
