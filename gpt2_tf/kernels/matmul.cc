@@ -506,24 +506,33 @@ void SegmentRows(const Problem<float>& p, int64_t m0, int64_t n0, int64_t n1, in
     }
 }
 
-// y[0:R, 0:V*kLanes] (+)= x[0:R, 0:kc] panel[0:kc][0:V*kLanes]; x's rows ldx apart, y's ldy; add: y holds the
-// sums so far.
+// y[0:R, 0:V*kLanes] (+)= x[0:R, 0:kc] w[0:kc][0:V*kLanes]: a register tile's sums over kc rows of w, ldw apart
+// (a panel's, or a band's in the plain layout); x's rows ldx apart, y's ldy; add: y holds the sums so far; ahead > 0:
+// each row of w asks for its line that many floats on.
+template <int R, int V, int64_t ahead = 0>
+void RegisterSums(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc, float* y, int64_t ldy,
+                  bool add) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = add ? Load(y + r * ldy + v * kLanes) : Zero();
+  for (int64_t k = 0; k < kc; ++k, w += ldw) {
+    if constexpr (ahead > 0) Prefetch(w + ahead);
+    Vec row[V];
+    for (int v = 0; v < V; ++v) row[v] = Load(w + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xk = Broadcast(x[r * ldx + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = Fma(xk, row[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
+}
+
+// A panel's tile, as PackedSegment's row loop takes it: the panel's rows V * kLanes apart.
 template <int R, int V>
 struct ChunkTile {
   static void Run(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, bool add) {
-    Vec acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = add ? Load(y + r * ldy + v * kLanes) : Zero();
-    for (int64_t k = 0; k < kc; ++k, panel += V * kLanes) {
-      Vec w[V];
-      for (int v = 0; v < V; ++v) w[v] = Load(panel + v * kLanes);
-      for (int r = 0; r < R; ++r) {
-        const Vec xk = Broadcast(x[r * ldx + k]);
-        for (int v = 0; v < V; ++v) acc[r][v] = Fma(xk, w[v], acc[r][v]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
+    RegisterSums<R, V>(x, ldx, panel, V * kLanes, kc, y, ldy, add);
   }
 };
 
@@ -646,33 +655,20 @@ constexpr int kTileRows = kTileVectors >= 12 ? 1 : 12 / kTileVectors;
 constexpr int64_t kTileK = 128;  // rows of w a chunk: 8 KB of lines for one tile's channels
 constexpr int64_t kTileAhead = 4;  // lines of channels
 
-// y[r0:r0+R, n:n+kTileWidth] += x[r0:r0+R, k0:k1] w[k0:k1, n:n+kTileWidth].
-template <int R, bool kAsk>
-void RegisterTile(const Problem<float>& p, int64_t r0, int64_t n, int64_t k0, int64_t k1, float* y) {
-  const int64_t N = p.N, K = p.K;
-  Vec acc[R][kTileVectors];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Load(y + (r0 + r) * N + n + v * kLanes);
-  const float* w = p.w + k0 * N + n;
-  const float* x = p.x + r0 * K;
-  for (int64_t k = k0; k < k1; ++k, w += N) {
-    if constexpr (kAsk) Prefetch(w + kTileAhead * kTileWidth);
-    Vec row[kTileVectors];
-    for (int v = 0; v < kTileVectors; ++v) row[v] = Load(w + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec xk = Broadcast(x[r * K + k]);
-      for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Fma(xk, row[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kTileVectors; ++v) Store(y + (r0 + r) * N + n + v * kLanes, acc[r][v]);
-}
-
+// y[r0:r0+R, n:n+kTileWidth] += x[r0:r0+R, k0:k1] w[k0:k1, n:n+kTileWidth]; first: the chunk's first row tile,
+// which asks for the lines ahead.
 template <int R, int C>
 struct RegisterTiles {
   static void Run(const Problem<float>& p, int64_t r0, int64_t n, int64_t k0, int64_t k1, float* const& y,
                   bool first) {
-    first ? RegisterTile<R, true>(p, r0, n, k0, k1, y) : RegisterTile<R, false>(p, r0, n, k0, k1, y);
+    const float* x = p.x + r0 * p.K + k0;
+    const float* w = p.w + k0 * p.N + n;
+    float* sums = y + r0 * p.N + n;
+    if (first) {
+      RegisterSums<R, C, kTileAhead * kTileWidth>(x, p.K, w, p.N, k1 - k0, sums, p.N, true);
+    } else {
+      RegisterSums<R, C>(x, p.K, w, p.N, k1 - k0, sums, p.N, true);
+    }
   }
 };
 
