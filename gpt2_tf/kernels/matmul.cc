@@ -24,10 +24,10 @@
 //
 // Float32 weights keep their plain [K, N] layout (training, saving and export read it), so a tile walking down
 // a block of columns would jump N floats at every k. Their few-row product instead reads whole rows of w: below
-// 17 rows of x (a decode step at batch 1-16), each thread a band of w's rows, one contiguous stream; from 17 rows
-// on, a segment of columns a unit of work, its rows' runs copied into panels that stay in the caches (from 7 rows
-// on, each band's sums in registers a chunk of its rows at a time). [N, K]
-// weights (wte) take the same row tiles as int8's.
+// 17 rows of x (a decode step at batch 1-16), each thread a band of w's rows, one contiguous stream (from 7 rows
+// on, each band's sums in register tiles a chunk of its rows at a time); from 17 rows on, a segment of columns a
+// unit of work, its rows' runs copied into panels that stay in the caches. [N, K] weights (wte) take the same row
+// tiles as int8's.
 
 #define EIGEN_USE_THREADS  // Eigen's GEMM on TensorFlow's threads (before any Eigen header)
 
