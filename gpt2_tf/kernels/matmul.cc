@@ -655,19 +655,19 @@ constexpr int kTileRows = kTileVectors >= 12 ? 1 : 12 / kTileVectors;
 constexpr int64_t kTileK = 128;  // rows of w a chunk: 8 KB of lines for one tile's channels
 constexpr int64_t kTileAhead = 4;  // lines of channels
 
-// y[r0:r0+R, n:n+kTileWidth] += x[r0:r0+R, k0:k1] w[k0:k1, n:n+kTileWidth]; first: the chunk's first row tile,
-// which asks for the lines ahead.
+// y[r0:r0+R, n:n+kTileWidth] (+)= x[r0:r0+R, k0:k1] w[k0:k1, n:n+kTileWidth]; add: y holds the band's sums so
+// far; first: the chunk's first row tile, which asks for the lines ahead.
 template <int R, int C>
 struct RegisterTiles {
   static void Run(const Problem<float>& p, int64_t r0, int64_t n, int64_t k0, int64_t k1, float* const& y,
-                  bool first) {
+                  bool add, bool first) {
     const float* x = p.x + r0 * p.K + k0;
     const float* w = p.w + k0 * p.N + n;
     float* sums = y + r0 * p.N + n;
     if (first) {
-      RegisterSums<R, C, kTileAhead * kTileWidth>(x, p.K, w, p.N, k1 - k0, sums, p.N, true);
+      RegisterSums<R, C, kTileAhead * kTileWidth>(x, p.K, w, p.N, k1 - k0, sums, p.N, add);
     } else {
-      RegisterSums<R, C>(x, p.K, w, p.N, k1 - k0, sums, p.N, true);
+      RegisterSums<R, C>(x, p.K, w, p.N, k1 - k0, sums, p.N, add);
     }
   }
 };
@@ -676,13 +676,13 @@ struct RegisterTiles {
 void TiledBand(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
   const int64_t N = p.N, M = p.M, wide = N / kTileWidth * kTileWidth;
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-  std::fill(y, y + M * N, 0.0f);
+  if (wide < N) std::fill(y, y + M * N, 0.0f);  // the tail's sums start at 0; the tiles' first chunk writes theirs
   for (int64_t kc = k0; kc < k1; kc += kTileK) {
     const int64_t ke = std::min(k1, kc + kTileK);
     for (int64_t n = 0; n < wide; n += kTileWidth) {
       for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
         const int64_t rows = (M - r0) / (tiles - t);
-        LastRows<RegisterTiles, kTileRows, kTileVectors>(rows, p, r0, n, kc, ke, y, t == 0);
+        LastRows<RegisterTiles, kTileRows, kTileVectors>(rows, p, r0, n, kc, ke, y, kc > k0, t == 0);
         r0 += rows;
       }
     }
