@@ -12,9 +12,11 @@ reaches in the same run. rss: a 1558M-shaped checkpoint written tensor by tensor
 a fresh process, its peak RSS from /usr/bin/time. onednn: int8 greedy in a plain
 tf.function and forward passes, with TensorFlow's oneDNN ops on and off, in fresh
 processes (what the command line's choice per command rests on). rows: three of
-a block's int8 products by the kernel's tiles, by TensorFlow's float32 product over the
-dequantized matrix and by the default (kernels.MANY_ROWS), at 16 to 1024 rows; then the
-float32 and int8 forward passes at B1 T1024 and B8 T128. perplexity: a small model (2 blocks
+a block's int8 products by the kernel (its tiles, from kernels.MANY_ROWS[False] rows on
+its GEMM), by TensorFlow's float32 product over the dequantized matrix and by the default
+(kernels.MANY_ROWS), at 16 to 1024 rows; wte's product by the kernel's tiles and over its
+dequantized copy (kernels.DEQUANTIZED_ROWS rows at a time), in a tf.function and under XLA,
+at 64 to 384 rows; then the float32 and int8 forward passes at B1 T1024 and B8 T128. perplexity: a small model (2 blocks
 of 128, GPT-2's vocabulary, random start) fine-tuned for --minutes with finetune on
 Python's own standard library sources (sorted files; every tenth held out, half of
 those for the validation loss, half for scoring), then the held-out perplexity
@@ -115,10 +117,20 @@ def rows(folder, reps):
             x, w, s, panel=precision.panel(w.shape[-1]), kernel=kernel)) for x, (w, s) in zip(xs, blocks)]))
 
     paths = {'tiles': products(True), 'tensorflow': products(False), 'default': products(None)}
-    print(f'int8 c_attn + c_fc + mlp c_proj (124M), ms; the default switches at {kernels.MANY_ROWS} rows')
+    print(f'int8 c_attn + c_fc + mlp c_proj (124M), ms; the default switches at {kernels.MANY_ROWS[False]} rows')
     for m in (16, 32, 64, 128, 256, 1024):
         xs = [tf.random.normal([m, w.shape[0]]) for w, _ in blocks]
         seconds = alternating({name: lambda f=f: f(xs).numpy() for name, f in paths.items()}, max(reps, 5))
+        print(f'{m:>5} rows: ' + ', '.join(f'{name} {t * 1e3:.2f}' for name, t in seconds.items()), flush=True)
+    wte, wte_scale = variables['model/wte'], variables['model/wte' + precision.SCALE]
+    logits = {f'{path}{" under XLA" if xla else ""}': tf.function(lambda x, kernel=kernel: tf.reduce_sum(
+        kernels.int8_matmul(x, wte, wte_scale, transpose_w=True, kernel=kernel) if kernel else
+        kernels._dequantized_product(x, wte, wte_scale, True, 0, kernels.DEQUANTIZED_ROWS)), jit_compile=xla)
+        for path, kernel in (('tiles', True), ('dequantized', False)) for xla in (False, True)}
+    print(f'int8 wte (124M), ms; the default switches at {kernels.MANY_ROWS[True]} rows')
+    for m in (64, 128, 256, 384):
+        x = tf.random.normal([m, wte.shape[1]])
+        seconds = alternating({name: lambda f=f: f(x).numpy() for name, f in logits.items()}, max(reps, 5))
         print(f'{m:>5} rows: ' + ', '.join(f'{name} {t * 1e3:.2f}' for name, t in seconds.items()), flush=True)
     models = {'float32': gpt2_tf.load_model(folder), 'int8': model}
     for batch, length in ((1, 1024), (8, 128)):

@@ -22,7 +22,8 @@ SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 9
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
           (11, 768, 1001, True), (16, 80, 64, False),  # every count of rows left over by a tile of 4 or 6
           (1, 64, 200, False),  # one row, channels not a whole number of its 128-channel tiles
-          (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True),  # enough rows for the GEMM, over more than one chunk
+          (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True),  # the tiles at many rows
+          (384, 96, 2500, False), (390, 40, 4100, True),  # enough rows for the GEMM, over more than one chunk
           (64, 0, 8, False), (3, 0, 8, True)]  # an empty sum (k = 0): zeros
 
 
@@ -76,7 +77,8 @@ def test_int8_product_equals_the_float64_product(m, k, n, transpose, where):
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
 
 
-@pytest.mark.parametrize('rows, kernel', [(4, None), (64, None), (4, False)])  # the tiles; the dequantized copy
+# the tiles; the dequantized copy; TensorFlow's ops
+@pytest.mark.parametrize('rows, kernel', [(4, None), (kernels.MANY_ROWS[False], None), (4, False)])
 def test_an_int8_product_refuses_what_the_op_refuses_on_every_path(rows, kernel):
     x, w, scale, _ = case(rows, 16, 256, False)
     with pytest.raises(TypeError, match=r'w must be int8, got int32; quantize it first'):
@@ -96,7 +98,8 @@ def panels(w: np.ndarray, width: int) -> np.ndarray:
 @pytest.mark.parametrize('m, k, n, width', [(1, 768, 2304, 128), (7, 64, 384, 128), (13, 33, 256, 128),
                                             (2, 40, 96, 32), (9, 768, 3072, 128), (80, 64, 2560, 128),
                                             (8, 768, 2304, 128), (19, 96, 512, 128),  # half-width tiles
-                                            (1, 40, 96, 32)])  # one row, panels narrower than its 128-channel tiles
+                                            (1, 40, 96, 32),  # one row, panels narrower than its 128-channel tiles
+                                            (1, 40, 512, 256), (3, 40, 512, 256)])  # two 128-channel units a panel
 def test_packed_product_equals_the_float64_product(m, k, n, width, where):
     x, w, scale, reference = case(m, k, n, False, seed=2)
     y = product(x, panels(w, width), scale, where, panel=width)
@@ -320,13 +323,13 @@ def test_float32_products_of_few_rows_take_the_kernel_while_decoding_as_the_cpu_
     def step(x):
         with precision.decoding():
             return precision.product(x, w)
-    first, last = 1, 16  # the block products' rows on both tables; the tied logits' 1-8
+    first, last = 1, 16  # the block products' and the tied logits' rows on both tables
     logits = lambda x: precision.product(x, tf.transpose(w), transpose_b=True)  # noqa: E731  wte's layout
     for rows in (1, 2, 8, 9, 11, 12, 16, 17):
         assert ('Gpt2FloatMatMul' in traced_ops(step, rows, 96)) == (first <= rows <= last), rows
         assert 'Gpt2FloatMatMul' not in traced_ops(lambda x: precision.product(x, w), rows, 96)  # not decoding
         with precision.decoding():
-            assert ('Gpt2FloatMatMul' in traced_ops(logits, rows, 96)) == (1 <= rows <= 8), rows
+            assert ('Gpt2FloatMatMul' in traced_ops(logits, rows, 96)) == (first <= rows <= last), rows
     assert 'If' in traced_ops(step, None, 96) or 'StatelessIf' in traced_ops(step, None, 96)
     with kernels.tensorflow_ops():
         assert 'Gpt2FloatMatMul' not in traced_ops(step, 8, 96)
@@ -387,24 +390,25 @@ def test_products_take_tensorflow_s_over_a_dequantized_copy_from_many_rows_on(tr
                          input_signature=[tf.TensorSpec([None, x.shape[1]], tf.float32)])
         return fn(tf.constant(x)).numpy()
 
-    for rows in (1, kernels.MANY_ROWS - 1, kernels.MANY_ROWS, 3 * kernels.MANY_ROWS):
-        x, w, scale, reference = case(rows, 96, 256, False, seed=rows)
-        taken.assign(0)
-        y = run(x, tf.constant(precision.pack(w)), tf.constant(scale), panel=precision.panel(256))
-        assert taken.numpy() == (rows >= kernels.MANY_ROWS), rows
-        np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
-        x, w, scale, reference = case(rows, 96, 300, True, seed=rows)  # wte's layout
-        taken.assign(0)
-        y = run(x, tf.constant(w), tf.constant(scale), transpose_w=True)
-        assert taken.numpy() == (rows >= kernels.MANY_ROWS), rows
-        np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
+    for transpose_w, many in kernels.MANY_ROWS.items():
+        for rows in (1, many - 1, many, 3 * many):
+            if transpose_w:  # wte's layout
+                x, w, scale, reference = case(rows, 96, 300, True, seed=rows)
+                options = {'transpose_w': True}
+            else:
+                x, w, scale, reference = case(rows, 96, 256, False, seed=rows)
+                w, options = precision.pack(w), {'panel': precision.panel(256)}
+            taken.assign(0)
+            y = run(x, tf.constant(w), tf.constant(scale), **options)
+            assert taken.numpy() == (rows >= many), (transpose_w, rows)
+            np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
 
 
 def test_wte_s_dequantized_product_takes_its_rows_a_part_at_a_time():
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
     n = kernels.DEQUANTIZED_ROWS + 808  # two parts, the second shorter
-    x, w, scale, reference = case(kernels.MANY_ROWS, 16, n, True, seed=3)
+    x, w, scale, reference = case(kernels.MANY_ROWS[True], 16, n, True, seed=3)
     y = kernels.int8_matmul(tf.constant(x), tf.constant(w), tf.constant(scale), transpose_w=True).numpy()
     assert y.shape == reference.shape
     assert np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max()
@@ -477,7 +481,7 @@ s = (rng.random(2304) * 0.02 + 1e-3).astype(np.float32)
 w = rng.standard_normal((768, 2304)).astype(np.float32)
 q, cache = rng.standard_normal((2, 12, 64)).astype(np.float32), rng.standard_normal((2, 2, 12, 40, 64)).astype(np.float32)
 mask = np.ones((2, 40), np.float32)
-many = rng.standard_normal((64, 768)).astype(np.float32)  # Gemm's rows: Eigen's device
+many = rng.standard_normal((384, 768)).astype(np.float32)  # Gemm's rows (int8 and float32): Eigen's device
 run = tf.function(lambda *a: (kernels.int8_matmul(a[0], a[1], a[2], kernel=True), kernels.float_matmul(a[0], a[3]),
                              kernels.cached_attention(*a[4:7]), kernels.int8_matmul(a[7], a[1], a[2], kernel=True),
                              kernels.float_matmul(a[7], a[3])), jit_compile=True)

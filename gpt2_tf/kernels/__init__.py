@@ -70,12 +70,17 @@ CACHE_ENV = 'GPT2_TF_KERNEL_CACHE'
 SWITCH_ENV = quiet.KERNELS_ENV  # 'off': always the TensorFlow ops
 ARCH_ENV = 'GPT2_TF_KERNEL_ARCH'  # g++'s -march: 'native' (the default), or e.g. x86-64-v3 for AVX2 and FMA alone
 _local = threading.local()  # on this thread: .off inside tensorflow_ops(), .attention_off unless products_only
-# From this many rows on, an int8 product is TensorFlow's float32 product over a dequantized copy, which beat the
-# kernel's Eigen GEMM there: a block matrix ([K, N] in panels) whole (at most 41 MB, for 1558M's c_fc): 8.7
-# against 19.5 ms for 64 rows of three 124M block products, 79 against 93 for 1024 (Zen 4;
-# bench/bench_int8.py --sections rows); wte DEQUANTIZED_ROWS rows at a time (its whole copy would be 154-322 MB):
-# 1024 rows of the 124M logits took 294-298 ms so, 814-830 in the kernel (Intel Xeon, oneDNN's product).
-MANY_ROWS = 64
+# From this many rows on, an int8 product is TensorFlow's float32 product over a dequantized copy, by layout
+# (transpose_w): a block matrix ([K, N] in panels) whole (at most 41 MB, for 1558M's c_fc), wte
+# DEQUANTIZED_ROWS rows at a time (its whole copy would be 154-322 MB). Below, the kernel's tiles (which ask for
+# the weights' lines far ahead into L2): three 124M block products took 0.84-0.87x the dequantized copy's time at
+# 64-128 rows, 0.94x at 256 and level at 384 (AVX2's code 0.72-0.85x at 64-256, 1.05x at 384; 1.02-1.10x from
+# 512 on), and wte's 124M product 0.63-0.84x at 64 rows, level at 128 and 1.13-1.16x at 256-384 (Zen 4;
+# bench/bench_int8.py --sections rows; wte, the best of 5 in a tf.function and under XLA). So a decode step at
+# batch 1-16 and a batch's prompt below 384 tokens in all keep to the int8 bytes. (Before the far lines, the
+# tiles' Eigen GEMM path lost to the copy from 64 rows on; 1024 rows of the 124M logits took 294-298 ms so,
+# 814-830 in the kernel on an Intel Xeon with oneDNN's product.)
+MANY_ROWS = {False: 384, True: 128}
 DEQUANTIZED_ROWS = 8192  # rows of wte [n_vocab, n_embd] a dequantized copy holds: 25 MB for 124M, 52 for 1558M
 # Rows of x for which a float32 product goes to the kernel by default while decoding, by CPU ('avx512': with
 # AVX-512, 'avx2': without) and layout (transpose_w: wte's [N, K]); inside an XLA loop, against XLA's dots
@@ -98,8 +103,8 @@ DEQUANTIZED_ROWS = 8192  # rows of wte [n_vocab, n_embd] a dequantized copy hold
 # On an Intel Xeon with AMX (AVX-512), XLA's dots chained as in a step took 49-55 ms at 8-16 rows, the bands
 # 26-35 (0.52-0.64x), and greedy calls at batch 1-8 0.61-0.66x XLA's time: the block products take the bands at
 # 12-16 rows on AVX-512 too (level in whole calls on the Zen 4).
-FEW_ROWS = {'avx2': {False: range(1, 17), True: range(1, 9)},
-            'avx512': {False: range(1, 17), True: range(1, 9)}}
+FEW_ROWS = {'avx2': {False: range(1, 17), True: range(1, 17)},
+            'avx512': {False: range(1, 17), True: range(1, 17)}}
 
 
 def cache_folder() -> pathlib.Path:
@@ -410,8 +415,8 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
 
     panel: 0 for w's plain layout; else w [K, N] holds its values as [N / panel, K, panel] (see
     gpt2_tf.precision.pack), so that a block of output channels is one contiguous stream.
-    kernel: None uses the C++ kernel when it is available (MANY_ROWS rows or more take TensorFlow's float32
-    product over a dequantized copy), True requires it, False uses TensorFlow ops.
+    kernel: None uses the C++ kernel when it is available (MANY_ROWS[transpose_w] rows or more take
+    TensorFlow's float32 product over a dequantized copy), True requires it, False uses TensorFlow ops.
     """
     if w.dtype != tf.int8:  # the op's own checks, which the TensorFlow ops' path would not make
         raise TypeError(f'int8_matmul: w must be int8, got {w.dtype.name}; quantize it first (gpt2_tf.precision.quantize)')
@@ -430,8 +435,8 @@ def int8_matmul(x, w, scale, *, transpose_w: bool = False, panel: int = 0, kerne
         return tiles()
     rows = x.shape[0]
     if rows is not None:  # known when traced: one branch, not a tf.cond holding both
-        return dequantized() if rows >= MANY_ROWS else tiles()
-    return tf.cond(tf.shape(x)[0] >= MANY_ROWS, dequantized, tiles)
+        return dequantized() if rows >= MANY_ROWS[transpose_w] else tiles()
+    return tf.cond(tf.shape(x)[0] >= MANY_ROWS[transpose_w], dequantized, tiles)
 
 
 def _dequantized_product(x, w, scale, transpose_w: bool, panel: int, part: Optional[int] = None):

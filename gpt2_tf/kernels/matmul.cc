@@ -181,6 +181,17 @@ constexpr int64_t kAhead = 256;    // weights along a row of wte: 256 bytes of i
 // Rows of a panel: 32 (4 KB of a 128-channel panel) rather than 8 took an Intel Xeon's 48 block products of a step
 // at 8 rows from 13.4-14.7 to 10.9-13.6 ms (one round of three level; 32, 64 and 128 ahead level).
 constexpr int64_t kRowsAhead = 32;
+// From two rows of x on, the tiles also ask for lines further on into L2: a panel's kFarRows rows on (16 KB of
+// int8) and wte's rows kFarChannels on (the first row tile of those channels), once per line. A decode step's
+// products chained in an XLA loop (bench/bench_products.py --parts chained,logits, alternating, Zen 4; two
+// rounds for the block products, one for the logits): the int8 block products, with whole-panel units
+// (ColumnWidth), took 0.70-0.76x the time at 2 rows, 0.82-0.92x at 4, 0.88-0.89x at 8 and level at 1 and 16
+// (AVX2's code 0.59-0.66x, 0.67-0.75x, 0.80-0.89x, 0.82-1.01x); the int8 logits 0.54x at 2 rows, 0.69x at 4,
+// 0.81x at 8, 0.86x at 16 (AVX2's code 0.51-0.57x, 0.83-0.97x, 0.87x, 0.95x), and the float32 logits 0.75x and
+// 0.73x at 4 and 8 rows (AVX2's code 0.41x and 0.65x). Either change alone (the far lines with 64-channel
+// units, or the units alone) left 8 rows level.
+constexpr int64_t kFarRows = 128;
+constexpr int64_t kFarChannels = 8;
 template <typename W>
 constexpr int64_t kLineElements = 64 / sizeof(W);  // weights in a cache line
 inline void Prefetch(const void* p) {
@@ -206,7 +217,7 @@ inline void PrefetchRow(const W* p) {
   }
 }
 
-constexpr int kBlock = kLanes * kVectors;    // output channels per tile, and per unit of work
+constexpr int kBlock = kLanes * kVectors;    // output channels per tile (a unit of work where panels are narrower)
 
 // W: int8_t (scale holds N scales) or float (scale is null).
 template <typename W>
@@ -237,6 +248,7 @@ void Tile(const Problem<W>& p, int64_t m0, int64_t n0) {
   const float* x = p.x + m0 * p.K;
   for (int64_t k = 0; k < p.K; ++k, w += p.panel) {
     Prefetch(w + kRowsAhead * p.panel);  // the line this tile reads kRowsAhead rows on
+    if constexpr (R > 1) PrefetchL2(w + kFarRows * p.panel);  // ... and kFarRows on
     Vec wide[V];
     for (int v = 0; v < V; ++v) wide[v] = Widen(w + v * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -288,14 +300,29 @@ void AllRows(const Problem<W>& p, int64_t n0) {
   if (m < p.M) LastRows<T, Rows - 1, C>(p.M - m, p, m, n0);
 }
 
-// Output channels a unit of the panel layout: kBlock; at one row of x, kRowVectors vectors where a panel holds a
-// whole number of them, so that a tile reads the whole of each of a panel's rows (all 128 channels: one contiguous
-// stream, where AVX-512's two 64-channel tiles each read every other cache line: a step's 48 block products at
-// one row took 5.3-6.0 against 9.2-10.1 ms on an Intel Xeon with AVX-512).
+// Output channels a unit of the panel layout: kRowWidth (a whole 128-channel panel, so that one thread reads
+// each of its lines) where a panel holds a whole number of them, else kBlock. At one row of x a unit is one tile
+// of kRowVectors vectors, reading the whole of each of the panel's rows (one contiguous stream, where AVX-512's
+// two 64-channel tiles each read every other cache line: a step's 48 block products at one row took 5.3-6.0
+// against 9.2-10.1 ms on an Intel Xeon with AVX-512); from two rows on, kBlock-wide tiles in turn (see kFarRows).
+constexpr int64_t kRowWidth = kLanes * kRowVectors;
+
 template <typename W>
 int64_t ColumnWidth(const Problem<W>& p) {
-  constexpr int64_t kRowWidth = kLanes * kRowVectors;
-  return p.M == 1 && p.panel % kRowWidth == 0 ? kRowWidth : kBlock;
+  return p.panel % kRowWidth == 0 ? kRowWidth : kBlock;
+}
+
+// The kBlock output channels at n0, inside one panel, for every row of x.
+template <typename W>
+void Block(const Problem<W>& p, int64_t n0) {
+  if constexpr (kHalfRows > kMaxRows) {
+    if (p.M > kMaxRows) {  // two half-width passes: each vector of weights widened once per kHalfRows rows
+      AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0);
+      AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0 + kBlock / 2);
+      return;
+    }
+  }
+  AllRows<PanelTile, kVectors>(p, n0);
 }
 
 // Output channels [b * width, (b + 1) * width) for every row of x (width: ColumnWidth).
@@ -303,18 +330,11 @@ template <typename W>
 void Columns(const Problem<W>& p, int64_t width, int64_t b) {
   const int64_t n0 = b * width, n1 = std::min(p.N, n0 + width);
   if (n1 - n0 == width && (n0 % p.panel) + width <= p.panel) {
-    if (width != kBlock) {
+    if (p.M == 1 && width == kRowWidth) {
       Tile<1, kRowVectors>(p, 0, n0);
-      return;
+    } else {
+      for (int64_t n = n0; n < n1; n += kBlock) Block(p, n);
     }
-    if constexpr (kHalfRows > kMaxRows) {
-      if (p.M > kMaxRows) {  // two half-width passes: each vector of weights widened once per kHalfRows rows
-        AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0);
-        AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0 + kBlock / 2);
-        return;
-      }
-    }
-    AllRows<PanelTile, kVectors>(p, n0);
     return;
   }
   int64_t n = n0;
@@ -335,10 +355,15 @@ void RowTile(const Problem<W>& p, int64_t m0, int64_t n0) {
       for (int u = 0; u < U; ++u) acc[s][r][u] = Zero();
   const W* w = p.w + n0 * p.K;
   const float* x = p.x + m0 * p.K;
+  const bool far = p.M > 1 && m0 == 0;
   int64_t k = 0;
   for (; k + S * kLanes <= p.K; k += S * kLanes) {
-    for (int u = 0; u < U; ++u)  // every line of the weights this step reads
-      for (int64_t j = 0; j < S * kLanes; j += kLineElements<W>) PrefetchRow(w + u * p.K + k + j);
+    if (k % kLineElements<W> == 0)
+      for (int u = 0; u < U; ++u)  // every line of the weights this step starts
+        for (int64_t j = 0; j < S * kLanes; j += kLineElements<W>) {
+          PrefetchRow(w + u * p.K + k + j);
+          if (far) PrefetchL2(w + (u + kFarChannels) * p.K + k + j);
+        }
     for (int s = 0; s < S; ++s) {
       const int64_t ks = k + s * kLanes;
       Vec wide[U];
@@ -386,11 +411,16 @@ void Channels(const Problem<W>& p, int64_t b) {
   }
 }
 
-// From this many rows of x on (a prompt, a forward pass), the product is compute-bound: the weights are
+// From this many rows of x on (a long prompt, a forward pass), the product is compute-bound: the weights are
 // widened kChunk output channels at a time into a float32 temporary, scaled, and multiplied by Eigen's
 // threaded GEMM, which keeps the multipliers busier than the tiles above (they widen each weight again for
-// every few rows). The temporary stays small (wte's float32 copy would be 154 MB for 124M).
-constexpr int64_t kGemmRows = 64;
+// every few rows). The temporary stays small (wte's float32 copy would be 154 MB for 124M). Float32 weights
+// (no widening) from kFloatGemmRows on. int8's is where the tiles stop beating TensorFlow's product over a
+// dequantized copy (kernels.MANY_ROWS has the figures), which is what the library takes from there.
+constexpr int64_t kGemmRows = 384;
+constexpr int64_t kFloatGemmRows = 64;
+template <typename W>
+constexpr int64_t GemmRows() { return std::is_same<W, float>::value ? kFloatGemmRows : kGemmRows; }
 constexpr int64_t kChunk = 2048;  // a multiple of the panel width
 
 // wide = w * scale for output channels [n0, n0 + c): [K, c] from w [K, N] in any panel layout, or [c, K]
@@ -449,7 +479,7 @@ void Gemm(const Problem<float>& p, bool transpose_w, float* /*wide*/, const Thre
   y.device(threads.device) = x.contract(w, dims);
 }
 
-// Float32 weights in the plain [K, N] layout, kPackedRows to kGemmRows rows of x (more than a decode step): a
+// Float32 weights in the plain [K, N] layout, kPackedRows to kFloatGemmRows rows of x (more than a decode step): a
 // unit of work is a segment of output channels, kSegment wide (half that below 2048 channels, so that 768 makes
 // six units for the threads), taken kChunkRows rows of w at a time. The chunk is first copied into this thread's
 // buffer as panels [panel][k][kPanel], read in runs of the segment's width, each asking for the run kChunkRows
@@ -728,7 +758,7 @@ int64_t Temporary(const Problem<W>& p, bool transpose_w, const Threads& threads)
 }
 
 // The whole product, by tiles (blocks of output channels split over the threads), by bands (float32 [K, N],
-// few rows) or, from kGemmRows rows, by Gemm, each with its Temporary.
+// few rows) or, from GemmRows rows, by Gemm, each with its Temporary.
 template <typename W>
 void Multiply(const Problem<W>& p, bool transpose_w, float* temporary, const Threads& threads) {
   if (p.M == 0 || p.N == 0) return;
@@ -736,7 +766,7 @@ void Multiply(const Problem<W>& p, bool transpose_w, float* temporary, const Thr
     std::fill(p.y, p.y + p.M * p.N, 0.0f);
     return;
   }
-  if (p.M >= kGemmRows) {
+  if (p.M >= GemmRows<W>()) {
     Gemm(p, transpose_w, temporary, threads);
     return;
   }
