@@ -27,7 +27,7 @@ and multiplied. Both sum in float32; they agree to float32 rounding (the tests c
 The same library multiplies float32 weights in their plain layout over few rows
 (float_matmul): XLA's float32 dots over 1-16 rows (a decode step at batch 1-16)
 run below the machine's bounds, and the kernel's products take less time:
-the block products at 1-16 rows, the tied logits at 1-8 (few_rows says where it
+the block products and the tied logits at 1-16 rows (few_rows says where it
 is the default, by CPU).
 A decode step's attention (one query a row) over a float32 cache also takes it
 (cached_attention): XLA copies each layer's keys and values out of the cache
@@ -103,6 +103,10 @@ DEQUANTIZED_ROWS = 8192  # rows of wte [n_vocab, n_embd] a dequantized copy hold
 # On an Intel Xeon with AMX (AVX-512), XLA's dots chained as in a step took 49-55 ms at 8-16 rows, the bands
 # 26-35 (0.52-0.64x), and greedy calls at batch 1-8 0.61-0.66x XLA's time: the block products take the bands at
 # 12-16 rows on AVX-512 too (level in whole calls on the Zen 4).
+# Since wte's tiles ask for its rows far ahead (matmul.cc's kFarChannels), the tied logits take the kernel at
+# 9-16 rows too: on the Zen 4 it took 0.51x, 0.60x and 0.70x XLA's time at 9, 12 and 16 rows, with AVX2's code
+# 0.77-0.80x and 0.89-0.93x at 12 and 16; whole greedy calls at batch 16 0.71-0.76x the time (AVX2's code 0.77-0.81x),
+# the tiles' other gains included (BENCHMARKS.md, Far lines).
 FEW_ROWS = {'avx2': {False: range(1, 17), True: range(1, 17)},
             'avx512': {False: range(1, 17), True: range(1, 17)}}
 
