@@ -16,10 +16,10 @@ a block's int8 products by the kernel (its tiles, from kernels.MANY_ROWS[False] 
 its GEMM), by TensorFlow's float32 product over the dequantized matrix and by the default
 (kernels.MANY_ROWS), at 16 to 1024 rows; wte's product by the kernel's tiles and over its
 dequantized copy (kernels.DEQUANTIZED_ROWS rows at a time), in a tf.function and under XLA,
-at 64 to 384 rows; then the float32 and int8 forward passes at B1 T1024 and B8 T128. perplexity: a small model (2 blocks
-of 128, GPT-2's vocabulary, random start) fine-tuned for --minutes with finetune on
-Python's own standard library sources (sorted files; every tenth held out, half of
-those for the validation loss, half for scoring), then the held-out perplexity
+at 64 to 384 rows; then the float32 and int8 forward passes at B1 T1024 and B8 T128.
+perplexity: a small model (2 blocks of 128, GPT-2's vocabulary, random start) fine-tuned
+for --minutes with finetune on Python's own standard library sources (sorted files; every
+tenth held out, half of those for the validation loss, half for scoring), then the held-out perplexity
 (gpt2_tf.scoring.perplexity) of the run with float32 and with int8 weights.
 """
 

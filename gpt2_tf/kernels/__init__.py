@@ -74,9 +74,9 @@ _local = threading.local()  # on this thread: .off inside tensorflow_ops(), .att
 # (transpose_w): a block matrix ([K, N] in panels) whole (at most 41 MB, for 1558M's c_fc), wte
 # DEQUANTIZED_ROWS rows at a time (its whole copy would be 154-322 MB). Below, the kernel's tiles (which ask for
 # the weights' lines far ahead into L2): three 124M block products took 0.84-0.87x the dequantized copy's time at
-# 64-128 rows, 0.94x at 256 and level at 384 (AVX2's code 0.72-0.85x at 64-256, 1.05x at 384; 1.02-1.10x from
-# 512 on), and wte's 124M product 0.63-0.84x at 64 rows, level at 128 and 1.13-1.16x at 256-384 (Zen 4;
-# bench/bench_int8.py --sections rows; wte, the best of 5 in a tf.function and under XLA). So a decode step at
+# 64-128 rows, 0.94x at 256 and level at 384 (AVX2's code 0.72-0.85x at 64-256, 1.05x at 384; 1.02-1.25x from
+# 512 on), and wte's 124M product 0.63-0.84x at 64 rows, 0.84-1.02x at 128, 0.99-1.17x at 256 and 1.02-1.48x at
+# 384 (Zen 4, two runs; bench/bench_int8.py --sections rows, in a tf.function and under XLA). So a decode step at
 # batch 1-16 and a batch's prompt below 384 tokens in all keep to the int8 bytes. (Before the far lines, the
 # tiles' Eigen GEMM path lost to the copy from 64 rows on; 1024 rows of the 124M logits took 294-298 ms so,
 # 814-830 in the kernel on an Intel Xeon with oneDNN's product.)
@@ -105,8 +105,8 @@ DEQUANTIZED_ROWS = 8192  # rows of wte [n_vocab, n_embd] a dequantized copy hold
 # 12-16 rows on AVX-512 too (level in whole calls on the Zen 4).
 # Since wte's tiles ask for its rows far ahead (matmul.cc's kFarChannels), the tied logits take the kernel at
 # 9-16 rows too: on the Zen 4 it took 0.51x, 0.60x and 0.70x XLA's time at 9, 12 and 16 rows, with AVX2's code
-# 0.77-0.80x and 0.89-0.93x at 12 and 16; whole greedy calls at batch 16 0.71-0.76x the time (AVX2's code 0.77-0.81x),
-# the tiles' other gains included (BENCHMARKS.md, Far lines).
+# 0.77-0.80x and 0.89-0.93x at 12 and 16; whole greedy calls at batch 16 0.71-0.76x the time (AVX2's code
+# 0.77-0.81x), the tiles' other gains included (BENCHMARKS.md, Far lines).
 FEW_ROWS = {'avx2': {False: range(1, 17), True: range(1, 17)},
             'avx512': {False: range(1, 17), True: range(1, 17)}}
 

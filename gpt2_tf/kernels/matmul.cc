@@ -188,8 +188,8 @@ constexpr int64_t kRowsAhead = 32;
 // (ColumnWidth), took 0.70-0.76x the time at 2 rows, 0.82-0.92x at 4, 0.88-0.89x at 8 and level at 1 and 16
 // (AVX2's code 0.59-0.66x, 0.67-0.75x, 0.80-0.89x, 0.82-1.01x); the int8 logits 0.54x at 2 rows, 0.69x at 4,
 // 0.81x at 8, 0.86x at 16 (AVX2's code 0.51-0.57x, 0.83-0.97x, 0.87x, 0.95x), and the float32 logits 0.75x and
-// 0.73x at 4 and 8 rows (AVX2's code, two rounds: 0.51-0.57x and 0.60-0.62x, 0.80x at 16). Either change alone (the far lines with 64-channel
-// units, or the units alone) left 8 rows level.
+// 0.73x at 4 and 8 rows (AVX2's code, two rounds: 0.51-0.57x and 0.60-0.62x, 0.80x at 16). Either change alone
+// (the far lines with 64-channel units, or the units alone) left 8 rows level.
 constexpr int64_t kFarRows = 128;
 constexpr int64_t kFarChannels = 8;
 template <typename W>
