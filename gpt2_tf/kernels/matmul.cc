@@ -658,7 +658,7 @@ void Band(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
       for (int64_t n = 0; n < N; ++n) y[r * N + n] += p.x[r * p.K + k] * p.w[k * N + n];
 }
 
-// Band<R> for R = p.M, from 1 to Max rows.
+// Band<R> for R = p.M, from 1 to Max rows (below kTiledRows: TiledBand takes the rest).
 template <int Max>
 void BandOf(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
   if constexpr (Max > 1) {
@@ -738,7 +738,7 @@ void Bands(const Problem<float>& p, float* sums, const Threads& threads) {
       if (p.M >= kTiledRows) {
         TiledBand(p, k0, k1, y);
       } else {
-        BandOf<kPackedRows - 1>(p, k0, k1, y);
+        BandOf<kTiledRows - 1>(p, k0, k1, y);
       }
     }
   });
