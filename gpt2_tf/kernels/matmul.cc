@@ -129,8 +129,10 @@ inline Vec Widen(const float* p) { return Load(p); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 constexpr int kVectors = 4;  // a tile: up to 6 rows x 4 vectors of output channels, 24 of the 32 registers
 constexpr int kMaxRows = 6;
-constexpr int kHalfRows = 12;  // from 7 rows on, tiles of up to 12 rows x 2 vectors (24 registers)
-constexpr int kRowChannels = 4;  // [N, K] layout, from 2 rows on: 4 channels x up to 6 rows (24 registers)
+constexpr int kTallRows = 8;  // from 7 rows on, tiles of up to 8 rows x 1 vector (8 sums)
+constexpr int kTallVectors = 1;
+constexpr int kRowChannels = 2;  // [N, K] layout, from 2 rows on: 2 channels x up to 8 rows (16 registers)
+constexpr int kRowRows = 8;
 constexpr int kRowVectors = 8;  // one row of x: a tile of 8 vectors, a whole int8 panel's row a k (16 registers)
 #elif defined(__AVX2__)
 constexpr int kLanes = 8;
@@ -151,8 +153,10 @@ inline float Sum(Vec v) {
 }
 constexpr int kVectors = 4;  // up to 2 rows x 4 vectors: 8 of the 16 registers, 4 sums in flight at 1 row
 constexpr int kMaxRows = 2;
-constexpr int kHalfRows = 4;  // from 3 rows on, tiles of up to 4 rows x 2 vectors (8 registers)
+constexpr int kTallRows = 4;  // from 3 rows on, tiles of up to 4 rows x 2 vectors (8 registers)
+constexpr int kTallVectors = 2;
 constexpr int kRowChannels = 2;  // [N, K] layout, from 2 rows on: 2 channels x up to 4 rows (8 registers)
+constexpr int kRowRows = 4;
 // One row of x: a tile of 16 vectors, a whole int8 panel's row a k, its sums in all 16 registers (the compiler
 // spills what else it needs). In AVX2's code on an Intel Xeon the 48 block products of a step took 3.5-3.7 ms so,
 // 3.7-3.9 with 8 vectors and 4.9-5.9 with 4 (every fourth 32-byte run of the panel's stream a tile).
@@ -170,8 +174,10 @@ inline Vec Widen(const float* p) { return *p; }
 inline float Sum(Vec v) { return v; }
 constexpr int kVectors = 8;
 constexpr int kMaxRows = 4;
-constexpr int kHalfRows = kMaxRows;
+constexpr int kTallRows = kMaxRows;
+constexpr int kTallVectors = kVectors;
 constexpr int kRowChannels = 1;
+constexpr int kRowRows = kMaxRows;
 constexpr int kRowVectors = kVectors;
 #endif
 
@@ -282,22 +288,26 @@ struct PanelTile {
   static void Run(const Problem<W>& p, int64_t m0, int64_t n0) { Tile<R, V>(p, m0, n0); }
 };
 
-// The last rows of x - fewer than a whole tile's, known at run time - as one tile T<rows, C>::Run(args...).
+// One tile of `rows` rows of x (1 to R, known at run time) as T<rows, C>::Run(args...).
 template <template <int, int> class T, int R, int C, typename... Args>
-void LastRows(int64_t rows, const Args&... args) {
+void ByRows(int64_t rows, const Args&... args) {
   if (rows == R) {
     T<R, C>::Run(args...);
   } else if constexpr (R > 1) {
-    LastRows<T, R - 1, C>(rows, args...);
+    ByRows<T, R - 1, C>(rows, args...);
   }
 }
 
-// Every row of x for the C-wide channel group at n0, Rows rows a tile.
+// Every row of x for the C-wide channel group at n0, in the fewest tiles of at most Rows rows, as even as they
+// go (9 rows in tiles of 8: 5 and 4, not 8 and 1, whose few sums would wait on the multiply-add's latency).
 template <template <int, int> class T, int C, int Rows = kMaxRows, typename W>
 void AllRows(const Problem<W>& p, int64_t n0) {
-  int64_t m = 0;
-  for (; m + Rows <= p.M; m += Rows) T<Rows, C>::Run(p, m, n0);
-  if (m < p.M) LastRows<T, Rows - 1, C>(p.M - m, p, m, n0);
+  const int64_t tiles = (p.M + Rows - 1) / Rows, rows = p.M / tiles, longer = p.M % tiles;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t r = rows + (t < longer);
+    ByRows<T, Rows, C>(r, p, m, n0);
+    m += r;
+  }
 }
 
 // Output channels a unit of the panel layout: kRowWidth (a whole 128-channel panel, so that one thread reads
@@ -315,10 +325,9 @@ int64_t ColumnWidth(const Problem<W>& p) {
 // The kBlock output channels at n0, inside one panel, for every row of x.
 template <typename W>
 void Block(const Problem<W>& p, int64_t n0) {
-  if constexpr (kHalfRows > kMaxRows) {
-    if (p.M > kMaxRows) {  // two half-width passes: each vector of weights widened once per kHalfRows rows
-      AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0);
-      AllRows<PanelTile, kVectors / 2, kHalfRows>(p, n0 + kBlock / 2);
+  if constexpr (kTallRows > kMaxRows) {
+    if (p.M > kMaxRows) {  // narrower passes: each vector of weights widened once per kTallRows rows
+      for (int v = 0; v < kVectors; v += kTallVectors) AllRows<PanelTile, kTallVectors, kTallRows>(p, n0 + v * kLanes);
       return;
     }
   }
@@ -405,7 +414,7 @@ template <typename W>
 void Channels(const Problem<W>& p, int64_t b) {
   const int64_t n0 = b * kRowChannels, n1 = std::min(p.N, n0 + kRowChannels);
   if (n1 - n0 == kRowChannels && p.M > 1) {
-    AllRows<RowsTile, kRowChannels>(p, n0);
+    AllRows<RowsTile, kRowChannels, kRowRows>(p, n0);
   } else {
     for (int64_t n = n0; n < n1; ++n) AllRows<RowsTile, 1>(p, n);
   }
@@ -582,7 +591,7 @@ void PackedSegment(const Problem<float>& p, int64_t n0, int64_t n1) {
     }
     for (int64_t t = 0; t < panels; ++t)
       for (int64_t m = 0; m < p.M; m += kPanelRows)
-        LastRows<ChunkTile, kPanelRows, kPanelVectors>(std::min<int64_t>(kPanelRows, p.M - m), p.x + m * p.K + k0,
+        ByRows<ChunkTile, kPanelRows, kPanelVectors>(std::min<int64_t>(kPanelRows, p.M - m), p.x + m * p.K + k0,
                                                        p.K, &buffer[t * kc * kPanel], kc,
                                                        p.y + m * p.N + n0 + t * kPanel, p.N, k0 > 0);
     for (int64_t m = 0; m < p.M; ++m) SegmentRows<1>(p, m, tail, n1, k0, k0 + kc);
@@ -712,7 +721,7 @@ void TiledBand(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
     for (int64_t n = 0; n < wide; n += kTileWidth) {
       for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
         const int64_t rows = (M - r0) / (tiles - t);
-        LastRows<RegisterTiles, kTileRows, kTileVectors>(rows, p, r0, n, kc, ke, y, kc > k0, t == 0);
+        ByRows<RegisterTiles, kTileRows, kTileVectors>(rows, p, r0, n, kc, ke, y, kc > k0, t == 0);
         r0 += rows;
       }
     }
