@@ -322,7 +322,13 @@ int64_t ColumnWidth(const Problem<W>& p) {
   return p.panel % kRowWidth == 0 ? kRowWidth : kBlock;
 }
 
-// The kBlock output channels at n0, inside one panel, for every row of x.
+// The kBlock output channels at n0, inside one panel, for every row of x. With AVX-512, from 7 rows on, a pass
+// of one vector of channels a tile (8 sums, each widened weight met by 8 rows) rather than 2 vectors x 12 rows:
+// on one core of a Zen 4, over copies of c_attn's and mlp's c_proj's weights (so that they come from memory), 8
+// rows took 0.79-0.85x the time and 32-256 rows 0.86-0.89x. The 48 block products chained as in a step
+// (bench/bench_products.py --dtypes int8 --parts chained, alternating): 0.80-0.93x the time at 16 rows, 0.96x at
+// 12, 0.93-1.04x at 8, 1.02-1.07x at 9. AVX2's 16 registers keep 4 x 2 (8 x 1, 4 x 3 and 6 + 2 rows were level
+// or slower on that core).
 template <typename W>
 void Block(const Problem<W>& p, int64_t n0) {
   if constexpr (kTallRows > kMaxRows) {
@@ -409,7 +415,10 @@ struct RowsTile {
 // Output channels [b * kRowChannels, ...) of the [N, K] layout, for every row of x. One row of x takes one
 // channel at a time (one stream of weights, see Prefetch); more rows take kRowChannels at once, so that each
 // vector of x loaded serves that many channels (one at a time, 16 rows of 768 took 4.3x the time of 8: x's
-// rows came from L2 once they outgrew L1).
+// rows came from L2 once they outgrew L1). Tiles of 2 channels x up to kRowRows rows (AVX-512 8, AVX2 4) rather
+// than 4 x 6 and 2 x 2: wte's products chained (bench_products.py --parts logits, alternating, Zen 4) took 0.90-0.98x
+// the time at 8 rows and 0.89-0.95x at 16 with AVX-512, 0.75-0.77x at 4-8, 0.74x at 12 and 0.70-0.77x at 16 in
+// AVX2's code, level at 2 rows; 12 and 6 rows a tile were level or slower.
 template <typename W>
 void Channels(const Problem<W>& p, int64_t b) {
   const int64_t n0 = b * kRowChannels, n1 = std::min(p.N, n0 + kRowChannels);
