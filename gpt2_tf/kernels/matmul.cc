@@ -418,7 +418,8 @@ struct RowsTile {
 // rows came from L2 once they outgrew L1). Tiles of 2 channels x up to kRowRows rows (AVX-512 8, AVX2 4) rather
 // than 4 x 6 and 2 x 2: wte's products chained (bench_products.py --parts logits, alternating, Zen 4) took 0.90-0.98x
 // the time at 8 rows and 0.89-0.95x at 16 with AVX-512, 0.75-0.77x at 4-8, 0.74x at 12 and 0.70-0.77x at 16 in
-// AVX2's code, level at 2 rows; 12 and 6 rows a tile were level or slower.
+// AVX2's code, level at 2 rows; 12 and 6 rows a tile were level or slower. float32's tied logits, on the same
+// tiles: level at 8 and 16 rows with AVX-512 (1.02-1.07x at 12), 0.78-0.86x at 8-16 rows in AVX2's code.
 template <typename W>
 void Channels(const Problem<W>& p, int64_t b) {
   const int64_t n0 = b * kRowChannels, n1 = std::min(p.N, n0 + kRowChannels);
