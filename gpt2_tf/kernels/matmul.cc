@@ -327,8 +327,8 @@ int64_t ColumnWidth(const Problem<W>& p) {
 // in a one-off harness on one core of a Zen 4, over copies of c_attn's and mlp's c_proj's weights (so that they
 // come from memory), 8 rows took 0.79-0.85x the time and 32-256 rows 0.86-0.89x. The 48 block products chained
 // as in a step (bench/bench_products.py --dtypes int8 --parts chained, alternating): 0.80-0.93x the time at 16
-// rows, 0.96x at 12, 0.93-1.04x at 8, 1.02-1.07x at 9. AVX2's 16 registers keep 4 x 2 (8 x 1, 4 x 3 and 6 + 2
-// rows were level or slower on that core).
+// rows, 0.96x at 12, 0.93-1.04x at 8, 1.02-1.07x at 9. AVX2's 16 registers keep 4 x 2 (4 x 3 within 10% either
+// way, 8 x 1 and 6 + 2 rows level or slower on that core).
 template <typename W>
 void Block(const Problem<W>& p, int64_t n0) {
   if constexpr (kTallRows > kMaxRows) {
