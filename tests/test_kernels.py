@@ -21,7 +21,7 @@ from support import attention64, with_gradients
 SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 96, 1000, True),
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
           (11, 768, 1001, True), (16, 80, 64, False),
-          # rows split evenly over a group's tiles: AVX-512 8 + 7 and 5 + 4, AVX2 4 + 4 + 4 + 3 and 3 + 3 + 3
+          # rows split evenly over a group's tiles: AVX-512 7 + 8 and 4 + 5, AVX2 3 + 4 + 4 + 4 and 3 + 3 + 3
           (15, 200, 384, False), (9, 64, 256, False), (9, 64, 300, True), (2, 40, 130, True),
           (1, 64, 200, False),  # one row, channels not a whole number of its 128-channel tiles
           (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True),  # the tiles at many rows

@@ -298,16 +298,22 @@ void ByRows(int64_t rows, const Args&... args) {
   }
 }
 
-// Every row of x for the C-wide channel group at n0, in the fewest tiles of at most Rows rows, as even as they
-// go (9 rows in tiles of 8: 5 and 4, not 8 and 1, whose few sums would wait on the multiply-add's latency).
+// Rows [0, M) in the fewest tiles of at most Rows rows, as even as they go (9 rows in tiles of 8: 4 and 5, not 8
+// and 1, whose few sums would wait on the multiply-add's latency): tile(t, first row, rows) for each in turn.
+template <int Rows, typename Fn>
+void EvenTiles(int64_t M, const Fn& tile) {
+  const int64_t tiles = (M + Rows - 1) / Rows;
+  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+    const int64_t rows = (M - r0) / (tiles - t);
+    tile(t, r0, rows);
+    r0 += rows;
+  }
+}
+
+// Every row of x for the C-wide channel group at n0, in tiles of at most Rows rows.
 template <template <int, int> class T, int C, int Rows = kMaxRows, typename W>
 void AllRows(const Problem<W>& p, int64_t n0) {
-  const int64_t tiles = (p.M + Rows - 1) / Rows, rows = p.M / tiles, longer = p.M % tiles;
-  for (int64_t t = 0, m = 0; t < tiles; ++t) {
-    const int64_t r = rows + (t < longer);
-    ByRows<T, Rows, C>(r, p, m, n0);
-    m += r;
-  }
+  EvenTiles<Rows>(p.M, [&](int64_t, int64_t m, int64_t rows) { ByRows<T, Rows, C>(rows, p, m, n0); });
 }
 
 // Output channels a unit of the panel layout: kRowWidth (a whole 128-channel panel, so that one thread reads
@@ -602,8 +608,8 @@ void PackedSegment(const Problem<float>& p, int64_t n0, int64_t n1) {
     for (int64_t t = 0; t < panels; ++t)
       for (int64_t m = 0; m < p.M; m += kPanelRows)
         ByRows<ChunkTile, kPanelRows, kPanelVectors>(std::min<int64_t>(kPanelRows, p.M - m), p.x + m * p.K + k0,
-                                                       p.K, &buffer[t * kc * kPanel], kc,
-                                                       p.y + m * p.N + n0 + t * kPanel, p.N, k0 > 0);
+                                                     p.K, &buffer[t * kc * kPanel], kc,
+                                                     p.y + m * p.N + n0 + t * kPanel, p.N, k0 > 0);
     for (int64_t m = 0; m < p.M; ++m) SegmentRows<1>(p, m, tail, n1, k0, k0 + kc);
   }
 }
@@ -724,16 +730,13 @@ struct RegisterTiles {
 // y[0:M, :] = x[0:M, k0:k1] w[k0:k1, :], the rows split evenly into tiles of at most kTileRows.
 void TiledBand(const Problem<float>& p, int64_t k0, int64_t k1, float* y) {
   const int64_t N = p.N, M = p.M, wide = N / kTileWidth * kTileWidth;
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   if (wide < N) std::fill(y, y + M * N, 0.0f);  // the tail's sums start at 0; the tiles' first chunk writes theirs
   for (int64_t kc = k0; kc < k1; kc += kTileK) {
     const int64_t ke = std::min(k1, kc + kTileK);
     for (int64_t n = 0; n < wide; n += kTileWidth) {
-      for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-        const int64_t rows = (M - r0) / (tiles - t);
+      EvenTiles<kTileRows>(M, [&](int64_t t, int64_t r0, int64_t rows) {
         ByRows<RegisterTiles, kTileRows, kTileVectors>(rows, p, r0, n, kc, ke, y, kc > k0, t == 0);
-        r0 += rows;
-      }
+      });
     }
     for (int64_t n = wide; n < N; ++n)  // channels past the last tile
       for (int64_t r = 0; r < M; ++r)
