@@ -22,7 +22,8 @@ SHAPES = [(1, 768, 2304, False), (3, 64, 200, False), (8, 300, 77, False), (5, 9
           (1, 768, 5000, True), (17, 100, 130, False), (6, 33, 17, True), (16, 768, 3072, False),
           (11, 768, 1001, True), (16, 80, 64, False),
           # rows split evenly over a group's tiles: AVX-512 7 + 8 and 4 + 5, AVX2 3 + 4 + 4 + 4 and 3 + 3 + 3
-          (15, 200, 384, False), (9, 64, 256, False), (9, 64, 300, True), (2, 40, 130, True),
+          (15, 200, 384, False), (9, 64, 256, False), (9, 64, 300, True),
+          (2, 40, 130, True),  # wte's tile of two rows
           (1, 64, 200, False),  # one row, channels not a whole number of its 128-channel tiles
           (16, 48, 50, True), (64, 96, 2500, False), (70, 40, 4100, True),  # the tiles at many rows
           (384, 96, 2500, False), (390, 40, 4100, True),  # enough rows for the GEMM, over more than one chunk
@@ -99,7 +100,8 @@ def panels(w: np.ndarray, width: int) -> np.ndarray:
 @pytest.mark.parametrize('where', WHERE)
 @pytest.mark.parametrize('m, k, n, width', [(1, 768, 2304, 128), (7, 64, 384, 128), (13, 33, 256, 128),
                                             (2, 40, 96, 32), (9, 768, 3072, 128), (80, 64, 2560, 128),
-                                            (8, 768, 2304, 128), (19, 96, 512, 128),  # half-width tiles
+                                            (8, 768, 2304, 128), (19, 96, 512, 128),  # tall tiles: 8, 6 + 6 + 7
+                                            # (AVX2 4 + 4, 3 + 4 + 4 + 4 + 4)
                                             (1, 40, 96, 32),  # one row, panels narrower than its 128-channel tiles
                                             (1, 40, 512, 256), (3, 40, 512, 256)])  # two 128-channel units a panel
 def test_packed_product_equals_the_float64_product(m, k, n, width, where):
@@ -121,6 +123,7 @@ FLOAT_SHAPES = [(1, 768, 2304, False), (2, 768, 768, False), (3, 768, 3072, Fals
                 (19, 33, 300, False),  # the last segment 44: 2 panels, then a vector and 4 channels; rows 6 + 6 + 6 + 1
                 (9, 17, 13, False), (70, 64, 200, False),  # fewer channels than a vector; Eigen's GEMM
                 (8, 768, 5000, True), (3, 33, 17, True), (70, 40, 300, True),  # wte's layout
+                (11, 64, 300, True),  # wte's rows split evenly: AVX-512 5 + 6, AVX2 3 + 4 + 4
                 (17, 0, 8, False), (70, 0, 8, True), (2, 0, 8, False)]  # an empty sum (k = 0): zeros
 
 

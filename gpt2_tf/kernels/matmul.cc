@@ -337,6 +337,7 @@ int64_t ColumnWidth(const Problem<W>& p) {
 // way, 8 x 1 and 6 + 2 rows level or slower on that core).
 template <typename W>
 void Block(const Problem<W>& p, int64_t n0) {
+  static_assert(kVectors % kTallVectors == 0, "the narrower passes cover a tile's vectors exactly");
   if constexpr (kTallRows > kMaxRows) {
     if (p.M > kMaxRows) {  // narrower passes: each vector of weights widened once per kTallRows rows
       for (int v = 0; v < kVectors; v += kTallVectors) AllRows<PanelTile, kTallVectors, kTallRows>(p, n0 + v * kLanes);
